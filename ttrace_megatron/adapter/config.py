@@ -1,0 +1,139 @@
+"""Recipe sections -> megatron-core's own config dataclasses, with unknown keys named."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Dict
+
+import torch
+
+from ..errors import RecipeError
+from ..recipe import Recipe
+
+# GPTModel constructor arguments (not TransformerConfig fields) a recipe may set under `model:`.
+GPT_MODEL_KEYS = {
+    "position_embedding_type": "rope",
+    "share_embeddings_and_output_weights": False,
+    "rotary_percent": 1.0,
+    "rotary_base": 10000,
+    # megatron.training pads the vocabulary to a multiple of this times TP
+    "make_vocab_size_divisible_by": 128,
+}
+
+# Parallel settings live in `parallel:`, never in `model:`.
+_PARALLEL_FIELDS = None
+
+
+def _fields(cls) -> Dict[str, dataclasses.Field]:
+    return {f.name: f for f in dataclasses.fields(cls)}
+
+
+def parallel_fields():
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    return _fields(ModelParallelConfig)
+
+
+def validate_recipe(recipe: Recipe) -> None:
+    """Check the megatron sections of a recipe; raise RecipeError naming the first bad key."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    where = recipe.source
+    tc = _fields(TransformerConfig)
+    pc = parallel_fields()
+    for key in recipe.model:
+        if key in pc and key not in ("params_dtype",):
+            raise RecipeError(f"{where}: model: '{key}' is a parallel setting; put it under 'parallel:'")
+        if key not in tc and key not in GPT_MODEL_KEYS:
+            raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field "
+                              f"nor one of {sorted(GPT_MODEL_KEYS)})")
+    for key in recipe.parallel:
+        if key not in pc:
+            raise RecipeError(f"{where}: parallel: unknown key '{key}' (not a ModelParallelConfig field)")
+    for key in recipe.optimizer:
+        if key not in _fields(OptimizerConfig):
+            raise RecipeError(f"{where}: optimizer: unknown key '{key}' (not an OptimizerConfig field)")
+    for key in ("hidden_dropout", "attention_dropout"):
+        if recipe.model.get(key, 0.0) != 0.0:
+            raise RecipeError(f"{where}: model: '{key}' must be 0: dropout makes runs incomparable")
+    sizes = parallel_sizes(recipe.parallel)
+    model_parallel = sizes["tp"] * sizes["pp"] * sizes["cp"]
+    if recipe.world_size % model_parallel:
+        raise RecipeError(f"{where}: world_size {recipe.world_size} is not a multiple of TP×PP×CP = {model_parallel}")
+    dp = recipe.world_size // model_parallel
+    if recipe.data.global_batch_size % (recipe.data.micro_batch_size * dp):
+        raise RecipeError(f"{where}: data: global_batch_size must be a multiple of micro_batch_size × DP "
+                          f"({recipe.data.micro_batch_size} × {dp})")
+    if recipe.dtype == "fp8":
+        raise RecipeError(f"{where}: dtype fp8 is not supported yet (FP8 emulation is issue #3)")
+    unsupported = {"pp": "pipeline parallelism", "cp": "context parallelism", "ep": "expert parallelism"}
+    for axis, what in unsupported.items():
+        if sizes[axis] > 1:
+            raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
+    if recipe.model.get("num_moe_experts"):
+        raise RecipeError(f"{where}: model: MoE (num_moe_experts) is not supported by this version of ttrace")
+
+
+def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
+    return {
+        "tp": int(parallel.get("tensor_model_parallel_size", 1)),
+        "pp": int(parallel.get("pipeline_model_parallel_size", 1)),
+        "cp": int(parallel.get("context_parallel_size", 1)),
+        "ep": int(parallel.get("expert_model_parallel_size", 1)),
+    }
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[dtype]
+
+
+def padded_vocab_size(recipe: Recipe) -> int:
+    """The vocabulary as megatron.training pads it for the candidate's TP size.
+
+    The reference uses the same padded size: logits over padding take part in the softmax, so a
+    reference padded differently would be a different model.
+    """
+    divisible_by = int(recipe.model.get("make_vocab_size_divisible_by", GPT_MODEL_KEYS["make_vocab_size_divisible_by"]))
+    multiple = divisible_by * parallel_sizes(recipe.parallel)["tp"]
+    return int(math.ceil(recipe.data.vocab_size / multiple) * multiple)
+
+
+def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
+    """TransformerConfig for a run with the given parallel settings (candidate or reference)."""
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    dtype = torch_dtype(recipe.dtype)
+    kwargs = {k: v for k, v in recipe.model.items() if k not in GPT_MODEL_KEYS}
+    kwargs.setdefault("hidden_dropout", 0.0)
+    kwargs.setdefault("attention_dropout", 0.0)
+    kwargs.update(parallel)
+    kwargs.update(
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=recipe.dtype in ("bf16", "fp8"),
+    )
+    try:
+        return TransformerConfig(**kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise RecipeError(f"{recipe.source}: megatron-core rejects the model/parallel config: {e}") from None
+
+
+def optimizer_config(recipe: Recipe):
+    from megatron.core.optimizer import OptimizerConfig
+
+    kwargs = dict(recipe.optimizer)
+    kwargs.setdefault("optimizer", "sgd")
+    kwargs.setdefault("lr", 1e-2)
+    kwargs.update(bf16=recipe.dtype in ("bf16", "fp8"), params_dtype=torch_dtype(recipe.dtype))
+    try:
+        return OptimizerConfig(**kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise RecipeError(f"{recipe.source}: megatron-core rejects the optimizer config: {e}") from None
+
+
+def gpt_model_kwargs(recipe: Recipe) -> Dict[str, Any]:
+    out = {k: recipe.model.get(k, v) for k, v in GPT_MODEL_KEYS.items() if k != "make_vocab_size_divisible_by"}
+    return out

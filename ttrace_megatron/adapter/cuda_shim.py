@@ -1,0 +1,160 @@
+"""The one place where megatron-core is taught to run without CUDA.
+
+megatron-core 0.16.1 assumes a GPU in a handful of places even on its "CPU initialization" path:
+allocations on ``torch.cuda.current_device()``, ``device="cuda"`` literals in the schedules,
+optimizers and grad clipping, ``Tensor.cuda()`` on the tied output weight, CUDA RNG states for the
+model-parallel RNG tracker, and optimizers that accept parameters only when ``param.type()`` names
+a ``torch.cuda.*Tensor``. This module maps all of those to the CPU, for the whole process, so that
+the real megatron-core code paths (not re-implementations of them) run under gloo in tests and in
+the CPU demo.
+
+Nothing here is used on a machine with a GPU: :func:`install` is called only by the CPU launcher.
+Every shim is listed in :data:`SHIMS` so a reader can audit exactly what was changed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+SHIMS = (
+    "torch.cuda.current_device() -> 'cpu'",
+    "device='cuda' / 'cuda:N' in tensor factories and .to() -> cpu",
+    "Tensor.cuda() -> no-op",
+    "Tensor.type() (no arguments) -> 'torch.cuda.<T>Tensor' string, for optimizer type checks",
+    "torch.cuda.Stream / Event / stream / current_stream / default_stream / synchronize -> no-ops",
+    "model-parallel RNG tracker keeps CPU generator states",
+    "WrappedTorchNorm accepts sequence_parallel (as apex's FusedLayerNorm does) and tags its "
+    "params sequence_parallel=True so finalize_model_grads all-reduces their grads over TP",
+)
+
+_installed = False
+
+
+def _map_device(device):
+    if device is None:
+        return None
+    if isinstance(device, int):
+        return torch.device("cpu")
+    if isinstance(device, str) and device.startswith("cuda"):
+        return torch.device("cpu")
+    if isinstance(device, torch.device) and device.type == "cuda":
+        return torch.device("cpu")
+    return device
+
+
+class _CudaToCpuMode(TorchFunctionMode):
+    """Rewrites CUDA devices to CPU in every torch call made while the mode is active."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            if name.startswith("torch.") and not name.startswith("torch.cuda."):
+                return "torch.cuda." + name[len("torch."):]
+            return name
+        if "device" in kwargs:
+            kwargs["device"] = _map_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            first = args[1]
+            if isinstance(first, (str, torch.device)) or isinstance(first, int):
+                args = (args[0], _map_device(first)) + tuple(args[2:])
+        return func(*args, **kwargs)
+
+
+class _NullStream:
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def wait_stream(self, *args, **kwargs):
+        pass
+
+    def wait_event(self, *args, **kwargs):
+        pass
+
+    def record_event(self, *args, **kwargs):
+        return _NullEvent()
+
+    def synchronize(self):
+        pass
+
+
+class _NullEvent(_NullStream):
+    def record(self, *args, **kwargs):
+        pass
+
+    def query(self):
+        return True
+
+
+def _install_rng_tracker():
+    """Make megatron's model-parallel RNG tracker keep CPU generator states."""
+    from megatron.core.tensor_parallel import random as mp_random
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    mp_random._get_cuda_rng_state = get_state
+    mp_random._set_cuda_rng_state = set_state
+    torch.cuda.get_rng_state = lambda device="cuda": torch.get_rng_state()
+    torch.cuda.manual_seed = lambda seed: None
+    torch.cuda.manual_seed_all = lambda seed: None
+
+
+def _install_sequence_parallel_norm():
+    """Let the torch norm of the local spec run under sequence parallelism.
+
+    Without apex (a CUDA extension) the local spec falls back to ``WrappedTorchNorm``, which
+    refuses ``sequence_parallel``. A norm is per-token, so it is correct on a sequence shard; what
+    SP needs in addition is that its weight grads, partial sums over the local tokens, are summed
+    over TP. megatron does that for params tagged ``sequence_parallel`` (as FusedLayerNorm tags
+    them), so this builds the torch norm as usual and adds the tag.
+    """
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+    if getattr(original_new, "_ttrace_shim", False):
+        return
+
+    def new(cls, config, hidden_size, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, *args, **kwargs)
+        config.sequence_parallel = False
+        try:
+            norm = original_new(cls, config, hidden_size, *args, **kwargs)
+        finally:
+            config.sequence_parallel = True
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    new._ttrace_shim = True
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+def install() -> None:
+    """Apply every shim to this process. Idempotent."""
+    global _installed
+    if _installed:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("cuda_shim.install() is for CPU-only processes; this machine has CUDA")
+    torch.cuda.current_device = lambda: "cpu"
+    torch.cuda.Stream = _NullStream
+    torch.cuda.Event = _NullEvent
+    torch.cuda.current_stream = lambda *a, **k: _NullStream()
+    torch.cuda.default_stream = lambda *a, **k: _NullStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.empty_cache = lambda: None
+    _install_rng_tracker()
+    _install_sequence_parallel_norm()
+    _CudaToCpuMode().__enter__()
+    _installed = True

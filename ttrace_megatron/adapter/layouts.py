@@ -1,0 +1,210 @@
+"""Placement inference for megatron-core modules, parameters and activations.
+
+Every rule that maps a megatron-core tensor to the placement vocabulary of
+:mod:`ttrace_megatron.placement` lives here, for parameters (seed checkpoint, grads, main_grads,
+updated params) and activations (module inputs, outputs and their grads) alike.
+
+The rules come from the module types and their partition sizes, and are cross-checked against
+the partition attributes megatron tags on parameters (``tensor_model_parallel``,
+``partition_dim``, ``partition_stride``). Those tags are set only when ``perform_initialization``
+is on, so they are never trusted alone: a disagreement between the two is an error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Dict, Optional, Sequence, Tuple
+
+import torch
+
+from ..placement import Layout, Partial, Placement, Replicate, Shard
+
+TP = "tp"
+DP = "dp"
+
+_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class LayoutInferenceError(RuntimeError):
+    """megatron's partition attributes disagree with the module's partition sizes."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFacts:
+    """What placement inference needs to know about the model, beyond each module."""
+
+    num_layers: int
+    vocab_size: int  # logical (unpadded) vocabulary
+    sequence_parallel: bool
+    gated_linear_unit: bool
+    tp_size: int
+    hidden_size: int = 0
+    tokens_per_microbatch: int = 0  # micro_batch_size × seq_length
+    tokens_per_iteration: int = 0  # global_batch_size × seq_length
+
+
+def layer_depth(canonical_name: str, num_layers: int) -> int:
+    """1-based global layer of a module; 0 for the embedding, num_layers + 1 after the decoder."""
+    m = _LAYER_RE.match(canonical_name + ".")
+    if m:
+        return int(m.group(1)) + 1
+    if canonical_name.startswith("embedding"):
+        return 0
+    return num_layers + 1
+
+
+def _is_vocab_parallel(module_name: str) -> bool:
+    return module_name.endswith("word_embeddings") or module_name == "output_layer"
+
+
+def _column_stride(module_name: str, facts: ModelFacts) -> int:
+    return 2 if facts.gated_linear_unit and module_name.endswith("linear_fc1") else 1
+
+
+def _check_attr(param: torch.Tensor, name: str, expect_parallel: bool, dim: int, stride: int) -> None:
+    if not getattr(param, "tensor_model_parallel", False):
+        return  # untagged (e.g. --no-initialization) or replicated: the sizes decide, checked by caller
+    if not expect_parallel:
+        raise LayoutInferenceError(f"{name}: tagged tensor_model_parallel, but its module replicates it")
+    if getattr(param, "partition_dim", dim) != dim:
+        raise LayoutInferenceError(f"{name}: tagged partition_dim={param.partition_dim}, module splits dim {dim}")
+    if getattr(param, "partition_stride", stride) != stride:
+        raise LayoutInferenceError(f"{name}: tagged partition_stride={param.partition_stride}, "
+                                   f"module layout needs stride {stride}")
+
+
+def param_layout(module_name: str, param_name: str, module: torch.nn.Module, param: torch.Tensor,
+                 facts: ModelFacts, *, with_dp: bool = True, partial_sp_grad: bool = False) -> Layout:
+    """Layout of a parameter (or of its grad / main_grad: same shape, same split).
+
+    ``partial_sp_grad``: the layout of a per-microbatch grad, before ``finalize_model_grads``. The
+    grads of replicated parameters that see only this rank's sequence shard (tagged
+    ``sequence_parallel``) are then partial sums over TP.
+    ``with_dp``: parameters, main grads and updated parameters are replicas over DP.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding)
+
+    full_name = f"{module_name}.{param_name}" if module_name else param_name
+    tp = facts.tp_size
+    local = tuple(param.shape)
+    logical = list(local)
+    placements: Tuple[Placement, ...]
+    if isinstance(module, (ColumnParallelLinear, VocabParallelEmbedding)) or (
+            isinstance(module, RowParallelLinear) and param_name == "weight"):
+        if isinstance(module, RowParallelLinear):
+            dim, stride = 1, 1
+            expect_local = module.input_size_per_partition
+        elif isinstance(module, ColumnParallelLinear):
+            dim, stride = 0, _column_stride(module_name, facts)
+            expect_local = module.output_size_per_partition
+        else:
+            dim, stride = 0, 1
+            expect_local = module.num_embeddings_per_partition
+        if local[dim] != expect_local:
+            raise LayoutInferenceError(f"{full_name}: local shape {local} does not match the module's "
+                                       f"partition size {expect_local} on dim {dim}")
+        _check_attr(param, full_name, True, dim, stride)
+        logical[dim] = local[dim] * tp
+        if _is_vocab_parallel(module_name) and dim == 0:
+            logical[0] = facts.vocab_size
+        placements = (Shard(dim, TP, stride),)
+    else:
+        _check_attr(param, full_name, False, -1, 1)
+        sp_partial = partial_sp_grad and facts.sequence_parallel and sees_sequence_shard(module, param_name)
+        placements = (Partial(TP) if sp_partial else Replicate(TP),)
+    if with_dp:
+        placements = (Replicate(DP),) + placements
+    return Layout(placements, tuple(logical))
+
+
+def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:
+    """Under SP, is this replicated parameter applied to the rank's sequence shard only?
+
+    Then its per-microbatch grad is a partial sum over TP that ``finalize_model_grads`` must sum.
+    This is decided from the module's structure (norms outside TP regions, the bias a
+    RowParallelLinear adds after its reduce-scatter), not from megatron's ``sequence_parallel``
+    tag: a missing tag is exactly the bug that leaves those grads unsummed.
+    """
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    if isinstance(module, RowParallelLinear):
+        return param_name == "bias" and module.sequence_parallel
+    return isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or "Norm" in type(module).__name__
+
+
+def _scaled_logical(local: Sequence[int], placements: Sequence[Placement], sizes: Dict[str, int],
+                    vocab_dim_size: Optional[int] = None) -> Tuple[int, ...]:
+    shape = list(local)
+    for p in placements:
+        if isinstance(p, Shard):
+            shape[p.dim % len(shape)] *= sizes[p.axis]
+    if vocab_dim_size is not None:
+        shape[-1] = vocab_dim_size
+    return tuple(shape)
+
+
+def activation_layouts(module_name: str, module: torch.nn.Module, facts: ModelFacts,
+                       input_shape: Sequence[int], output_shape: Optional[Sequence[int]]
+                       ) -> Tuple[Layout, Optional[Layout]]:
+    """Layouts of a recorded module's first input and first output (their grads share them)."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding)
+
+    sizes = {TP: facts.tp_size}
+    out_permute = None
+    seq_sharded = (Shard(0, TP),)
+    replicated = (Replicate(TP),)
+    vocab = facts.vocab_size if _is_vocab_parallel(module_name) else None
+    if isinstance(module, ColumnParallelLinear):
+        in_pl = seq_sharded if module.sequence_parallel else replicated
+        out_pl = replicated if module.gather_output else (Shard(-1, TP, _column_stride(module_name, facts)),)
+    elif isinstance(module, RowParallelLinear):
+        in_pl = (Shard(-1, TP),)
+        out_pl = seq_sharded if module.sequence_parallel else replicated
+        vocab = None
+    elif isinstance(module, VocabParallelEmbedding):
+        in_pl = replicated
+        vocab = None
+        if module.reduce_scatter_embeddings:  # stored [s/tp, b, h]: already megatron's [s, b, h] order
+            out_pl = seq_sharded
+        else:  # stored [b, s, h]: logical order is [s, b, h] like every other activation
+            out_pl, out_permute = replicated, (1, 0, 2)
+    else:
+        in_pl = out_pl = replicated
+    in_layout = Layout(in_pl, _scaled_logical(input_shape, in_pl, sizes))
+    out_layout = None
+    if output_shape is not None:
+        stored = _scaled_logical(output_shape, out_pl, sizes, vocab)
+        logical = tuple(stored[d] for d in out_permute) if out_permute else stored
+        out_layout = Layout(out_pl, logical, out_permute)
+    return in_layout, out_layout
+
+
+def reduction_length(module_name: str, module: Optional[torch.nn.Module], tensor: str, facts: ModelFacts) -> int:
+    """K: the length of the reduction that produced a recorded tensor, for its tolerance.
+
+    Linear outputs reduce over input features (fprop) and input grads over output features
+    (dgrad); weight grads reduce over the microbatch's tokens (wgrad), main grads over the
+    iteration's tokens. Tensors produced by ops we do not hook (norms, attention, activations)
+    get the hidden size; the loss and its grad the vocabulary (log-sum-exp).
+    """
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+
+    linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
+    if tensor == "output" and linear:
+        return int(module.input_size)
+    if tensor == "grad_input" and linear:
+        return int(module.output_size)
+    if tensor.endswith(".grad"):
+        return facts.tokens_per_microbatch
+    if tensor.endswith(".main_grad") or tensor == "grad_norm" or tensor in ("weight", "bias"):
+        return facts.tokens_per_iteration
+    if module_name in ("loss", "output_layer"):
+        return facts.vocab_size
+    return facts.hidden_size
+
+
+def replicated_layout(shape: Sequence[int], axes: Sequence[str] = (TP,)) -> Layout:
+    return Layout(tuple(Replicate(a) for a in axes), tuple(shape))

@@ -1,0 +1,54 @@
+"""Canonical names: no wrapper prefixes (DDP, Float16Module), global layer numbers."""
+
+from __future__ import annotations
+
+import re
+from typing import Dict, Iterator, List, Tuple
+
+import torch
+
+_LOCAL_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)(\.|$)")
+
+
+def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel inside DDP / Float16Module wrappers."""
+    from megatron.core.utils import unwrap_model
+
+    return unwrap_model(chunk)
+
+
+def canonical_module_names(chunk: torch.nn.Module) -> Dict[torch.nn.Module, str]:
+    """module -> canonical name for every module of one (unwrapped) model chunk.
+
+    ``decoder.layers.{i}`` uses the chunk-local index ``i``; the canonical name uses the layer's
+    global number (``TransformerLayer.layer_number - 1``), which is the same whatever the
+    pipeline split.
+    """
+    model = unwrap(chunk)
+    names: Dict[torch.nn.Module, str] = {}
+    layers = getattr(getattr(model, "decoder", None), "layers", None)
+    for name, module in model.named_modules():
+        m = _LOCAL_LAYER_RE.match(name)
+        if m and layers is not None:
+            local = int(m.group(1))
+            global_index = layers[local].layer_number - 1
+            name = f"decoder.layers.{global_index}" + name[m.end(1):]
+        names[module] = name
+    return names
+
+
+def canonical_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]]:
+    """(module name, param name, module, param) for every parameter, in canonical names."""
+    names = canonical_module_names(chunk)
+    for module, mname in names.items():
+        for pname, param in module.named_parameters(recurse=False):
+            yield mname, pname, module, param
+
+
+def full_param_name(module_name: str, param_name: str) -> str:
+    return f"{module_name}.{param_name}" if module_name else param_name
+
+
+def all_parameters(chunks: List[torch.nn.Module]):
+    for chunk in chunks:
+        yield from canonical_parameters(chunk)

@@ -1,0 +1,203 @@
+"""Recording hooks on megatron-core modules, the loss, grad finalization and the optimizer.
+
+What is recorded, each with its placement (see :mod:`.layouts`):
+
+* forward: the first input and output of every ColumnParallelLinear, RowParallelLinear and
+  VocabParallelEmbedding (the output layer included), and the per-token loss;
+* backward: the grads w.r.t. those inputs and outputs, and each parameter's grad per microbatch;
+* main_grad: ``param.main_grad`` after ``finalize_model_grads`` (grad reduction done);
+* optimizer: the grad norm and the updated parameters after ``optimizer.step()``.
+
+Neutrality: hooks copy tensors and never write to the run's tensors. To capture the grad w.r.t.
+a module's own input (not the sum over all consumers of that tensor) the input is passed to the
+module through ``view_as``, an identity in forward and backward. No hook issues a collective.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+
+from ..placement import Layout
+from ..trace_store import TensorKey, TraceWriter
+from . import layouts
+from .naming import all_parameters, canonical_module_names
+
+
+@dataclasses.dataclass
+class RecordFilter:
+    """Selective recording. ``None`` means everything."""
+
+    iterations: Optional[Sequence[int]] = None
+    modules: Sequence[str] = ("*",)  # fnmatch patterns of canonical module names
+    microbatches: Optional[Sequence[int]] = None  # global microbatch ids
+    ranks: Optional[Sequence[int]] = None
+
+    def wants_module(self, name: str) -> bool:
+        return any(fnmatch.fnmatchcase(name, p) for p in self.modules)
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().to("cpu", copy=True)
+
+
+class Recorder:
+    def __init__(self, writer: TraceWriter, chunks: List[torch.nn.Module], facts: layouts.ModelFacts,
+                 rank: int, dp_rank: int, dp_size: int, record_filter: RecordFilter = RecordFilter()):
+        self.writer = writer
+        self.chunks = chunks
+        self.facts = facts
+        self.rank = rank
+        self.dp_rank = dp_rank
+        self.dp_size = dp_size
+        self.filter = record_filter
+        self.iteration = 0
+        self.microbatch = -1  # global id of the microbatch whose forward runs now
+        self.backward_microbatch = -1
+        self._handles = []
+        self._params: List[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]] = list(all_parameters(chunks))
+        self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
+
+    # ---- selection
+    @property
+    def recording(self) -> bool:
+        f = self.filter
+        return (self.writer.active
+                and (f.iterations is None or self.iteration in f.iterations)
+                and (f.ranks is None or self.rank in f.ranks))
+
+    def _wants(self, module_name: str, microbatch: int) -> bool:
+        f = self.filter
+        return (self.recording and f.wants_module(module_name)
+                and (microbatch < 0 or f.microbatches is None or microbatch in f.microbatches))
+
+    # ---- training-loop calls
+    def begin_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+
+    def begin_microbatch(self, local_microbatch: int) -> None:
+        """Megatron's data order: DP rank r's j-th microbatch is global microbatch j·dp + r."""
+        self.microbatch = local_microbatch * self.dp_size + self.dp_rank
+
+    def end_iteration(self, iteration: int) -> None:
+        self.writer.flush(iteration)
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+        self.writer.close()
+
+    # ---- module hooks
+    def attach(self) -> "Recorder":
+        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                          VocabParallelEmbedding)
+
+        recorded = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+        for chunk in self.chunks:
+            for module, name in canonical_module_names(chunk).items():
+                if isinstance(module, recorded):
+                    self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+                    self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
+        for mname, pname, module, param in self._params:
+            if param.requires_grad:
+                self._handles.append(param.register_hook(self._param_grad_hook(mname, pname, module, param)))
+        return self
+
+    def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None):
+        depth = layouts.layer_depth(key.module, self.facts.num_layers)
+        reduction = layouts.reduction_length(key.module, module, key.tensor, self.facts)
+        self.writer.add(key, _copy(tensor), layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction)
+
+    def _layouts(self, name, module, inp, out):
+        return layouts.activation_layouts(name, module, self.facts, tuple(inp.shape),
+                                          None if out is None else tuple(out.shape))
+
+    def _pre_hook(self, name: str):
+        def hook(module, args, kwargs):
+            mb = self.microbatch
+            if not args or not isinstance(args[0], torch.Tensor) or not self._wants(name, mb):
+                return None
+            inp = args[0]
+            it = self.iteration
+            in_layout, _ = self._layouts(name, module, inp, None)
+            self._add(TensorKey(it, mb, name, "forward", "input"), inp, in_layout, module)
+            if not inp.requires_grad:
+                return None
+            private = inp.view_as(inp)
+
+            def grad_hook(grad):
+                self.backward_microbatch = mb
+                self._add(TensorKey(it, mb, name, "backward", "grad_input"), grad, in_layout, module)
+
+            private.register_hook(grad_hook)
+            return (private,) + tuple(args[1:]), kwargs
+        return hook
+
+    def _post_hook(self, name: str):
+        def hook(module, args, kwargs, output):
+            mb = self.microbatch
+            if not self._wants(name, mb):
+                return None
+            out = output[0] if isinstance(output, tuple) else output
+            if not isinstance(out, torch.Tensor):
+                return None
+            it = self.iteration
+            _, out_layout = self._layouts(name, module, args[0], out)
+            self._add(TensorKey(it, mb, name, "forward", "output"), out, out_layout, module)
+            if out.requires_grad:
+                def grad_hook(grad):
+                    self.backward_microbatch = mb
+                    self._add(TensorKey(it, mb, name, "backward", "grad_output"), grad, out_layout, module)
+
+                out.register_hook(grad_hook)
+            return None
+        return hook
+
+    def _param_grad_hook(self, mname: str, pname: str, module: torch.nn.Module, param: torch.nn.Parameter):
+        def hook(grad):
+            mb = self.backward_microbatch
+            if self._wants(mname, mb):
+                layout = layouts.param_layout(mname, pname, module, param, self.facts, with_dp=False,
+                                              partial_sp_grad=True)
+                self._add(TensorKey(self.iteration, mb, mname, "backward", f"{pname}.grad"), grad, layout)
+            return None
+        return hook
+
+    # ---- loss, grad finalization, optimizer
+    def record_loss(self, per_token_loss: torch.Tensor) -> None:
+        mb = self.microbatch
+        if self._wants("loss", mb):
+            layout = layouts.replicated_layout(per_token_loss.shape)
+            self._add(TensorKey(self.iteration, mb, "loss", "forward", "per_token_loss"), per_token_loss, layout)
+
+    def record_main_grads(self) -> None:
+        for mname, pname, module, param in self._params:
+            main_grad = getattr(param, "main_grad", None)
+            if main_grad is None or not param.requires_grad or not self._wants(mname, -1):
+                continue
+            layout = layouts.param_layout(mname, pname, module, param, self.facts)
+            self._add(TensorKey(self.iteration, -1, mname, "main_grad", f"{pname}.main_grad"), main_grad, layout)
+
+    def record_optimizer_step(self, grad_norm: Optional[float]) -> None:
+        if not self.recording:
+            return
+        if grad_norm is not None and self._wants("optimizer", -1):
+            layout = layouts.replicated_layout((1,), (layouts.DP, layouts.TP))
+            self._add(TensorKey(self.iteration, -1, "optimizer", "optimizer", "grad_norm"),
+                      torch.tensor([float(grad_norm)], dtype=torch.float64), layout)
+        for mname, pname, module, param in self._params:
+            if param.requires_grad and self._wants(mname, -1):
+                layout = layouts.param_layout(mname, pname, module, param, self.facts)
+                self._add(TensorKey(self.iteration, -1, mname, "optimizer", pname), param, layout)
+
+    def wrap_finalize(self, finalize_fn):
+        """``config.finalize_model_grads_func`` that records main grads once grads are final."""
+        def finalize_and_record(*args, **kwargs):
+            result = finalize_fn(*args, **kwargs)
+            self.record_main_grads()
+            return result
+        return finalize_and_record

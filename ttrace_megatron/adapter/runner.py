@@ -1,0 +1,249 @@
+"""One rank of a reference or candidate run: real megatron-core, real schedules and optimizer.
+
+The model is a megatron-core GPTModel (local spec) wrapped as megatron.training wraps it
+(Float16Module for bf16, DistributedDataParallel), its optimizer comes from
+``get_megatron_optimizer``, and every step goes through ``get_forward_backward_func()`` with
+``finalize_model_grads``: the code paths a Megatron-LM user trains with.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from functools import partial
+from typing import Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from ..recipe import Recipe, recipe_from_dict
+from ..trace_store import TraceWriter, write_run_info
+from . import config as cfg
+from . import layouts
+from .naming import all_parameters, full_param_name
+
+REFERENCE = "reference"
+CANDIDATE = "candidate"
+
+
+@dataclasses.dataclass
+class RunSpec:
+    recipe: dict  # Recipe.to_json()
+    role: str  # REFERENCE or CANDIDATE
+    trace_dir: str
+    seed_checkpoint: str
+    master_port: int
+    inject: List[str] = dataclasses.field(default_factory=list)
+    cpu: bool = True
+    record_iterations: Optional[List[int]] = None
+    record_modules: List[str] = dataclasses.field(default_factory=lambda: ["*"])
+    record_microbatches: Optional[List[int]] = None
+    record_ranks: Optional[List[int]] = None
+    trace: bool = True  # False: run without attaching the recorder (bitwise-neutrality checks)
+    dump_state: bool = False  # write losses and final parameters (bitwise-neutrality checks)
+
+    def get_recipe(self) -> Recipe:
+        r = recipe_from_dict({k: v for k, v in self.recipe.items() if k != "source"})
+        return r
+
+    @property
+    def parallel(self) -> Dict:
+        return dict(self.recipe["parallel"]) if self.role == CANDIDATE else {}
+
+    @property
+    def world_size(self) -> int:
+        return int(self.recipe["world_size"]) if self.role == CANDIDATE else 1
+
+
+def library_versions() -> Dict[str, str]:
+    import megatron.core
+
+    out = {"torch": torch.__version__, "megatron.core": getattr(megatron.core, "__version__", "?")}
+    try:
+        from ttrace_megatron import __version__
+        out["ttrace_megatron"] = __version__
+    except ImportError:
+        pass
+    try:
+        import transformer_engine  # noqa: F401
+        out["transformer_engine"] = transformer_engine.__version__
+    except Exception:
+        pass
+    return out
+
+
+def _sample(seed: int, index: int, seq_length: int, vocab_size: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
+    return torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
+
+
+def microbatches(recipe: Recipe, iteration: int, dp_rank: int, dp_size: int):
+    """This DP rank's microbatches of one iteration, in megatron's data order.
+
+    The global batch of iteration ``i`` is samples ``[i·gbs, (i+1)·gbs)``; global microbatch ``g``
+    is samples ``[g·mbs, (g+1)·mbs)`` of it, and DP rank ``r`` takes ``g = j·dp + r`` for its
+    ``j``-th microbatch (megatron's MegatronPretrainingSampler).
+    """
+    d = recipe.data
+    per_rank = d.global_batch_size // (d.micro_batch_size * dp_size)
+    for j in range(per_rank):
+        g = j * dp_size + dp_rank
+        first = iteration * d.global_batch_size + g * d.micro_batch_size
+        tokens = torch.stack([_sample(d.seed, first + s, d.seq_length, d.vocab_size) for s in range(d.micro_batch_size)])
+        yield j, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+def run_rank(rank: int, spec: RunSpec) -> None:
+    """Entry point of a worker process: run one rank of ``spec`` and write its trace."""
+    if spec.cpu:
+        from . import cuda_shim
+
+        cuda_shim.install()
+        backend = "gloo"
+    else:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        backend = "nccl"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ["MASTER_PORT"] = str(spec.master_port)
+    dist.init_process_group(backend, rank=rank, world_size=spec.world_size)
+    try:
+        _run(rank, spec)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+
+
+def _run(rank: int, spec: RunSpec) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
+                                           finalize_model_grads)
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
+
+    from . import bugs
+    from .recorder import Recorder, RecordFilter
+    from .seed_checkpoint import load_seed_checkpoint, save_seed_checkpoint
+
+    recipe = spec.get_recipe()
+    sizes = cfg.parallel_sizes(spec.parallel)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=sizes["tp"])
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    dp_rank = parallel_state.get_data_parallel_rank()
+    dp_size = parallel_state.get_data_parallel_world_size()
+    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, dp_size)}
+
+    torch.manual_seed(recipe.data.seed)
+    model_parallel_cuda_manual_seed(recipe.data.seed)
+    config = cfg.transformer_config(recipe, spec.parallel)
+    spec_module = get_gpt_layer_local_spec(normalization=config.normalization)
+    model = GPTModel(config=config, transformer_layer_spec=spec_module, vocab_size=cfg.padded_vocab_size(recipe),
+                     max_sequence_length=recipe.data.seq_length, pre_process=True, post_process=True,
+                     **cfg.gpt_model_kwargs(recipe))
+    if not spec.cpu:
+        model.cuda(torch.cuda.current_device())
+    for mname, pname, _, param in all_parameters([model]):
+        if any(__import__("fnmatch").fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
+            param.requires_grad_(False)
+
+    facts = layouts.ModelFacts(num_layers=config.num_layers, vocab_size=recipe.data.vocab_size,
+                               sequence_parallel=config.sequence_parallel,
+                               gated_linear_unit=config.gated_linear_unit, tp_size=sizes["tp"],
+                               hidden_size=config.hidden_size,
+                               tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
+                               tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length)
+    if spec.role == REFERENCE and rank == 0:
+        save_seed_checkpoint([model], facts, coords, spec.seed_checkpoint)
+    load_seed_checkpoint([model], facts, coords, spec.seed_checkpoint, rank)
+
+    if config.bf16:
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    model = DistributedDataParallel(config, ddp_config, model)
+    optimizer = get_megatron_optimizer(cfg.optimizer_config(recipe), [model])
+
+    for bug in spec.inject if spec.role == CANDIDATE else []:
+        bugs.inject([model], bug)
+
+    if rank == 0:
+        write_run_info(spec.trace_dir, {
+            "role": spec.role, "world_size": spec.world_size, "recipe": recipe.to_json(),
+            "parallel": spec.parallel, "model_config": _model_signature(recipe),
+            "num_layers": config.num_layers, "compute_dtype": str(config.params_dtype).replace("torch.", ""),
+            "versions": library_versions(), "injected_bugs": spec.inject if spec.role == CANDIDATE else [],
+        })
+    dist.barrier()
+
+    recorder = None
+    finalize = finalize_model_grads
+    if spec.trace:
+        writer = TraceWriter(spec.trace_dir, rank, coords)
+        record_filter = RecordFilter(spec.record_iterations, spec.record_modules, spec.record_microbatches,
+                                     spec.record_ranks)
+        recorder = Recorder(writer, [model], facts, rank, dp_rank, dp_size, record_filter).attach()
+        finalize = recorder.wrap_finalize(finalize_model_grads)
+    config.finalize_model_grads_func = finalize
+    config.grad_scale_func = optimizer.scale_loss
+
+    forward_backward = get_forward_backward_func()
+    seq = recipe.data.seq_length
+    mbs = recipe.data.micro_batch_size
+    position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, -1)
+    if not spec.cpu:
+        position_ids = position_ids.cuda()
+
+    def loss_func(output_tensor):
+        if recorder is not None:
+            recorder.record_loss(output_tensor)
+        loss = output_tensor.float().mean()
+        return loss, {"lm loss": loss.detach()}
+
+    def forward_step(data_iterator, model):
+        j, tokens, labels = next(data_iterator)
+        if not spec.cpu:
+            tokens, labels = tokens.cuda(), labels.cuda()
+        if recorder is not None:
+            recorder.begin_microbatch(j)
+        output = model(tokens, position_ids, None, labels=labels)
+        return output, partial(loss_func)
+
+    losses = []
+    for iteration in range(1, recipe.train.iterations + 1):
+        if recorder is not None:
+            recorder.begin_iteration(iteration)
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        batches = list(microbatches(recipe, iteration - 1, dp_rank, dp_size))
+        reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+                                   num_microbatches=len(batches), seq_length=seq, micro_batch_size=mbs,
+                                   forward_only=False)
+        _, grad_norm, _ = optimizer.step()
+        if recorder is not None:
+            recorder.record_optimizer_step(grad_norm)
+            recorder.end_iteration(iteration)
+        losses.append([float(r["lm loss"]) for r in reduced])
+    if recorder is not None:
+        recorder.close()
+    if spec.dump_state:
+        _dump_state(spec, rank, model, losses)
+
+
+def _model_signature(recipe: Recipe) -> Dict:
+    """What must be equal between reference and candidate for a comparison to make sense."""
+    return {"model": recipe.model, "data": dataclasses.asdict(recipe.data), "dtype": recipe.dtype,
+            "optimizer": recipe.optimizer, "iterations": recipe.train.iterations, "frozen": recipe.train.frozen}
+
+
+def _dump_state(spec: RunSpec, rank: int, model, losses) -> None:
+    """Losses and parameters after training, for the bitwise-neutrality check."""
+    from safetensors.torch import save_file
+
+    state = {f"param/{n}": p.detach().cpu().contiguous() for n, p in model.named_parameters()}
+    state["losses"] = torch.tensor(losses, dtype=torch.float64)
+    os.makedirs(spec.trace_dir, exist_ok=True)
+    save_file(state, os.path.join(spec.trace_dir, f"state-rank{rank:05d}.safetensors"))

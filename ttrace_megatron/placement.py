@@ -1,0 +1,381 @@
+"""Partition metadata: how a rank's tensor relates to the logical (single-device) tensor.
+
+This is the project's one placement vocabulary. The same :class:`Layout` drives
+
+* ``merge``: shards recorded on many ranks -> the logical tensor (for comparison),
+* ``slice``: a logical tensor -> this rank's shard (for the seed checkpoint and for replay),
+
+so there is exactly one set of rules for every parallel dimension. The vocabulary follows
+``torch.distributed.tensor`` (Shard / Replicate / Partial over named mesh axes) and adds what
+megatron-core needs beyond it: interleaved ``stride`` blocks (``partition_stride``; e.g. the gated
+MLP's ``[gate; up]`` per rank), the context-parallel ``zigzag`` chunk order, and a logical shape
+that trims padding (the vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``).
+
+Placements are listed from the outermost split to the innermost: for a sequence split first over
+CP and then over TP (sequence parallelism) it is ``(Shard(0, "cp", layout="zigzag"), Shard(0, "tp"))``.
+Axes that are not listed do not relate the tensors of different ranks (another pipeline stage,
+another data-parallel microbatch): such tensors have different keys and are never merged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Union
+
+import torch
+
+CONTIGUOUS = "contiguous"
+ZIGZAG = "zigzag"
+
+
+class PlacementError(ValueError):
+    """Shards that cannot be merged (missing, duplicated or inconsistent pieces)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """Split along ``dim`` over the ranks of mesh ``axis``.
+
+    ``stride > 1``: each rank's piece is ``stride`` equal blocks, and block ``j`` of rank ``r`` is
+    logical chunk ``j * n + r`` (megatron's ``partition_stride``). ``layout="zigzag"``: the logical
+    dim is ``2 n`` chunks and rank ``r`` holds chunks ``r`` and ``2 n - 1 - r`` (causal CP).
+    """
+
+    dim: int
+    axis: str
+    stride: int = 1
+    layout: str = CONTIGUOUS
+
+    def __post_init__(self):
+        if self.stride < 1:
+            raise ValueError(f"Shard stride must be >= 1, got {self.stride}")
+        if self.layout not in (CONTIGUOUS, ZIGZAG):
+            raise ValueError(f"unknown Shard layout {self.layout!r}")
+        if self.layout == ZIGZAG and self.stride != 1:
+            raise ValueError("a zigzag Shard cannot also be strided")
+
+
+@dataclasses.dataclass(frozen=True)
+class Replicate:
+    """Every rank of ``axis`` holds the whole value; the copies must agree bit for bit."""
+
+    axis: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Partial:
+    """The logical value is the sum of the ranks' values over ``axis`` (an unreduced partial sum)."""
+
+    axis: str
+
+
+Placement = Union[Shard, Replicate, Partial]
+
+# rank coordinates of one recorded tensor: axis name -> (rank along the axis, axis size)
+Coords = Mapping[str, Tuple[int, int]]
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Placements of one tensor plus the logical shape after padding is trimmed.
+
+    Shard dims refer to the tensor as ranks store it. ``permute`` (optional) maps the stored dim
+    order to the logical one, for tensors whose memory layout depends on the parallel mode (the
+    embedding output is ``[b, s, h]`` without sequence parallelism and ``[s/tp, b, h]`` with it):
+    ``logical = merged.permute(permute)``. ``logical_shape`` is in logical dim order.
+    """
+
+    placements: Tuple[Placement, ...]
+    logical_shape: Tuple[int, ...]
+    permute: Optional[Tuple[int, ...]] = None
+
+    @property
+    def axes(self) -> Tuple[str, ...]:
+        return tuple(p.axis for p in self.placements)
+
+    def __post_init__(self):
+        seen = set()
+        for p in self.placements:
+            if p.axis in seen:
+                raise ValueError(f"axis {p.axis!r} appears twice in {self.placements}")
+            seen.add(p.axis)
+        for p in self.placements:
+            if isinstance(p, Shard) and not -len(self.logical_shape) <= p.dim < len(self.logical_shape):
+                raise ValueError(f"{p} is out of range for a tensor of rank {len(self.logical_shape)}")
+        if self.permute is not None and sorted(self.permute) != list(range(len(self.logical_shape))):
+            raise ValueError(f"permute {self.permute} is not a permutation of {len(self.logical_shape)} dims")
+
+    @property
+    def stored_logical_shape(self) -> Tuple[int, ...]:
+        """The logical shape in stored dim order."""
+        if self.permute is None:
+            return self.logical_shape
+        shape = [0] * len(self.logical_shape)
+        for logical_dim, stored_dim in enumerate(self.permute):
+            shape[stored_dim] = self.logical_shape[logical_dim]
+        return tuple(shape)
+
+    def to_json(self) -> dict:
+        obj = {
+            "placements": [placement_to_json(p) for p in self.placements],
+            "logical_shape": list(self.logical_shape),
+        }
+        if self.permute is not None:
+            obj["permute"] = list(self.permute)
+        return obj
+
+    @staticmethod
+    def from_json(obj: dict) -> "Layout":
+        permute = obj.get("permute")
+        return Layout(
+            placements=tuple(placement_from_json(p) for p in obj["placements"]),
+            logical_shape=tuple(int(s) for s in obj["logical_shape"]),
+            permute=None if permute is None else tuple(int(d) for d in permute),
+        )
+
+
+def placement_to_json(p: Placement) -> dict:
+    if isinstance(p, Shard):
+        return {"type": "shard", "dim": p.dim, "axis": p.axis, "stride": p.stride, "layout": p.layout}
+    if isinstance(p, Replicate):
+        return {"type": "replicate", "axis": p.axis}
+    if isinstance(p, Partial):
+        return {"type": "partial", "axis": p.axis}
+    raise TypeError(f"not a placement: {p!r}")
+
+
+def placement_from_json(obj: dict) -> Placement:
+    kind = obj.get("type")
+    if kind == "shard":
+        return Shard(int(obj["dim"]), str(obj["axis"]), int(obj.get("stride", 1)), str(obj.get("layout", CONTIGUOUS)))
+    if kind == "replicate":
+        return Replicate(str(obj["axis"]))
+    if kind == "partial":
+        return Partial(str(obj["axis"]))
+    raise ValueError(f"unknown placement {obj!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# piece arithmetic for one Shard placement
+
+
+def _chunk_order(shard: Shard, n: int) -> List[Tuple[int, int]]:
+    """(rank, block within the rank's piece) for each logical chunk, in logical order."""
+    if shard.layout == ZIGZAG:
+        order = [None] * (2 * n)
+        for r in range(n):
+            order[r] = (r, 0)
+            order[2 * n - 1 - r] = (r, 1)
+        return order
+    return [(r, j) for j in range(shard.stride) for r in range(n)]
+
+
+def _blocks_per_piece(shard: Shard) -> int:
+    return 2 if shard.layout == ZIGZAG else shard.stride
+
+
+def _join(shard: Shard, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    n = len(pieces)
+    k = _blocks_per_piece(shard)
+    dim = shard.dim
+    if k == 1:
+        return torch.cat(list(pieces), dim=dim)
+    blocks = []
+    for p in pieces:
+        if p.shape[dim] % k:
+            raise PlacementError(f"a piece of size {p.shape[dim]} on dim {dim} cannot hold {k} blocks of {shard}")
+        blocks.append(torch.chunk(p, k, dim=dim))
+    return torch.cat([blocks[r][j] for r, j in _chunk_order(shard, n)], dim=dim)
+
+
+def _split(shard: Shard, full: torch.Tensor, n: int, rank: int, piece_size: int) -> torch.Tensor:
+    """This rank's piece of ``full`` (already padded to ``n * piece_size`` along the dim)."""
+    k = _blocks_per_piece(shard)
+    dim = shard.dim
+    if piece_size % k:
+        raise PlacementError(f"piece size {piece_size} is not a multiple of {k} blocks for {shard}")
+    block = piece_size // k
+    chunks = torch.split(full, block, dim=dim)
+    mine = [chunks[c] for c, (r, _) in enumerate(_chunk_order(shard, n)) if r == rank]
+    return torch.cat(mine, dim=dim) if len(mine) > 1 else mine[0]
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    have = t.shape[dim]
+    if have == size:
+        return t
+    if have > size:
+        raise PlacementError(f"logical size {have} on dim {dim} exceeds the {size} the shards hold")
+    pad_shape = list(t.shape)
+    pad_shape[dim] = size - have
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+
+
+# --------------------------------------------------------------------------------------------
+# slice: logical -> this rank's shard
+
+
+def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shape: Sequence[int]) -> torch.Tensor:
+    """The piece of the logical tensor ``full`` that the rank at ``coords`` holds.
+
+    ``local_shape`` is the shape of the rank's tensor; it determines padding (a vocab padded to a
+    multiple of 128·tp). A :class:`Partial` gives the whole value to rank 0 and zeros elsewhere,
+    which is one valid decomposition of the sum.
+    """
+    if tuple(full.shape) != tuple(layout.logical_shape):
+        raise PlacementError(f"logical tensor has shape {tuple(full.shape)}, layout says {layout.logical_shape}")
+    local_shape = tuple(local_shape)
+    t = full
+    if layout.permute is not None:
+        inverse = [0] * len(layout.permute)
+        for logical_dim, stored_dim in enumerate(layout.permute):
+            inverse[stored_dim] = logical_dim
+        t = t.permute(inverse)
+    for i, p in enumerate(layout.placements):
+        rank, size = _coord(coords, p.axis)
+        if isinstance(p, Shard):
+            dim = p.dim % t.dim()
+            inner = math.prod(
+                _coord(coords, q.axis)[1]
+                for q in layout.placements[i + 1:]
+                if isinstance(q, Shard) and q.dim % t.dim() == dim
+            )
+            piece = local_shape[dim] * inner
+            t = _pad_to(t, dim, piece * size)
+            t = _split(dataclasses.replace(p, dim=dim), t, size, rank, piece)
+        elif isinstance(p, Partial) and rank != 0:
+            t = torch.zeros_like(t)
+    if tuple(t.shape) != local_shape:
+        raise PlacementError(f"slice gave shape {tuple(t.shape)}, the rank holds {local_shape}")
+    return t.contiguous()
+
+
+# --------------------------------------------------------------------------------------------
+# merge: shards -> logical
+
+
+@dataclasses.dataclass
+class ReplicaMismatch:
+    """Replicas over ``axis`` that differ (the copies held by ``ranks``)."""
+
+    axis: str
+    ranks: Tuple[int, ...]
+    max_abs_diff: float
+
+
+@dataclasses.dataclass
+class Merged:
+    tensor: torch.Tensor
+    replica_mismatches: List[ReplicaMismatch]
+
+
+def _coord(coords: Coords, axis: str) -> Tuple[int, int]:
+    if axis not in coords:
+        raise PlacementError(f"rank coordinates {dict(coords)} do not name axis {axis!r}")
+    rank, size = coords[axis]
+    if not 0 <= rank < size:
+        raise PlacementError(f"rank {rank} is outside axis {axis!r} of size {size}")
+    return int(rank), int(size)
+
+
+def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) -> Merged:
+    """Reassemble the logical tensor from every rank's piece.
+
+    Shards are concatenated (de-interleaved for strided and zigzag layouts), partial sums are added
+    in float64, and replicas are checked to be bitwise identical; a disagreement is returned, not
+    hidden, and the lowest rank's copy is used.
+    """
+    axes = layout.axes
+    current: Dict[Tuple[int, ...], torch.Tensor] = {}
+    sizes: Dict[str, int] = {}
+    for coords, tensor in pieces:
+        key = []
+        for axis in axes:
+            rank, size = _coord(coords, axis)
+            if sizes.setdefault(axis, size) != size:
+                raise PlacementError(f"axis {axis!r} has size {size} on one rank and {sizes[axis]} on another")
+            key.append(rank)
+        key = tuple(key)
+        if key in current:
+            raise PlacementError(f"two pieces claim position {dict(zip(axes, key))}")
+        current[key] = tensor
+    if not current:
+        raise PlacementError("no pieces to merge")
+    for axis in axes:
+        have = {k[axes.index(axis)] for k in current}
+        missing = sorted(set(range(sizes[axis])) - have)
+        if missing:
+            raise PlacementError(f"missing the piece(s) of rank(s) {missing} along axis {axis!r}")
+
+    mismatches: List[ReplicaMismatch] = []
+    for level in reversed(range(len(axes))):
+        p = layout.placements[level]
+        groups: Dict[Tuple[int, ...], List[Tuple[int, torch.Tensor]]] = {}
+        for key, tensor in current.items():
+            groups.setdefault(key[:level], []).append((key[level], tensor))
+        merged: Dict[Tuple[int, ...], torch.Tensor] = {}
+        for outer, members in groups.items():
+            members.sort(key=lambda m: m[0])
+            ranks = [m[0] for m in members]
+            if ranks != list(range(sizes[p.axis])):
+                raise PlacementError(f"pieces along axis {p.axis!r} at {outer} are ranks {ranks}")
+            tensors = [m[1] for m in members]
+            if isinstance(p, Shard):
+                merged[outer] = _join(dataclasses.replace(p, dim=p.dim % tensors[0].dim()), tensors)
+            elif isinstance(p, Partial):
+                acc = torch.zeros(tensors[0].shape, dtype=torch.float64)
+                for t in tensors:
+                    acc += t.to(torch.float64)
+                merged[outer] = acc.to(_accumulation_dtype(tensors[0].dtype))
+            else:
+                first = tensors[0]
+                differing = [r for r, t in zip(ranks, tensors) if not _bitwise_equal(first, t)]
+                if differing:
+                    diff = max(_max_abs_diff(first, t) for t in tensors[1:])
+                    mismatches.append(ReplicaMismatch(p.axis, tuple(ranks), diff))
+                merged[outer] = first
+        current = merged
+    (tensor,) = current.values()
+    if layout.permute is not None:
+        tensor = tensor.permute(layout.permute)
+    return Merged(_trim(tensor, layout.logical_shape), mismatches)
+
+
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return bool(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))) if a.numel() else True
+
+
+def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    if a.shape != b.shape:
+        return float("inf")
+    return float((a.double() - b.double()).abs().max()) if a.numel() else 0.0
+
+
+def _trim(t: torch.Tensor, logical_shape: Sequence[int]) -> torch.Tensor:
+    if tuple(t.shape) == tuple(logical_shape):
+        return t
+    if t.dim() != len(logical_shape) or any(have < want for have, want in zip(t.shape, logical_shape)):
+        raise PlacementError(f"merged shape {tuple(t.shape)} cannot hold logical shape {tuple(logical_shape)}")
+    return t[tuple(slice(0, n) for n in logical_shape)].contiguous()
+
+
+def local_shape_of(layout: Layout, coords: Coords, padded_sizes: Optional[Mapping[int, int]] = None) -> Tuple[int, ...]:
+    """The shape a rank holds, for an evenly divisible layout (``padded_sizes`` overrides dims)."""
+    shape = list(layout.stored_logical_shape)
+    for dim, size in (padded_sizes or {}).items():
+        shape[dim] = size
+    for p in layout.placements:
+        if isinstance(p, Shard):
+            dim = p.dim % len(shape)
+            _, n = _coord(coords, p.axis)
+            if shape[dim] % n:
+                raise PlacementError(f"dim {dim} of size {shape[dim]} does not split evenly over {n} ranks")
+            shape[dim] //= n
+    return tuple(shape)

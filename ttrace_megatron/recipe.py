@@ -1,0 +1,134 @@
+"""Recipes: YAML files whose keys are megatron-core's own field names.
+
+``model:`` holds TransformerConfig fields (plus the GPTModel arguments listed in
+``GPT_MODEL_KEYS``), ``parallel:`` the candidate's ModelParallelConfig fields, ``optimizer:``
+OptimizerConfig fields. Those three sections are checked against megatron-core's dataclasses by
+the adapter (:func:`ttrace_megatron.adapter.config.validate_recipe`); this module checks
+everything else. Unknown keys are errors that name the key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any, Dict, List
+
+import yaml
+
+from .errors import RecipeError
+
+DTYPES = ("fp32", "bf16", "fp8")
+TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "optimizer", "data", "train", "dtype")
+
+
+@dataclasses.dataclass
+class DataConfig:
+    seed: int = 1234
+    vocab_size: int = 256
+    seq_length: int = 32
+    micro_batch_size: int = 2
+    global_batch_size: int = 4
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    iterations: int = 1
+    frozen: List[str] = dataclasses.field(default_factory=list)  # fnmatch patterns of param names
+
+
+@dataclasses.dataclass
+class Recipe:
+    name: str
+    model: Dict[str, Any]
+    parallel: Dict[str, Any]
+    world_size: int
+    optimizer: Dict[str, Any]
+    data: DataConfig
+    train: TrainConfig
+    dtype: str = "fp32"
+    description: str = ""
+    source: str = "<embedded>"
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "model": self.model, "parallel": self.parallel, "world_size": self.world_size,
+                "optimizer": self.optimizer, "data": dataclasses.asdict(self.data),
+                "train": dataclasses.asdict(self.train), "dtype": self.dtype}
+
+
+def _section(raw: dict, cls, where: str):
+    if raw is None:
+        return cls()
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{where}: '{cls.__name__}' section must be a mapping")
+    names = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in names:
+            raise RecipeError(f"{where}: unknown key '{key}' (known: {', '.join(sorted(names))})")
+    obj = cls(**raw)
+    for f in dataclasses.fields(cls):
+        value = getattr(obj, f.name)
+        if f.type in ("int",) and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+            raise RecipeError(f"{where}: '{f.name}' must be a non-negative integer, got {value!r}")
+    return obj
+
+
+def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
+    if not isinstance(raw, dict):
+        raise RecipeError(f"{source}: a recipe is a YAML mapping")
+    for key in raw:
+        if key not in TOP_LEVEL_KEYS:
+            raise RecipeError(f"{source}: unknown key '{key}' (known: {', '.join(TOP_LEVEL_KEYS)})")
+    for key in ("model", "parallel", "optimizer"):
+        if not isinstance(raw.get(key, {}) or {}, dict):
+            raise RecipeError(f"{source}: '{key}' must be a mapping")
+    dtype = raw.get("dtype", "fp32")
+    if dtype not in DTYPES:
+        raise RecipeError(f"{source}: dtype must be one of {DTYPES}, got {dtype!r}")
+    world = raw.get("world_size", 1)
+    if not isinstance(world, int) or isinstance(world, bool) or world < 1:
+        raise RecipeError(f"{source}: world_size must be a positive integer, got {world!r}")
+    data = _section(raw.get("data"), DataConfig, f"{source}: data")
+    train = _section(raw.get("train"), TrainConfig, f"{source}: train")
+    if train.iterations < 1:
+        raise RecipeError(f"{source}: train: 'iterations' must be at least 1")
+    if not isinstance(train.frozen, list) or not all(isinstance(p, str) for p in train.frozen):
+        raise RecipeError(f"{source}: train: 'frozen' must be a list of parameter-name patterns")
+    if data.global_batch_size % data.micro_batch_size:
+        raise RecipeError(f"{source}: data: global_batch_size {data.global_batch_size} is not a multiple of "
+                          f"micro_batch_size {data.micro_batch_size}")
+    name = raw.get("name") or os.path.splitext(os.path.basename(source))[0]
+    return Recipe(name=str(name), model=dict(raw.get("model") or {}), parallel=dict(raw.get("parallel") or {}),
+                  world_size=world, optimizer=dict(raw.get("optimizer") or {}), data=data, train=train,
+                  dtype=dtype, description=str(raw.get("description", "")), source=source)
+
+
+def load_recipe(path: str) -> Recipe:
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise RecipeError(f"{path}: cannot read recipe ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise RecipeError(f"{path}: not valid YAML ({e})") from None
+    return recipe_from_dict(raw, source=path)
+
+
+# The embedded default: what `ttrace run` with no recipe runs (a tiny llama-style GPT on CPU,
+# single-device reference vs. TP=2 with sequence parallelism).
+DEFAULT_RECIPE = {
+    "name": "tiny_gpt_tp2_sp",
+    "description": "tiny llama-style GPT (RMSNorm, SwiGLU, GQA, RoPE): TP=1 reference vs TP=2 + SP candidate",
+    "model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "num_query_groups": 2,
+              "ffn_hidden_size": 128, "normalization": "RMSNorm", "gated_linear_unit": True,
+              "add_bias_linear": False},
+    "parallel": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+    "world_size": 2,
+    "optimizer": {"optimizer": "sgd", "lr": 0.01},
+    "data": {"seed": 1234, "vocab_size": 250, "seq_length": 32, "micro_batch_size": 2, "global_batch_size": 4},
+    "train": {"iterations": 2},
+    "dtype": "fp32",
+}
+
+
+def default_recipe() -> Recipe:
+    return recipe_from_dict(DEFAULT_RECIPE)

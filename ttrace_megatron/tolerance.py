@@ -1,0 +1,88 @@
+"""Tolerances that separate floating-point round-off from bugs (first version).
+
+Two correct implementations of the same computation differ by round-off only: another reduction
+order (a row-parallel all-reduce splits a GEMM's reduction into partial sums), another rounding
+of an intermediate. The bound has two factors.
+
+**Local term.** For an output computed by a length-``K`` reduction accumulated in format
+``acc`` and stored in format ``out``, the probabilistic error model (Higham & Mary, 2019: the
+error of a length-K sum grows like √K·u with high probability, not like the worst case K·u) gives
+a relative difference of about ``√K·u_acc + u_out`` between two correct implementations.
+GEMMs accumulate in fp32 (CPU kernels and tensor cores alike), so bf16 tensors are dominated by
+the final rounding ``u_out`` and fp32 tensors by the accumulation.
+
+**Propagation.** The TTrace paper's Theorem 5.3, in the form Megatron-LM adopted
+(``tests/functional_tests/python_test_utils/test_optimizer_grads_match.py``), bounds the error of
+a tensor at depth ``d`` by ``k·C**d·ε``: round-off introduced in each layer is amplified by ``C``
+(close to 1) per layer it travels through. Forward tensors of layer ``l`` have travelled ``l``
+layers; backward tensors ``L + 1 − l`` layers from the loss.
+
+Together: ``tolerance = k · C**d · (√K·u_acc + u_out)``, expressed in ε of the reported format.
+This module knows nothing about megatron; it sees a tensor's phase, depth, storage dtype and
+reduction length. The calibration (k, C against measured clean runs) is tracked in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Tuple
+
+from .formats import number_format, report_format
+
+FORWARD_PHASES = ("forward",)
+
+
+@dataclasses.dataclass(frozen=True)
+class ToleranceConfig:
+    k: float = 4.0  # the big-O constant of Theorem 5.3 (Megatron-LM uses 4; BioNeMo 5)
+    C: float = 1.03  # per-layer amplification of round-off (Megatron-LM: 1.01-1.05)
+    accumulate: str = "float32"  # accumulation format of GEMMs and reductions
+
+
+@dataclasses.dataclass(frozen=True)
+class Tolerance:
+    eps: float  # ε of the format errors are reported in
+    tolerance_eps: float  # the bound, in units of eps
+    depth: int
+    source: str  # which terms set the bound, for the report
+
+
+def propagation_depth(phase: str, depth: int, num_layers: int) -> int:
+    """How many layers round-off has travelled through to reach a tensor of layer ``depth``."""
+    if phase in FORWARD_PHASES:
+        return max(depth, 1)
+    return max(num_layers + 1 - depth, 1)
+
+
+def local_error(reduction: int, storage_dtype: str, accumulate: str = "float32") -> float:
+    """Expected relative difference of two correct length-K reductions (absolute, not in ε)."""
+    k = max(int(reduction), 1)
+    u_acc = number_format(accumulate).unit_roundoff
+    u_out = number_format(storage_dtype).unit_roundoff
+    if number_format(storage_dtype).mantissa_bits > number_format(accumulate).mantissa_bits:
+        u_acc = u_out  # fp64 tensors are accumulated in fp64
+    return math.sqrt(k) * u_acc + u_out
+
+
+def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, reduction: int,
+                  config: ToleranceConfig = ToleranceConfig()) -> Tolerance:
+    fmt = report_format(storage_dtype)
+    d = propagation_depth(phase, depth, num_layers)
+    local = local_error(reduction, storage_dtype, config.accumulate)
+    bound = config.k * config.C ** d * local / fmt.eps
+    return Tolerance(fmt.eps, bound, d,
+                     f"k·C^d·(√K·u_acc+u_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
+
+
+def relative_error(a, b) -> Tuple[float, float]:
+    """(‖a−b‖/‖b‖, ‖b‖) in float64. 0 when both are zero; inf when only the reference is zero."""
+    import torch
+
+    a64 = a.to(torch.float64)
+    b64 = b.to(torch.float64)
+    ref_norm = float(torch.linalg.vector_norm(b64))
+    diff_norm = float(torch.linalg.vector_norm(a64 - b64))
+    if ref_norm == 0.0:
+        return (0.0 if diff_norm == 0.0 else float("inf")), ref_norm
+    return diff_norm / ref_norm, ref_norm

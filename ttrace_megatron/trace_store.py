@@ -1,0 +1,316 @@
+"""On-disk traces: per-rank safetensors files plus JSON manifests. Never pickle.
+
+Layout of a trace directory::
+
+    run.json                         what ran: role, world size, configs, library versions
+    rank-00003/manifest.json         this rank's coordinates and one entry per recorded tensor
+    rank-00003/iter-000001.safetensors  the tensors of one iteration
+
+A rank's manifest is rewritten atomically (write, fsync, rename) after every data file, and says
+``"complete": true`` only once the rank has closed its writer. Each data file's size and CRC32
+are in the manifest, so a rank killed mid-write, a truncated file or flipped bits are detected
+and reported with the file, the rank and the tensor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import zlib
+from typing import Dict, Iterator, List, Optional, Tuple
+
+import torch
+from safetensors.torch import load as safetensors_load
+from safetensors.torch import save as safetensors_save
+
+from .errors import TraceError
+from .placement import Layout
+
+FORMAT_VERSION = 1
+RUN_FILE = "run.json"
+MANIFEST_FILE = "manifest.json"
+_DATA_FILE_RE = re.compile(r"^iter-\d{6}(-\d{3})?\.safetensors$")
+_RANK_DIR = "rank-{:05d}"
+
+PHASES = ("forward", "backward", "main_grad", "optimizer")
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorKey:
+    """Run-independent identity of a logical tensor."""
+
+    iteration: int
+    microbatch: int  # global microbatch id; -1 for per-iteration tensors (main_grad, optimizer)
+    module: str  # canonical module name: no wrapper prefixes, global layer numbers
+    phase: str  # one of PHASES
+    tensor: str  # input, output, grad_input, grad_output, weight_grad, main_grad, ...
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch < 0 else f" mb{self.microbatch}"
+        return f"it{self.iteration}{mb} {self.module} [{self.phase}] {self.tensor}"
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(obj: dict) -> "TensorKey":
+        return TensorKey(int(obj["iteration"]), int(obj["microbatch"]), str(obj["module"]),
+                         str(obj["phase"]), str(obj["tensor"]))
+
+
+@dataclasses.dataclass
+class Record:
+    """One recorded tensor on one rank."""
+
+    key: TensorKey
+    layout: Layout
+    dtype: str
+    shape: Tuple[int, ...]
+    seq: int  # order of recording on this rank: execution order
+    file: str
+    name: str  # tensor name inside the file
+    depth: int = 0  # layer depth, 1-based; 0 for the embedding, num_layers + 1 for the output side
+    compute_dtype: str = ""  # dtype the producing op computed in (for tolerances)
+    reduction: int = 0  # reduction length K of the GEMM that produced it (0 if not a GEMM output)
+
+    def to_json(self) -> dict:
+        return {"key": self.key.to_json(), "layout": self.layout.to_json(), "dtype": self.dtype,
+                "shape": list(self.shape), "seq": self.seq, "file": self.file, "name": self.name,
+                "depth": self.depth, "compute_dtype": self.compute_dtype, "reduction": self.reduction}
+
+    @staticmethod
+    def from_json(obj: dict) -> "Record":
+        return Record(TensorKey.from_json(obj["key"]), Layout.from_json(obj["layout"]), str(obj["dtype"]),
+                      tuple(int(s) for s in obj["shape"]), int(obj["seq"]), str(obj["file"]),
+                      str(obj["name"]), int(obj.get("depth", 0)), str(obj.get("compute_dtype", "")),
+                      int(obj.get("reduction", 0)))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _atomic_write_json(path: str, obj: dict) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def write_run_info(trace_dir: str, info: dict) -> None:
+    os.makedirs(trace_dir, exist_ok=True)
+    _atomic_write_json(os.path.join(trace_dir, RUN_FILE), dict(info, format_version=FORMAT_VERSION))
+
+
+class TraceWriter:
+    """Writes one rank's trace. Tensors are buffered per iteration and written at :meth:`flush`.
+
+    A failure to write (a full or unwritable disk) never stops training: recording stops, a
+    warning is printed once, and the manifest says why the trace is incomplete.
+    """
+
+    def __init__(self, trace_dir: str, rank: int, coords: Dict[str, Tuple[int, int]]):
+        self.rank = rank
+        self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
+        self.coords = {k: [int(v[0]), int(v[1])] for k, v in coords.items()}
+        self.records: List[Record] = []
+        self.files: Dict[str, dict] = {}
+        self._pending: Dict[str, torch.Tensor] = {}
+        self._pending_records: List[Record] = []
+        self._seq = 0
+        self._file_index: Dict[int, int] = {}
+        self.failed: Optional[str] = None
+        try:
+            os.makedirs(self.dir, exist_ok=True)
+            self._write_manifest(complete=False)
+        except OSError as e:
+            self._fail(e)
+
+    @property
+    def active(self) -> bool:
+        return self.failed is None
+
+    def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
+            compute_dtype: Optional[torch.dtype] = None, reduction: int = 0) -> None:
+        """Queue a tensor (already detached and copied by the caller) for the next flush."""
+        if not self.active:
+            return
+        name = f"t{self._seq:07d}"
+        rec = Record(key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, "", name, depth,
+                     dtype_name(compute_dtype or tensor.dtype), reduction)
+        self._seq += 1
+        self._pending[name] = tensor.contiguous()
+        self._pending_records.append(rec)
+
+    def flush(self, iteration: int) -> None:
+        """Write the queued tensors of ``iteration`` to one data file and update the manifest."""
+        if not self.active or not self._pending:
+            self._pending.clear()
+            self._pending_records.clear()
+            return
+        part = self._file_index.get(iteration, 0)
+        self._file_index[iteration] = part + 1
+        fname = f"iter-{iteration:06d}.safetensors" if part == 0 else f"iter-{iteration:06d}-{part:03d}.safetensors"
+        try:
+            blob = safetensors_save(self._pending)
+            path = os.path.join(self.dir, fname)
+            with open(path, "wb") as f:
+                f.write(blob)
+                f.flush()
+                os.fsync(f.fileno())
+            for rec in self._pending_records:
+                rec.file = fname
+            self.records.extend(self._pending_records)
+            self.files[fname] = {"bytes": len(blob), "crc32": zlib.crc32(blob)}
+            self._write_manifest(complete=False)
+        except OSError as e:
+            self._fail(e)
+        finally:
+            self._pending.clear()
+            self._pending_records.clear()
+
+    def close(self) -> None:
+        if self._pending:
+            last = max(r.key.iteration for r in self._pending_records)
+            self.flush(last)
+        if self.active:
+            try:
+                self._write_manifest(complete=True)
+            except OSError as e:
+                self._fail(e)
+
+    def _fail(self, error: OSError) -> None:
+        if self.failed is None:
+            self.failed = f"{type(error).__name__}: {error}"
+            print(f"[ttrace] rank {self.rank}: recording stopped, the trace will be marked incomplete: {self.failed}",
+                  flush=True)
+            try:
+                self._write_manifest(complete=False)
+            except OSError:
+                pass
+
+    def _write_manifest(self, complete: bool) -> None:
+        _atomic_write_json(os.path.join(self.dir, MANIFEST_FILE), {
+            "format_version": FORMAT_VERSION,
+            "rank": self.rank,
+            "coords": self.coords,
+            "complete": complete,
+            "failure": self.failed,
+            "files": self.files,
+            "records": [r.to_json() for r in self.records],
+        })
+
+
+@dataclasses.dataclass
+class RankTrace:
+    rank: int
+    coords: Dict[str, Tuple[int, int]]
+    records: List[Record]
+    files: Dict[str, dict]
+    dir: str
+
+
+class TraceReader:
+    """Reads and validates a whole trace directory (all ranks)."""
+
+    def __init__(self, trace_dir: str, *, allow_incomplete: bool = False):
+        self.dir = trace_dir
+        run_path = os.path.join(trace_dir, RUN_FILE)
+        self.run = _read_json(run_path, rank=None)
+        if not isinstance(self.run, dict) or "world_size" not in self.run:
+            raise TraceError("run description lacks 'world_size'", path=run_path)
+        if self.run.get("format_version") != FORMAT_VERSION:
+            raise TraceError(f"trace format {self.run.get('format_version')!r} is not {FORMAT_VERSION}", path=run_path)
+        world = self.run["world_size"]
+        if not isinstance(world, int) or world < 1:
+            raise TraceError(f"bad world_size {world!r}", path=run_path)
+        self.ranks: List[RankTrace] = []
+        for rank in range(world):
+            self.ranks.append(self._read_rank(rank, allow_incomplete))
+        self._cache: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+
+    def _read_rank(self, rank: int, allow_incomplete: bool) -> RankTrace:
+        rank_dir = os.path.join(self.dir, _RANK_DIR.format(rank))
+        path = os.path.join(rank_dir, MANIFEST_FILE)
+        if not os.path.exists(path):
+            raise TraceError(f"rank {rank} of {self.run['world_size']} has no manifest (missing rank)",
+                             path=path, rank=rank)
+        m = _read_json(path, rank)
+        try:
+            if m.get("rank") != rank:
+                raise TraceError(f"manifest says rank {m.get('rank')!r}", path=path, rank=rank)
+            if not m.get("complete") and not allow_incomplete:
+                why = m.get("failure") or "the writer did not close (the rank stopped or was killed mid-run)"
+                raise TraceError(f"incomplete trace: {why}", path=path, rank=rank)
+            files = m["files"]
+            for fname, info in files.items():
+                if not isinstance(fname, str) or not _DATA_FILE_RE.match(fname):
+                    raise TraceError(f"data file name {fname!r} is not allowed", path=path, rank=rank)
+                if not isinstance(info.get("bytes"), int) or not isinstance(info.get("crc32"), int):
+                    raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
+            records = [Record.from_json(r) for r in m["records"]]
+            coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
+        except TraceError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise TraceError(f"malformed manifest ({type(e).__name__}: {e})", path=path, rank=rank) from None
+        for rec in records:
+            if rec.file not in files:
+                raise TraceError(f"record points at unlisted file {rec.file!r}", path=path, rank=rank,
+                                 tensor=str(rec.key))
+        return RankTrace(rank, coords, records, files, rank_dir)
+
+    def records(self) -> Iterator[Tuple[RankTrace, Record]]:
+        for rt in self.ranks:
+            for rec in rt.records:
+                yield rt, rec
+
+    def load(self, rank_trace: RankTrace, rec: Record) -> torch.Tensor:
+        cache_key = (rank_trace.rank, rec.file)
+        tensors = self._cache.get(cache_key)
+        if tensors is None:
+            if len(self._cache) > 8:
+                self._cache.clear()
+            tensors = self._load_file(rank_trace, rec.file)
+            self._cache[cache_key] = tensors
+        path = os.path.join(rank_trace.dir, rec.file)
+        if rec.name not in tensors:
+            raise TraceError(f"tensor {rec.name!r} is not in the file", path=path, rank=rank_trace.rank,
+                             tensor=str(rec.key))
+        t = tensors[rec.name]
+        if tuple(t.shape) != rec.shape or dtype_name(t.dtype) != rec.dtype:
+            raise TraceError(f"file holds {dtype_name(t.dtype)}{list(t.shape)}, manifest says {rec.dtype}{list(rec.shape)}",
+                             path=path, rank=rank_trace.rank, tensor=str(rec.key))
+        return t
+
+    def _load_file(self, rank_trace: RankTrace, fname: str) -> Dict[str, torch.Tensor]:
+        path = os.path.join(rank_trace.dir, fname)
+        info = rank_trace.files[fname]
+        try:
+            with open(path, "rb") as f:
+                blob = f.read()
+        except OSError as e:
+            raise TraceError(f"cannot read data file ({e.strerror})", path=path, rank=rank_trace.rank) from None
+        if len(blob) != info["bytes"]:
+            raise TraceError(f"data file has {len(blob)} bytes, the manifest says {info['bytes']} (truncated?)",
+                             path=path, rank=rank_trace.rank)
+        if zlib.crc32(blob) != info["crc32"]:
+            raise TraceError("data file is corrupt (CRC32 mismatch)", path=path, rank=rank_trace.rank)
+        try:
+            return safetensors_load(blob)
+        except Exception as e:  # safetensors raises its own error types
+            raise TraceError(f"data file is not valid safetensors ({e})", path=path, rank=rank_trace.rank) from None
+
+
+def _read_json(path: str, rank: Optional[int]):
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise TraceError("file not found", path=path, rank=rank) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise TraceError(f"not readable JSON ({e})", path=path, rank=rank) from None
