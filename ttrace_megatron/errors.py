@@ -29,3 +29,7 @@ class RecipeError(ValueError):
 
 class ConfigMismatchError(TraceError):
     """Reference and candidate traces were produced from different models or data."""
+
+
+class RunFailed(RuntimeError):
+    """A reference or candidate rank failed or timed out (exit status 2 in the CLI)."""

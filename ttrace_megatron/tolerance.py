@@ -7,7 +7,8 @@ of an intermediate. The bound has two factors.
 **Local term.** For an output computed by a length-``K`` reduction accumulated in format
 ``acc`` and stored in format ``out``, the probabilistic error model (Higham & Mary, 2019: the
 error of a length-K sum grows like √K·u with high probability, not like the worst case K·u) gives
-a relative difference of about ``√K·u_acc + u_out`` between two correct implementations.
+each implementation a relative error of about ``√K·u_acc + u_out``. Two correct implementations
+err independently, so they differ by up to twice that: ``√K·ε_acc + ε_out`` (ε = 2u).
 GEMMs accumulate in fp32 (CPU kernels and tensor cores alike), so bf16 tensors are dominated by
 the final rounding ``u_out`` and fp32 tensors by the accumulation.
 
@@ -17,7 +18,7 @@ a tensor at depth ``d`` by ``k·C**d·ε``: round-off introduced in each layer i
 (close to 1) per layer it travels through. Forward tensors of layer ``l`` have travelled ``l``
 layers; backward tensors ``L + 1 − l`` layers from the loss.
 
-Together: ``tolerance = k · C**d · (√K·u_acc + u_out)``, expressed in ε of the reported format.
+Together: ``tolerance = k · C**d · (√K·ε_acc + ε_out)``, expressed in ε of the reported format.
 This module knows nothing about megatron; it sees a tensor's phase, depth, storage dtype and
 reduction length. The calibration (k, C against measured clean runs) is tracked in BENCHMARKS.md.
 """
@@ -56,13 +57,16 @@ def propagation_depth(phase: str, depth: int, num_layers: int) -> int:
 
 
 def local_error(reduction: int, storage_dtype: str, accumulate: str = "float32") -> float:
-    """Expected relative difference of two correct length-K reductions (absolute, not in ε)."""
+    """Expected relative difference of two correct length-K reductions (absolute, not in ε).
+
+    Each implementation errs by about ``√K·u_acc + u_out``; their difference by twice that.
+    """
     k = max(int(reduction), 1)
-    u_acc = number_format(accumulate).unit_roundoff
-    u_out = number_format(storage_dtype).unit_roundoff
+    eps_acc = number_format(accumulate).eps
+    eps_out = number_format(storage_dtype).eps
     if number_format(storage_dtype).mantissa_bits > number_format(accumulate).mantissa_bits:
-        u_acc = u_out  # fp64 tensors are accumulated in fp64
-    return math.sqrt(k) * u_acc + u_out
+        eps_acc = eps_out  # fp64 tensors are accumulated in fp64
+    return math.sqrt(k) * eps_acc + eps_out
 
 
 def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, reduction: int,
@@ -72,7 +76,7 @@ def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, r
     local = local_error(reduction, storage_dtype, config.accumulate)
     bound = config.k * config.C ** d * local / fmt.eps
     return Tolerance(fmt.eps, bound, d,
-                     f"k·C^d·(√K·u_acc+u_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
+                     f"k·C^d·(√K·ε_acc+ε_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
 
 
 def relative_error(a, b) -> Tuple[float, float]:

@@ -66,7 +66,10 @@ def column_dgrad_allreduce_dropped(chunks, pattern: str = "*linear_qkv") -> None
     for name, module in _modules(chunks, pattern, ColumnParallelLinear):
         if module.sequence_parallel:
             raise ValueError(f"bug injection: {name} runs with sequence parallelism; its dgrad is not all-reduced")
+        # megatron all-reduces the dgrad either inside the linear's autograd function or, when
+        # that is off, in the backward of copy_to_tensor_model_parallel_region: drop both
         module.allreduce_dgrad = False
+        _during_forward(module, "copy_to_tensor_model_parallel_region", lambda x, group=None: x)
 
 
 def sp_norm_grad_not_reduced(chunks, pattern: str = "*layernorm") -> None:

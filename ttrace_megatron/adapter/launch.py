@@ -17,11 +17,10 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
+from ..errors import RunFailed
 from .runner import RunSpec, run_rank
 
-
-class RunFailed(RuntimeError):
-    pass
+__all__ = ["RunFailed", "free_port", "launch"]
 
 
 def free_port() -> int:
