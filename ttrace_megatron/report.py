@@ -125,8 +125,9 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
     fails = [t for t in tensors if t["verdict"] == FAIL]
     if fails:
         ft = Table(title=f"first mismatches in execution order ({len(fails)} in all)")
-        for col in ("iter", "mb", "module", "phase", "tensor", "error ε", "tol ε", "note"):
-            ft.add_column(col)
+        for col in ("iter", "mb", "module", "phase", "tensor", "error ε", "tol ε"):
+            ft.add_column(col, no_wrap=col in ("module", "tensor"))
+        ft.add_column("note", overflow="fold", max_width=40)
         for t in sorted(fails, key=lambda t: t["order"])[:max_rows]:
             e = t["error_eps"]
             ft.add_row(str(t["iteration"]), "—" if t["microbatch"] < 0 else str(t["microbatch"]), t["module"],

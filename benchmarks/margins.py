@@ -1,0 +1,97 @@
+"""Clean-recipe round-off vs injected bugs: the table in BENCHMARKS.md.
+
+For each shipped recipe × dtype × seed, runs the reference and the clean candidate and reports the
+largest error/tolerance ratio (must stay < 1: no false positive); for each injected bug, the
+first mismatch, whether it names the injected module and phase, and its error/tolerance ratio.
+
+    python benchmarks/margins.py [--seeds 3] > margins.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import warnings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+BUGS = [  # (recipe, bug spec, expected module, expected phase)
+    ("gpt_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2", "forward"),
+    ("gpt_tp2", "row_allreduce_dropped:decoder.layers.0.self_attention.linear_proj",
+     "decoder.layers.0.self_attention.linear_proj", "forward"),
+    ("gpt_tp2", "column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",
+     "decoder.layers.1.self_attention.linear_qkv", "backward"),
+    ("gpt_tp2", "embedding_mask_missing", "embedding.word_embeddings", "forward"),
+    ("gpt_tp2_sp", "sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",
+     "decoder.layers.0.input_layernorm", "main_grad"),
+    ("gpt_tp4_sp", "row_allreduce_dropped:decoder.layers.0.mlp.linear_fc2", "decoder.layers.0.mlp.linear_fc2", "forward"),
+]
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    import yaml
+
+    from ttrace_megatron.adapter.launch import launch
+    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec
+    from ttrace_megatron.compare import compare_traces
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, default=3)
+    args = parser.parse_args()
+
+    def recipe(name, dtype, seed):
+        path = os.path.join(REPO, "recipes", name + ".yaml")
+        raw = yaml.safe_load(open(path))
+        raw.update(dtype=dtype, name=name)
+        raw["data"]["seed"] = seed
+        return recipe_from_dict(raw, source=path)
+
+    def pair(r, tmp, inject=()):
+        common = dict(recipe=r.to_json(), seed_checkpoint=os.path.join(tmp, "seed.safetensors"), master_port=0)
+        launch(RunSpec(role=REFERENCE, trace_dir=os.path.join(tmp, "ref"), **common))
+        launch(RunSpec(role=CANDIDATE, trace_dir=os.path.join(tmp, "cand"), inject=list(inject), **common))
+        return compare_traces(os.path.join(tmp, "ref"), os.path.join(tmp, "cand"))
+
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(f"commit {commit}; machine: {os.cpu_count()} CPU cores, gloo, torch "
+          f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}\n")
+    print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio |")
+    print("|---|---|---|---|---|---|---|")
+    for name in ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp"):
+        for dtype in ("fp32", "bf16"):
+            worst, fps, n = None, 0, 0
+            for seed in range(1, args.seeds + 1):
+                with tempfile.TemporaryDirectory() as tmp:
+                    c = pair(recipe(name, dtype, seed), tmp)
+                fps += len(c.failures)
+                n = len(c.results)
+                w = max(c.results, key=lambda r: r.ratio)
+                if worst is None or w.ratio > worst.ratio:
+                    worst = w
+            print(f"| {name} | {dtype} | {args.seeds} | {n} | {fps} | {worst.error_eps:.3g} / {worst.tolerance_eps:.3g} "
+                  f"({worst.key.module} {worst.key.phase} {worst.key.tensor}) | {worst.ratio:.2f} |")
+    print()
+    print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance |")
+    print("|---|---|---|---|---|---|---|")
+    for name, bug, module, phase in BUGS:
+        for dtype in ("fp32", "bf16"):
+            with tempfile.TemporaryDirectory() as tmp:
+                c = pair(recipe(name, dtype, 1), tmp, [bug])
+            fm = c.first_mismatch
+            detected = c.verdict == "fail"
+            where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"
+            localized = bool(fm) and fm.key.module == module and fm.key.phase == phase
+            ratio = f"{fm.ratio:.3g}" if fm else "—"
+            print(f"| {name} | {dtype} | `{bug}` | {'yes' if detected else 'NO'} | {where} | "
+                  f"{'yes' if localized else 'NO'} | {ratio} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,67 @@
+import os
+import warnings
+
+import pytest
+
+for category in (UserWarning, FutureWarning, DeprecationWarning):
+    warnings.filterwarnings("ignore", category=category)
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = os.path.join(REPO, "recipes")
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "multiprocess: runs real megatron-core ranks (gloo, CPU)")
+
+
+class Runs:
+    """Runs recipes once per session and keeps their traces: a reference is shared by every
+    candidate of the same recipe (it does not depend on the candidate's injected bug)."""
+
+    def __init__(self, root):
+        self.root = root
+        self._refs = {}
+
+    def reference(self, recipe):
+        from ttrace_megatron.adapter.launch import launch
+        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec
+
+        key = repr(sorted(recipe.to_json().items(), key=str))
+        if key not in self._refs:
+            out = os.path.join(self.root, f"{recipe.name}-{recipe.dtype}-{len(self._refs)}")
+            spec = RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace_dir=os.path.join(out, "reference"),
+                           seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0)
+            launch(spec)
+            self._refs[key] = out
+        return self._refs[key]
+
+    def candidate(self, recipe, inject=(), name="candidate", **spec_kwargs):
+        from ttrace_megatron.adapter.launch import launch
+        from ttrace_megatron.adapter.runner import CANDIDATE, RunSpec
+
+        out = self.reference(recipe)
+        trace_dir = os.path.join(out, f"{name}-{'-'.join(inject) or 'clean'}".replace(":", "_").replace("*", "x"))
+        spec = RunSpec(recipe=recipe.to_json(), role=CANDIDATE, trace_dir=trace_dir,
+                       seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0, inject=list(inject),
+                       **spec_kwargs)
+        launch(spec)
+        return os.path.join(out, "reference"), trace_dir
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory):
+    return Runs(str(tmp_path_factory.mktemp("runs")))
+
+
+def load(name, **overrides):
+    """A shipped recipe, with top-level overrides (e.g. dtype="bf16")."""
+    import yaml
+
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    path = os.path.join(RECIPES, name + ".yaml")
+    with open(path) as f:
+        raw = yaml.safe_load(f)
+    raw.update(overrides)
+    raw.setdefault("name", name)
+    return recipe_from_dict(raw, source=path)

@@ -1,0 +1,105 @@
+"""Real megatron-core, real multi-process gloo: clean recipes pass, injected bugs fail and are named."""
+
+import json
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ttrace_megatron.compare import compare_traces
+
+from conftest import RECIPES, load
+
+pytestmark = pytest.mark.multiprocess
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_sp"])
+def test_clean_recipe_passes(runs, name, dtype):
+    ref, cand = runs.candidate(load(name, dtype=dtype))
+    c = compare_traces(ref, cand)
+    worst = max(c.results, key=lambda r: r.ratio)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    phases = {r.key.phase for r in c.results}
+    assert phases == {"forward", "backward", "main_grad", "optimizer"}
+    # round-off is really there (the check is not comparing a run with itself) and within bound
+    assert 0 < worst.error_eps <= worst.tolerance_eps
+
+
+def test_clean_tp4_sp_passes(runs):
+    ref, cand = runs.candidate(load("gpt_tp4_sp"))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+
+
+@pytest.mark.parametrize("name,bug,module,phase,tensor", [
+    ("gpt_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
+     "decoder.layers.1.mlp.linear_fc2", "forward", "output"),
+    ("gpt_tp2", "row_allreduce_dropped:decoder.layers.0.self_attention.linear_proj",
+     "decoder.layers.0.self_attention.linear_proj", "forward", "output"),
+    ("gpt_tp2", "column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",
+     "decoder.layers.1.self_attention.linear_qkv", "backward", "grad_input"),
+    ("gpt_tp2", "embedding_mask_missing", "embedding.word_embeddings", "forward", "output"),
+    ("gpt_tp2_sp", "sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",
+     "decoder.layers.0.input_layernorm", "main_grad", "weight.main_grad"),
+])
+def test_injected_bug_fails_naming_the_module(runs, name, bug, module, phase, tensor):
+    ref, cand = runs.candidate(load(name), inject=[bug])
+    c = compare_traces(ref, cand)
+    assert c.verdict == "fail"
+    first = c.first_mismatch
+    assert (first.key.module, first.key.phase, first.key.tensor) == (module, phase, tensor)
+    assert first.key.iteration == 1
+    assert first.error_eps > 10 * first.tolerance_eps
+
+
+def test_bf16_bug_is_detected(runs):
+    ref, cand = runs.candidate(load("gpt_tp2_sp", dtype="bf16"),
+                               inject=["row_allreduce_dropped:decoder.layers.0.mlp.linear_fc2"])
+    first = compare_traces(ref, cand).first_mismatch
+    assert first.key.module == "decoder.layers.0.mlp.linear_fc2" and first.key.phase == "forward"
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_tracing_is_bitwise_neutral(runs, dtype):
+    """Losses and updated parameters are bitwise identical with and without tracing."""
+    recipe = load("gpt_tp2_sp", dtype=dtype)
+    _, traced = runs.candidate(recipe, name="neutral-traced", dump_state=True)
+    _, untraced = runs.candidate(recipe, name="neutral-untraced", trace=False, dump_state=True)
+    for rank in range(recipe.world_size):
+        a = load_file(os.path.join(traced, f"state-rank{rank:05d}.safetensors"))
+        b = load_file(os.path.join(untraced, f"state-rank{rank:05d}.safetensors"))
+        assert a.keys() == b.keys() and len(a) > 10
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+
+
+def test_cli_run_json_and_exit_codes(tmp_path):
+    from ttrace_megatron.cli import main
+
+    out = tmp_path / "out"
+    rc = main(["run", os.path.join(RECIPES, "gpt_tp2.yaml"), "--out", str(out), "--json", str(tmp_path / "r.json"),
+               "--inject", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2"])
+    assert rc == 1
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["verdict"] == "fail"
+    fm = report["first_mismatch"]
+    assert fm["module"] == "decoder.layers.1.mlp.linear_fc2" and fm["phase"] == "forward"
+    assert set(fm) >= {"module", "phase", "tensor", "iteration", "microbatch", "error_eps", "tolerance_eps"}
+    assert len(report["tensors"]) == report["summary"]["compared"] > 100
+    assert main(["report", str(out)]) == 1
+    # comparing the reference with itself is equivalent
+    assert main(["compare", str(out / "reference"), str(out / "reference")]) == 0
+    # a missing rank is bad input
+    os.remove(out / "candidate" / "rank-00001" / "manifest.json")
+    assert main(["compare", str(out / "reference"), str(out / "candidate")]) == 2
+
+
+def test_cli_bad_recipe_is_exit_2(tmp_path, capsys):
+    from ttrace_megatron.cli import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("model:\n  num_layer: 2\n")
+    assert main(["run", str(bad)]) == 2
+    assert "unknown key 'num_layer'" in capsys.readouterr().err

@@ -1,0 +1,121 @@
+"""The placement vocabulary: slice then merge is the identity, and bad pieces are named."""
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ttrace_megatron.placement import (Layout, Partial, PlacementError, Replicate, Shard, ZIGZAG, merge_shards,
+                                       placement_from_json, placement_to_json, slice_logical)
+
+AXES = ("tp", "cp", "dp")
+
+
+def _all_coords(sizes):
+    coords = [{}]
+    for axis, n in sizes.items():
+        coords = [dict(c, **{axis: (r, n)}) for c in coords for r in range(n)]
+    return coords
+
+
+@st.composite
+def layouts(draw):
+    ndim = draw(st.integers(1, 3))
+    n_pl = draw(st.integers(1, 3))
+    axes = draw(st.permutations(AXES))[:n_pl]
+    sizes = {a: draw(st.integers(1, 3)) for a in axes}
+    placements = []
+    divisors = [1] * ndim  # what each dim's stored size must be divisible by
+    for a in axes:
+        kind = draw(st.sampled_from(["shard", "shard", "replicate", "partial"]))
+        if kind == "shard":
+            dim = draw(st.integers(0, ndim - 1))
+            layout = draw(st.sampled_from(["contiguous", "contiguous", ZIGZAG]))
+            stride = 1 if layout == ZIGZAG else draw(st.integers(1, 2))
+            blocks = 2 if layout == ZIGZAG else stride
+            divisors[dim] *= sizes[a] * blocks
+            placements.append(Shard(dim, a, stride, layout))
+        elif kind == "replicate":
+            placements.append(Replicate(a))
+        else:
+            placements.append(Partial(a))
+    stored = [d * draw(st.integers(1, 2)) for d in divisors]
+    # padding: the logical size may be smaller than what the shards hold (vocab padding),
+    # only for dims split once with a contiguous layout
+    logical = list(stored)
+    for p in placements:
+        if isinstance(p, Shard) and p.layout == "contiguous" and p.stride == 1 and \
+                sum(isinstance(q, Shard) and q.dim == p.dim for q in placements) == 1:
+            logical[p.dim] = stored[p.dim] - draw(st.integers(0, stored[p.dim] // sizes[p.axis] - 1)) \
+                if stored[p.dim] // sizes[p.axis] > 1 else stored[p.dim]
+    permute = tuple(draw(st.permutations(range(ndim)))) if draw(st.booleans()) else None
+    logical_perm = tuple(logical[d] for d in permute) if permute else tuple(logical)
+    return Layout(tuple(placements), logical_perm, permute), sizes, stored
+
+
+@settings(max_examples=300, deadline=None)
+@given(layouts(), st.integers(0, 2**31 - 1))
+def test_slice_then_merge_is_identity(case, seed):
+    layout, sizes, stored = case
+    g = torch.Generator().manual_seed(seed)
+    full = torch.randn(layout.logical_shape, generator=g, dtype=torch.float64)
+    local_shape = list(stored)
+    for p in layout.placements:
+        if isinstance(p, Shard):
+            local_shape[p.dim] //= sizes[p.axis]
+    pieces = [(c, slice_logical(full, layout, c, local_shape)) for c in _all_coords(sizes)]
+    merged = merge_shards(pieces, layout)
+    assert merged.replica_mismatches == []
+    assert torch.equal(merged.tensor, full)
+
+
+def test_megatron_stride_matches_its_initializer():
+    """Stride-2 column shards (the gated MLP's fc1) are laid out as megatron's CPU init lays them."""
+    out, inp, tp, stride = 8, 3, 2, 2
+    master = torch.arange(out * inp, dtype=torch.float32).reshape(out, inp)
+    # megatron.core.tensor_parallel.layers._initialize_affine_weight_cpu: split the master weight
+    # into per_partition/stride chunks and give rank r the chunks r::tp
+    chunks = torch.split(master, out // tp // stride, dim=0)
+    shards = [torch.cat(chunks[r::tp], dim=0) for r in range(tp)]
+    layout = Layout((Shard(0, "tp", stride=stride),), (out, inp))
+    merged = merge_shards([({"tp": (r, tp)}, s) for r, s in enumerate(shards)], layout)
+    assert torch.equal(merged.tensor, master)
+    for r in range(tp):
+        assert torch.equal(slice_logical(master, layout, {"tp": (r, tp)}, shards[r].shape), shards[r])
+
+
+def test_zigzag_matches_context_parallel_chunk_order():
+    """CP rank r holds chunks r and 2·cp−1−r (megatron's get_batch_on_this_cp_rank)."""
+    seq = torch.arange(8)
+    layout = Layout((Shard(0, "cp", layout=ZIGZAG),), (8,))
+    assert slice_logical(seq, layout, {"cp": (0, 2)}, (4,)).tolist() == [0, 1, 6, 7]
+    assert slice_logical(seq, layout, {"cp": (1, 2)}, (4,)).tolist() == [2, 3, 4, 5]
+
+
+def test_partial_sums_and_replica_disagreement_reported():
+    layout = Layout((Replicate("dp"), Partial("tp")), (3,))
+    a, b = torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0.5, 0.5, 0.5])
+    pieces = [({"dp": (0, 2), "tp": (0, 2)}, a), ({"dp": (0, 2), "tp": (1, 2)}, b),
+              ({"dp": (1, 2), "tp": (0, 2)}, a), ({"dp": (1, 2), "tp": (1, 2)}, b + 1)]
+    merged = merge_shards(pieces, layout)
+    assert torch.equal(merged.tensor, torch.tensor([1.5, 2.5, 3.5]))
+    assert len(merged.replica_mismatches) == 1 and merged.replica_mismatches[0].axis == "dp"
+
+
+def test_missing_piece_is_named():
+    layout = Layout((Shard(0, "tp"),), (4,))
+    with pytest.raises(PlacementError, match=r"rank\(s\) \[1\] along axis 'tp'"):
+        merge_shards([({"tp": (0, 3)}, torch.zeros(2)), ({"tp": (2, 3)}, torch.zeros(2))], layout)
+
+
+def test_duplicate_piece_is_rejected():
+    layout = Layout((Shard(0, "tp"),), (4,))
+    with pytest.raises(PlacementError, match="two pieces"):
+        merge_shards([({"tp": (0, 2)}, torch.zeros(2)), ({"tp": (0, 2)}, torch.zeros(2))], layout)
+
+
+def test_json_round_trip():
+    for p in (Shard(-1, "tp", 2), Shard(0, "cp", layout=ZIGZAG), Replicate("dp"), Partial("tp")):
+        assert placement_from_json(placement_to_json(p)) == p
+    layout = Layout((Shard(0, "tp"),), (2, 3, 4), (1, 0, 2))
+    assert Layout.from_json(layout.to_json()) == layout

@@ -1,0 +1,68 @@
+import math
+import os
+
+import pytest
+import torch
+
+from ttrace_megatron.errors import RecipeError
+from ttrace_megatron.recipe import DEFAULT_RECIPE, load_recipe, recipe_from_dict
+from ttrace_megatron.tolerance import local_error, tolerance_for
+
+from conftest import RECIPES
+
+
+@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp"])
+def test_shipped_recipes_validate(name):
+    from ttrace_megatron.adapter.config import validate_recipe
+
+    validate_recipe(load_recipe(os.path.join(RECIPES, name + ".yaml")))
+
+
+@pytest.mark.parametrize("section,key,message", [
+    (None, "modle", "unknown key 'modle'"),
+    ("model", "hiden_size", "model: unknown key 'hiden_size'"),
+    ("model", "tensor_model_parallel_size", "put it under 'parallel:'"),
+    ("parallel", "tensor_parallel", "parallel: unknown key 'tensor_parallel'"),
+    ("optimizer", "learning_rate", "optimizer: unknown key 'learning_rate'"),
+    ("data", "batch", "data: unknown key 'batch'"),
+])
+def test_unknown_keys_are_named(section, key, message):
+    from ttrace_megatron.adapter.config import validate_recipe
+
+    raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULT_RECIPE.items()}
+    (raw if section is None else raw[section])[key] = 1
+    with pytest.raises(RecipeError, match=message):
+        validate_recipe(recipe_from_dict(raw))
+
+
+def test_dropout_is_refused():
+    from ttrace_megatron.adapter.config import validate_recipe
+
+    raw = dict(DEFAULT_RECIPE, model=dict(DEFAULT_RECIPE["model"], hidden_dropout=0.1))
+    with pytest.raises(RecipeError, match="dropout"):
+        validate_recipe(recipe_from_dict(raw))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k", [64, 1024])
+def test_local_term_covers_a_split_reduction(dtype, k):
+    """A GEMM whose reduction is split into two partial sums (a row-parallel all-reduce) differs
+    from the unsplit GEMM by less than the local term, in ≥ 99.9% of random draws."""
+    g = torch.Generator().manual_seed(k)
+    bound = local_error(k, str(dtype).replace("torch.", ""))
+    draws, within = 400, 0
+    for _ in range(draws):
+        a = torch.randn(8, k, generator=g).to(dtype)
+        b = torch.randn(k, 8, generator=g).to(dtype)
+        whole = (a @ b).double()
+        split = ((a[:, : k // 2] @ b[: k // 2]).float() + (a[:, k // 2:] @ b[k // 2:]).float()).to(dtype).double()
+        err = float((whole - split).norm() / whole.norm())
+        within += err <= bound
+    assert within >= math.ceil(0.999 * draws)
+
+
+def test_tolerance_grows_with_depth_and_is_in_eps():
+    t1 = tolerance_for("backward", depth=2, num_layers=2, storage_dtype="bfloat16", reduction=64)
+    t2 = tolerance_for("backward", depth=1, num_layers=2, storage_dtype="bfloat16", reduction=64)
+    assert t1.eps == 2 ** -7 and t2.tolerance_eps > t1.tolerance_eps
+    assert "K=64" in t1.source

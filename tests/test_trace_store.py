@@ -1,0 +1,132 @@
+"""Traces: round trip, and bad input gets an error naming the file, the rank and the tensor."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from ttrace_megatron.compare import compare_traces
+from ttrace_megatron.errors import ConfigMismatchError, TraceError
+from ttrace_megatron.placement import Layout, Replicate, Shard
+from ttrace_megatron.trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
+
+KEY = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", "forward", "output")
+
+
+def make_trace(path, world=2, value=None, model_config=None, close=True, nan=False):
+    write_run_info(str(path), {"role": "candidate", "world_size": world, "num_layers": 2,
+                               "model_config": model_config or {"model": {"hidden_size": 8}}})
+    full = torch.arange(8 * 4, dtype=torch.float32).reshape(8, 4) / 7 if value is None else value
+    if nan:
+        full = full.clone()
+        full[0, 0] = float("nan")
+    layout = Layout((Shard(1, "tp"),), tuple(full.shape))
+    for r in range(world):
+        w = TraceWriter(str(path), r, {"tp": (r, world)})
+        w.add(KEY, full.chunk(world, dim=1)[r].clone(), layout, depth=1)
+        w.add(TensorKey(1, -1, "decoder.layers.0.mlp.linear_fc1", "main_grad", "bias.main_grad"),
+              torch.ones(3), Layout((Replicate("tp"),), (3,)), depth=1)
+        w.flush(1)
+        if close:
+            w.close()
+    return full
+
+
+def test_round_trip(tmp_path):
+    full = make_trace(tmp_path)
+    reader = TraceReader(str(tmp_path))
+    assert len(reader.ranks) == 2
+    c = compare_traces(str(tmp_path), str(tmp_path))
+    assert c.verdict == "pass" and len(c.results) == 2
+
+
+def test_missing_rank_is_named(tmp_path):
+    make_trace(tmp_path)
+    os.remove(tmp_path / "rank-00001" / "manifest.json")
+    with pytest.raises(TraceError, match="rank 1 of 2 has no manifest") as e:
+        TraceReader(str(tmp_path))
+    assert e.value.rank == 1 and "rank-00001" in e.value.path
+
+
+def test_killed_writer_leaves_an_incomplete_trace(tmp_path):
+    make_trace(tmp_path, close=False)
+    with pytest.raises(TraceError, match="incomplete trace") as e:
+        TraceReader(str(tmp_path))
+    assert e.value.rank == 0
+
+
+def test_truncated_file_is_named(tmp_path):
+    make_trace(tmp_path)
+    data = tmp_path / "rank-00001" / "iter-000001.safetensors"
+    data.write_bytes(data.read_bytes()[:-10])
+    with pytest.raises(TraceError, match="truncated") as e:
+        compare_traces(str(tmp_path), str(tmp_path))
+    assert e.value.path.endswith("rank-00001/iter-000001.safetensors") and e.value.rank == 1
+
+
+def test_corrupt_file_is_named(tmp_path):
+    make_trace(tmp_path)
+    data = tmp_path / "rank-00000" / "iter-000001.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    with pytest.raises(TraceError, match="corrupt") as e:
+        compare_traces(str(tmp_path), str(tmp_path))
+    assert e.value.rank == 0
+
+
+def test_malformed_manifest_is_named(tmp_path):
+    make_trace(tmp_path)
+    (tmp_path / "rank-00000" / "manifest.json").write_text("{not json")
+    with pytest.raises(TraceError, match="not readable JSON") as e:
+        TraceReader(str(tmp_path))
+    assert e.value.rank == 0
+
+
+def test_manifest_cannot_escape_the_trace_directory(tmp_path):
+    make_trace(tmp_path)
+    path = tmp_path / "rank-00000" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["files"] = {"../../etc/passwd": {"bytes": 1, "crc32": 0}}
+    path.write_text(json.dumps(m))
+    with pytest.raises(TraceError, match="not allowed"):
+        TraceReader(str(tmp_path))
+
+
+def test_config_mismatch_names_the_fields(tmp_path):
+    make_trace(tmp_path / "a")
+    make_trace(tmp_path / "b", model_config={"model": {"hidden_size": 16}})
+    with pytest.raises(ConfigMismatchError, match=r"model\.hidden_size: reference=8 candidate=16"):
+        compare_traces(str(tmp_path / "a"), str(tmp_path / "b"))
+
+
+def test_nan_is_a_mismatch_even_when_identical(tmp_path):
+    make_trace(tmp_path / "a", nan=True)
+    make_trace(tmp_path / "b", nan=True)
+    c = compare_traces(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert c.verdict == "fail"
+    assert "same 1 NaN/Inf positions on both sides" in c.first_mismatch.reason
+
+
+def test_tensor_on_one_side_only_is_listed(tmp_path):
+    make_trace(tmp_path / "a")
+    make_trace(tmp_path / "b")
+    path = tmp_path / "b" / "rank-00000" / "manifest.json"
+    for r in (0, 1):
+        path = tmp_path / "b" / f"rank-0000{r}" / "manifest.json"
+        m = json.loads(path.read_text())
+        m["records"] = [x for x in m["records"] if x["key"]["phase"] != "main_grad"]
+        path.write_text(json.dumps(m))
+    c = compare_traces(str(tmp_path / "a"), str(tmp_path / "b"))
+    assert c.verdict == "fail" and [k.tensor for k in c.missing_in_candidate] == ["bias.main_grad"]
+
+
+def test_unwritable_directory_stops_recording_not_training(tmp_path, capsys):
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    w = TraceWriter(str(blocker), 0, {"tp": (0, 1)})  # a file where a directory should be
+    w.add(KEY, torch.ones(2), Layout((Replicate("tp"),), (2,)))
+    w.flush(1)
+    w.close()
+    assert not w.active and "recording stopped" in capsys.readouterr().out
