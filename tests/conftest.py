@@ -31,7 +31,7 @@ class Runs:
             out = os.path.join(self.root, f"{recipe.name}-{recipe.dtype}-{len(self._refs)}")
             spec = RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace_dir=os.path.join(out, "reference"),
                            seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0)
-            launch(spec)
+            launch(spec, timeout_s=300)
             self._refs[key] = out
         return self._refs[key]
 
@@ -44,7 +44,7 @@ class Runs:
         spec = RunSpec(recipe=recipe.to_json(), role=CANDIDATE, trace_dir=trace_dir,
                        seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0, inject=list(inject),
                        **spec_kwargs)
-        launch(spec)
+        launch(spec, timeout_s=300)
         return os.path.join(out, "reference"), trace_dir
 
 

@@ -27,10 +27,13 @@ def test_clean_recipe_passes(runs, name, dtype):
     assert 0 < worst.error_eps <= worst.tolerance_eps
 
 
-def test_clean_tp4_sp_passes(runs):
-    ref, cand = runs.candidate(load("gpt_tp4_sp"))
+@pytest.mark.parametrize("name", ["gpt_tp4_sp", "gpt_tp2_sp_dp2"])
+def test_clean_world_size_4_passes(runs, name):
+    ref, cand = runs.candidate(load(name))
     c = compare_traces(ref, cand)
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    if name.endswith("dp2"):  # both DP ranks' microbatches are there, merged with the reference's ids
+        assert {r.key.microbatch for r in c.results} == {-1, 0, 1}
 
 
 @pytest.mark.parametrize("name,bug,module,phase,tensor", [

@@ -103,10 +103,13 @@ def _logical(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]):
                              path=rt.dir, rank=rt.rank, tensor=str(rec.key))
     loaded = [(rt.coords, reader.load(rt, rec)) for rt, rec in pieces]
     try:
-        return merge_shards(loaded, first.layout)
+        merged = merge_shards(loaded, first.layout)
     except PlacementError as e:
         raise TraceError(f"cannot merge shards: {e}", path=reader.dir, rank=first_rt.rank,
                          tensor=str(first.key)) from None
+    if first.scale != 1.0:
+        merged.tensor = merged.tensor.to(torch.float64) / first.scale
+    return merged
 
 
 def _nonfinite_reason(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:

@@ -74,18 +74,22 @@ class Record:
     depth: int = 0  # layer depth, 1-based; 0 for the embedding, num_layers + 1 for the output side
     compute_dtype: str = ""  # dtype the producing op computed in (for tolerances)
     reduction: int = 0  # reduction length K of the GEMM that produced it (0 if not a GEMM output)
+    # the recorded value is scale × the logical value: per-microbatch grads carry the loss scale
+    # 1/num_microbatches of *this* run, which differs between runs of different DP sizes
+    scale: float = 1.0
 
     def to_json(self) -> dict:
         return {"key": self.key.to_json(), "layout": self.layout.to_json(), "dtype": self.dtype,
                 "shape": list(self.shape), "seq": self.seq, "file": self.file, "name": self.name,
-                "depth": self.depth, "compute_dtype": self.compute_dtype, "reduction": self.reduction}
+                "depth": self.depth, "compute_dtype": self.compute_dtype, "reduction": self.reduction,
+                "scale": self.scale}
 
     @staticmethod
     def from_json(obj: dict) -> "Record":
         return Record(TensorKey.from_json(obj["key"]), Layout.from_json(obj["layout"]), str(obj["dtype"]),
                       tuple(int(s) for s in obj["shape"]), int(obj["seq"]), str(obj["file"]),
                       str(obj["name"]), int(obj.get("depth", 0)), str(obj.get("compute_dtype", "")),
-                      int(obj.get("reduction", 0)))
+                      int(obj.get("reduction", 0)), float(obj.get("scale", 1.0)))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -135,13 +139,13 @@ class TraceWriter:
         return self.failed is None
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
-            compute_dtype: Optional[torch.dtype] = None, reduction: int = 0) -> None:
+            compute_dtype: Optional[torch.dtype] = None, reduction: int = 0, scale: float = 1.0) -> None:
         """Queue a tensor (already detached and copied by the caller) for the next flush."""
         if not self.active:
             return
         name = f"t{self._seq:07d}"
         rec = Record(key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, "", name, depth,
-                     dtype_name(compute_dtype or tensor.dtype), reduction)
+                     dtype_name(compute_dtype or tensor.dtype), reduction, scale)
         self._seq += 1
         self._pending[name] = tensor.contiguous()
         self._pending_records.append(rec)

@@ -72,6 +72,9 @@ def validate_recipe(recipe: Recipe) -> None:
     for axis, what in unsupported.items():
         if sizes[axis] > 1:
             raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
+    if recipe.optimizer.get("use_distributed_optimizer"):
+        raise RecipeError(f"{where}: optimizer: the distributed optimizer is not supported by this version of ttrace "
+                          f"(its main grads are valid only in each rank's shard)")
     if recipe.model.get("num_moe_experts"):
         raise RecipeError(f"{where}: model: MoE (num_moe_experts) is not supported by this version of ttrace")
 

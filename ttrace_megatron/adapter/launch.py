@@ -1,8 +1,11 @@
-"""Start the ranks of a run: forked gloo processes on CPU, one spawned process per GPU on CUDA.
+"""Start the ranks of a run: gloo processes on CPU, one process per GPU on CUDA.
 
-On CPU the workers are forked from a parent that has already imported torch and megatron-core,
-which cuts a rank's start-up from ~5 s to under 1 s on a 2-core machine. A failing rank stops the
-whole run and its traceback is raised in the parent with the rank named.
+On CPU the workers come from a fork server that imported torch and megatron-core once, which
+cuts a rank's start-up from ~5 s to under 1 s on a 2-core machine. Forking the caller itself
+would be faster still but is unsafe: once the caller has run torch ops, its OpenMP thread pool
+state is inherited and a child can deadlock in its first parallel region (seen here: a rank hung
+in a futex after the test process had compared traces). A failing rank stops the whole run and
+its traceback is raised in the parent with the rank named.
 """
 
 from __future__ import annotations
@@ -29,7 +32,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+PRELOAD = ["torch", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+           "megatron.core.pipeline_parallel", "ttrace_megatron.adapter.runner", "ttrace_megatron.adapter.recorder"]
+
+
 def _worker(rank: int, spec: RunSpec, error_dir: str) -> None:
+    if not os.environ.get("TTRACE_VERBOSE"):
+        import warnings
+
+        for category in (UserWarning, FutureWarning, DeprecationWarning):
+            warnings.filterwarnings("ignore", category=category)
     try:
         if spec.cpu:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
@@ -42,13 +54,15 @@ def _worker(rank: int, spec: RunSpec, error_dir: str) -> None:
 
 def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0) -> None:
     """Run every rank of ``spec`` and wait for all of them."""
-    import megatron.core  # noqa: F401  (imported before forking: the children inherit it)
-
     spec.cpu = spec.cpu or not torch.cuda.is_available()
     if not spec.cpu and torch.cuda.device_count() < spec.world_size:
         raise RunFailed(f"{spec.world_size} ranks need {spec.world_size} GPUs, {torch.cuda.device_count()} visible")
     spec.master_port = spec.master_port or free_port()
-    ctx = mp.get_context("fork" if spec.cpu else "spawn")
+    if spec.cpu:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+    else:
+        ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as error_dir:
         procs = [ctx.Process(target=_worker, args=(r, spec, error_dir), daemon=False) for r in range(spec.world_size)]
         for p in procs:

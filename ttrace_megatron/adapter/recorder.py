@@ -110,7 +110,12 @@ class Recorder:
     def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None):
         depth = layouts.layer_depth(key.module, self.facts.num_layers)
         reduction = layouts.reduction_length(key.module, module, key.tensor, self.facts)
-        self.writer.add(key, _copy(tensor), layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction)
+        # megatron scales each microbatch's loss by 1/num_microbatches of this DP rank, so
+        # per-microbatch grads are dp times those of a run with DP=1; DDP divides by dp again
+        # when it reduces main grads.
+        scale = float(self.dp_size) if key.phase == "backward" else 1.0
+        self.writer.add(key, _copy(tensor), layout, depth=depth, compute_dtype=self._compute_dtype,
+                        reduction=reduction, scale=scale)
 
     def _layouts(self, name, module, inp, out):
         return layouts.activation_layouts(name, module, self.facts, tuple(inp.shape),
