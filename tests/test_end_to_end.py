@@ -106,3 +106,16 @@ def test_cli_bad_recipe_is_exit_2(tmp_path, capsys):
     bad.write_text("model:\n  num_layer: 2\n")
     assert main(["run", str(bad)]) == 2
     assert "unknown key 'num_layer'" in capsys.readouterr().err
+
+
+def test_frozen_parameters_do_not_train(runs):
+    """train.frozen: matching weights get no grads, and both runs agree on that."""
+    recipe = load("gpt_tp2")
+    recipe.train.frozen = ["decoder.layers.0.*"]
+    ref, cand = runs.candidate(recipe)
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    layer0_grads = [r for r in c.results if r.key.module.startswith("decoder.layers.0.") and r.key.phase != "forward"
+                    and r.key.tensor not in ("grad_input", "grad_output")]
+    assert layer0_grads == []
+    assert any(r.key.module.startswith("decoder.layers.1.") and r.key.phase == "main_grad" for r in c.results)

@@ -72,6 +72,10 @@ def validate_recipe(recipe: Recipe) -> None:
     for axis, what in unsupported.items():
         if sizes[axis] > 1:
             raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
+    groups = recipe.model.get("num_query_groups") or recipe.model.get("num_attention_heads", 1)
+    if groups < sizes["tp"]:
+        raise RecipeError(f"{where}: model: num_query_groups {groups} < tensor_model_parallel_size {sizes['tp']} "
+                          f"(replicated key/value heads) is not supported by this version of ttrace")
     if recipe.optimizer.get("use_distributed_optimizer"):
         raise RecipeError(f"{where}: optimizer: the distributed optimizer is not supported by this version of ttrace "
                           f"(its main grads are valid only in each rank's shard)")
