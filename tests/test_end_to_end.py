@@ -119,3 +119,18 @@ def test_frozen_parameters_do_not_train(runs):
                     and r.key.tensor not in ("grad_input", "grad_output")]
     assert layer0_grads == []
     assert any(r.key.module.startswith("decoder.layers.1.") and r.key.phase == "main_grad" for r in c.results)
+
+
+def test_cli_selective_recording(tmp_path):
+    from ttrace_megatron.cli import main
+    from ttrace_megatron.trace_store import TraceReader
+
+    out = tmp_path / "out"
+    rc = main(["run", os.path.join(RECIPES, "gpt_tp2.yaml"), "--out", str(out), "--iters", "2",
+               "--modules", "decoder.layers.1.*", "--microbatches", "1"])
+    assert rc == 0
+    for side in ("reference", "candidate"):
+        keys = [rec.key for _, rec in TraceReader(str(out / side)).records()]
+        assert keys and {k.iteration for k in keys} == {2}
+        assert all(k.module.startswith("decoder.layers.1.") for k in keys)
+        assert {k.microbatch for k in keys} <= {-1, 1}

@@ -61,7 +61,9 @@ def cmd_run(args, console: Console) -> int:
             shutil.rmtree(d, ignore_errors=True)
         seed = os.path.join(out, "seed_checkpoint.safetensors")
         console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
-        common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, cpu=args.cpu)
+        common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, cpu=args.cpu,
+                      record_iterations=args.iters, record_modules=args.modules or ["*"],
+                      record_microbatches=args.microbatches)
         console.print(f"reference run (1 rank) → {ref_dir}")
         launch(RunSpec(role=REFERENCE, trace_dir=ref_dir, **common))
         console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
@@ -103,6 +105,13 @@ def cmd_report(args, console: Console) -> int:
     return EXIT_PASS
 
 
+def _int_list(text: str) -> List[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ttrace", description=__doc__.splitlines()[0])
     parser.add_argument("--verbose", action="store_true", help="show library warnings")
@@ -115,6 +124,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--inject", action="append", default=[], metavar="BUG[:MODULE_PATTERN]",
                      help="inject a known bug into the candidate (tests and the bug zoo)")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    run.add_argument("--iters", type=_int_list, help="record only these iterations (1-based), e.g. 1,3")
+    run.add_argument("--modules", action="append", metavar="PATTERN",
+                     help="record only modules matching this fnmatch pattern (repeatable), e.g. 'decoder.layers.1.*'")
+    run.add_argument("--microbatches", type=_int_list, help="record only these global microbatch ids, e.g. 0")
 
     cmp_ = sub.add_parser("compare", help="compare a candidate trace against a reference trace")
     cmp_.add_argument("reference")
