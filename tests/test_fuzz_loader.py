@@ -36,7 +36,7 @@ def pristine(tmp_path_factory):
     return root
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.data())
 def test_mutated_manifest_gives_named_error(pristine, tmp_path_factory, data):
     work = tmp_path_factory.mktemp("fuzz")

@@ -230,8 +230,13 @@ class TraceReader:
         if self.run.get("format_version") != FORMAT_VERSION:
             raise TraceError(f"trace format {self.run.get('format_version')!r} is not {FORMAT_VERSION}", path=run_path)
         world = self.run["world_size"]
-        if not isinstance(world, int) or world < 1:
+        if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise TraceError(f"bad world_size {world!r}", path=run_path)
+        layers = self.run.get("num_layers", 0)
+        if not isinstance(layers, int) or isinstance(layers, bool) or layers < 0:
+            raise TraceError(f"bad num_layers {layers!r}", path=run_path)
+        if not isinstance(self.run.get("model_config", {}), dict):
+            raise TraceError("model_config must be a mapping", path=run_path)
         self.ranks: List[RankTrace] = []
         for rank in range(world):
             self.ranks.append(self._read_rank(rank, allow_incomplete))
@@ -260,7 +265,7 @@ class TraceReader:
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
         except TraceError:
             raise
-        except (KeyError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
             raise TraceError(f"malformed manifest ({type(e).__name__}: {e})", path=path, rank=rank) from None
         for rec in records:
             if rec.file not in files:

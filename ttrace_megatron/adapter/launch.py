@@ -32,16 +32,14 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["torch", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+PRELOAD = ["ttrace_megatron.adapter.worker_env", "torch", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
            "megatron.core.pipeline_parallel", "ttrace_megatron.adapter.runner", "ttrace_megatron.adapter.recorder"]
 
 
 def _worker(rank: int, spec: RunSpec, error_dir: str) -> None:
-    if not os.environ.get("TTRACE_VERBOSE"):
-        import warnings
+    from . import worker_env
 
-        for category in (UserWarning, FutureWarning, DeprecationWarning):
-            warnings.filterwarnings("ignore", category=category)
+    worker_env.quiet_warnings()
     try:
         if spec.cpu:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))

@@ -79,8 +79,14 @@ class Recorder:
         self.iteration = iteration
 
     def begin_microbatch(self, local_microbatch: int) -> None:
-        """Megatron's data order: DP rank r's j-th microbatch is global microbatch j·dp + r."""
+        """Megatron's data order: DP rank r's j-th microbatch is global microbatch j·dp + r.
+
+        Without pipelining each microbatch's backward follows its forward, so parameter grads
+        that arrive next belong to it (grad hooks of recorded modules also set it, from the id
+        captured at forward time).
+        """
         self.microbatch = local_microbatch * self.dp_size + self.dp_rank
+        self.backward_microbatch = self.microbatch
 
     def end_iteration(self, iteration: int) -> None:
         self.writer.flush(iteration)
