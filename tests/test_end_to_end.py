@@ -64,10 +64,11 @@ def test_bf16_bug_is_detected(runs):
     assert first.key.module == "decoder.layers.0.mlp.linear_fc2" and first.key.phase == "forward"
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_tracing_is_bitwise_neutral(runs, dtype):
+@pytest.mark.parametrize("name,dtype", [("gpt_tp2", "fp32"), ("gpt_tp2_sp", "fp32"), ("gpt_tp2_sp", "bf16"),
+                                        ("gpt_tp4_sp", "fp32"), ("gpt_tp2_sp_dp2", "bf16")])
+def test_tracing_is_bitwise_neutral(runs, name, dtype):
     """Losses and updated parameters are bitwise identical with and without tracing."""
-    recipe = load("gpt_tp2_sp", dtype=dtype)
+    recipe = load(name, dtype=dtype)
     _, traced = runs.candidate(recipe, name="neutral-traced", dump_state=True)
     _, untraced = runs.candidate(recipe, name="neutral-untraced", trace=False, dump_state=True)
     for rank in range(recipe.world_size):

@@ -79,14 +79,21 @@ def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, r
                      f"k·C^d·(√K·ε_acc+ε_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
 
 
-def relative_error(a, b) -> Tuple[float, float]:
-    """(‖a−b‖/‖b‖, ‖b‖) in float64. 0 when both are zero; inf when only the reference is zero."""
+def relative_error(a, b, chunk: int = 1 << 20) -> Tuple[float, float]:
+    """(‖a−b‖/‖b‖, ‖b‖) accumulated in float64, in chunks so that no float64 copy of a whole
+    tensor is made. 0 when both are zero; inf when only the reference is zero."""
     import torch
 
-    a64 = a.to(torch.float64)
-    b64 = b.to(torch.float64)
-    ref_norm = float(torch.linalg.vector_norm(b64))
-    diff_norm = float(torch.linalg.vector_norm(a64 - b64))
+    a = a.reshape(-1)
+    b = b.reshape(-1)
+    ref_sq = 0.0
+    diff_sq = 0.0
+    for start in range(0, b.numel(), chunk):
+        b64 = b[start:start + chunk].to(torch.float64)
+        ref_sq += float(b64.square().sum())
+        diff_sq += float((a[start:start + chunk].to(torch.float64) - b64).square().sum())
+    ref_norm = math.sqrt(ref_sq)
+    diff_norm = math.sqrt(diff_sq)
     if ref_norm == 0.0:
         return (0.0 if diff_norm == 0.0 else float("inf")), ref_norm
     return diff_norm / ref_norm, ref_norm

@@ -22,7 +22,7 @@ import zlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
-from safetensors.torch import load as safetensors_load
+from safetensors import safe_open
 from safetensors.torch import save as safetensors_save
 
 from .errors import TraceError
@@ -240,7 +240,7 @@ class TraceReader:
         self.ranks: List[RankTrace] = []
         for rank in range(world):
             self.ranks.append(self._read_rank(rank, allow_incomplete))
-        self._cache: Dict[Tuple[int, str], Dict[str, torch.Tensor]] = {}
+        self._cache: Dict[Tuple[int, str], object] = {}
 
     def _read_rank(self, rank: int, allow_incomplete: bool) -> RankTrace:
         rank_dir = os.path.join(self.dir, _RANK_DIR.format(rank))
@@ -280,37 +280,48 @@ class TraceReader:
 
     def load(self, rank_trace: RankTrace, rec: Record) -> torch.Tensor:
         cache_key = (rank_trace.rank, rec.file)
-        tensors = self._cache.get(cache_key)
-        if tensors is None:
-            if len(self._cache) > 8:
+        handle = self._cache.get(cache_key)
+        if handle is None:
+            if len(self._cache) >= 16:
                 self._cache.clear()
-            tensors = self._load_file(rank_trace, rec.file)
-            self._cache[cache_key] = tensors
+            handle = self._open_file(rank_trace, rec.file)
+            self._cache[cache_key] = handle
         path = os.path.join(rank_trace.dir, rec.file)
-        if rec.name not in tensors:
+        if rec.name not in handle.keys():
             raise TraceError(f"tensor {rec.name!r} is not in the file", path=path, rank=rank_trace.rank,
                              tensor=str(rec.key))
-        t = tensors[rec.name]
+        try:
+            t = handle.get_tensor(rec.name)
+        except Exception as e:  # safetensors raises its own error types
+            raise TraceError(f"cannot read tensor ({e})", path=path, rank=rank_trace.rank, tensor=str(rec.key)) from None
         if tuple(t.shape) != rec.shape or dtype_name(t.dtype) != rec.dtype:
             raise TraceError(f"file holds {dtype_name(t.dtype)}{list(t.shape)}, manifest says {rec.dtype}{list(rec.shape)}",
                              path=path, rank=rank_trace.rank, tensor=str(rec.key))
         return t
 
-    def _load_file(self, rank_trace: RankTrace, fname: str) -> Dict[str, torch.Tensor]:
+    def _open_file(self, rank_trace: RankTrace, fname: str):
+        """Verify a data file's size and CRC32 (streamed), then open it memory-mapped: tensors are
+        read one at a time, so comparing never holds whole iteration files in memory."""
         path = os.path.join(rank_trace.dir, fname)
         info = rank_trace.files[fname]
+        crc, size = 0, 0
         try:
             with open(path, "rb") as f:
-                blob = f.read()
+                while True:
+                    chunk = f.read(16 << 20)
+                    if not chunk:
+                        break
+                    crc = zlib.crc32(chunk, crc)
+                    size += len(chunk)
         except OSError as e:
             raise TraceError(f"cannot read data file ({e.strerror})", path=path, rank=rank_trace.rank) from None
-        if len(blob) != info["bytes"]:
-            raise TraceError(f"data file has {len(blob)} bytes, the manifest says {info['bytes']} (truncated?)",
+        if size != info["bytes"]:
+            raise TraceError(f"data file has {size} bytes, the manifest says {info['bytes']} (truncated?)",
                              path=path, rank=rank_trace.rank)
-        if zlib.crc32(blob) != info["crc32"]:
+        if crc != info["crc32"]:
             raise TraceError("data file is corrupt (CRC32 mismatch)", path=path, rank=rank_trace.rank)
         try:
-            return safetensors_load(blob)
+            return safe_open(path, framework="pt")
         except Exception as e:  # safetensors raises its own error types
             raise TraceError(f"data file is not valid safetensors ({e})", path=path, rank=rank_trace.rank) from None
 

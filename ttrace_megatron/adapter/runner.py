@@ -9,7 +9,9 @@ The model is a megatron-core GPTModel (local spec) wrapped as megatron.training 
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
+import time
 from functools import partial
 from typing import Dict, List, Optional
 
@@ -41,6 +43,7 @@ class RunSpec:
     record_ranks: Optional[List[int]] = None
     trace: bool = True  # False: run without attaching the recorder (bitwise-neutrality checks)
     dump_state: bool = False  # write losses and final parameters (bitwise-neutrality checks)
+    timings: bool = False  # write per-iteration step and flush times (cost benchmarks)
 
     def get_recipe(self) -> Recipe:
         r = recipe_from_dict({k: v for k, v in self.recipe.items() if k != "source"})
@@ -213,7 +216,9 @@ def _run(rank: int, spec: RunSpec) -> None:
         return output, partial(loss_func)
 
     losses = []
+    timings = []
     for iteration in range(1, recipe.train.iterations + 1):
+        start = time.perf_counter()
         if recorder is not None:
             recorder.begin_iteration(iteration)
         model.zero_grad_buffer()
@@ -225,12 +230,19 @@ def _run(rank: int, spec: RunSpec) -> None:
         _, grad_norm, _ = optimizer.step()
         if recorder is not None:
             recorder.record_optimizer_step(grad_norm)
+        stepped = time.perf_counter()
+        if recorder is not None:
             recorder.end_iteration(iteration)
+        timings.append({"iteration": iteration, "step_s": stepped - start, "flush_s": time.perf_counter() - stepped})
         losses.append([float(r["lm loss"]) for r in reduced])
     if recorder is not None:
         recorder.close()
     if spec.dump_state:
         _dump_state(spec, rank, model, losses)
+    if spec.timings:
+        os.makedirs(spec.trace_dir, exist_ok=True)
+        with open(os.path.join(spec.trace_dir, f"timings-rank{rank:05d}.json"), "w") as f:
+            json.dump(timings, f)
 
 
 def _model_signature(recipe: Recipe) -> Dict:

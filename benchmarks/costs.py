@@ -1,0 +1,163 @@
+"""Costs of tracing and comparing, every figure a ratio measured in the same run.
+
+1. Step time of a TP=2 GPT on CPU: ttrace off vs attached-but-idle vs recording one iteration.
+   The recorded iteration's extra time is set against the time to write its bytes at the disk
+   bandwidth measured here (fsync'd writes of the same size).
+2. Compare throughput (trace bytes read per second) against memory bandwidth measured here (a
+   large tensor copy), and compare peak memory (RSS high-water mark in a fresh process) against
+   the largest logical tensor.
+3. Compare time against trace size (1, 2 and 4 recorded iterations).
+
+    python benchmarks/costs.py > costs.md
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+MODEL = {"name": "costs_gpt_tp2", "model": {"num_layers": 4, "hidden_size": 512, "num_attention_heads": 8,
+                                            "ffn_hidden_size": 2048, "normalization": "LayerNorm",
+                                            "add_bias_linear": True},
+         "parallel": {"tensor_model_parallel_size": 2}, "world_size": 2,
+         "optimizer": {"optimizer": "sgd", "lr": 0.01},
+         "data": {"seed": 1, "vocab_size": 4096, "seq_length": 256, "micro_batch_size": 2, "global_batch_size": 4},
+         "train": {"iterations": 7}, "dtype": "fp32"}
+
+COMPARE_CHILD = r"""
+import json, resource, sys, time, warnings
+warnings.filterwarnings("ignore")
+from ttrace_megatron.compare import compare_traces
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t = time.perf_counter()
+c = compare_traces(sys.argv[1], sys.argv[2])
+elapsed = time.perf_counter() - t
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+print(json.dumps({"seconds": elapsed, "peak_kib_over_baseline": after - before, "tensors": len(c.results),
+                  "verdict": c.verdict}))
+"""
+
+
+def dir_bytes(path, suffix=".safetensors"):
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs if f.endswith(suffix))
+
+
+def disk_bandwidth(directory, nbytes):
+    blob = os.urandom(min(nbytes, 64 << 20))
+    path = os.path.join(directory, "disk-probe.bin")
+    t = time.perf_counter()
+    with open(path, "wb") as f:
+        written = 0
+        while written < nbytes:
+            f.write(blob[: nbytes - written])
+            written += min(len(blob), nbytes - written)
+        f.flush()
+        os.fsync(f.fileno())
+    elapsed = time.perf_counter() - t
+    os.remove(path)
+    return nbytes / elapsed
+
+
+def memory_bandwidth():
+    import torch
+
+    x = torch.empty(256 << 20, dtype=torch.uint8)
+    x.fill_(1)
+    best = 0.0
+    for _ in range(5):
+        t = time.perf_counter()
+        y = x.clone()
+        elapsed = time.perf_counter() - t
+        best = max(best, 2 * x.numel() / elapsed)  # read + write
+        del y
+    return best
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    import torch
+
+    from ttrace_megatron.adapter.launch import launch
+    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec
+    from ttrace_megatron.recipe import recipe_from_dict
+    from ttrace_megatron.trace_store import TraceReader
+
+    recipe = recipe_from_dict(MODEL)
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    tmp = tempfile.mkdtemp(prefix="ttrace-costs-")
+    seed = os.path.join(tmp, "seed.safetensors")
+    common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, timings=True)
+
+    def run(role, name, **kw):
+        d = os.path.join(tmp, name)
+        launch(RunSpec(role=role, trace_dir=d, **{**common, **kw}), timeout_s=1800)
+        with open(os.path.join(d, "timings-rank00000.json")) as f:
+            return d, json.load(f)
+
+    run(REFERENCE, "reference", record_iterations=[4])
+    steady = lambda t: statistics.median(x["step_s"] + x["flush_s"] for x in t if x["iteration"] >= 2)
+    _, off = run(CANDIDATE, "off", trace=False)
+    _, idle = run(CANDIDATE, "idle", record_iterations=[])
+    rec_dir, rec = run(CANDIDATE, "record", record_iterations=[4])
+    off_s, idle_s = steady(off), steady(idle)
+    rec_it = next(x for x in rec if x["iteration"] == 4)
+    others = statistics.median(x["step_s"] + x["flush_s"] for x in rec if x["iteration"] >= 2 and x["iteration"] != 4)
+    extra = rec_it["step_s"] + rec_it["flush_s"] - others
+    rank0_bytes = dir_bytes(os.path.join(rec_dir, "rank-00000"))
+    disk_bw = disk_bandwidth(tmp, rank0_bytes)
+    write_s = rank0_bytes / disk_bw
+
+    print(f"commit {commit}; machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo; model: "
+          f"GPT 4 layers, hidden 512, ffn 2048, seq 256, micro-batch 2 × 2 microbatches, vocab 4096, TP=2, fp32\n")
+    print("| measure | value | ratio | goal |")
+    print("|---|---|---|---|")
+    print(f"| step time, ttrace off (median, iterations 2–7) | {off_s * 1e3:.0f} ms | 1.00 | |")
+    print(f"| step time, attached but idle | {idle_s * 1e3:.0f} ms | {idle_s / off_s:.3f}× off | ≤ 1.02× |")
+    print(f"| recorded iteration: extra time (rank 0) | {extra * 1e3:.0f} ms for {rank0_bytes / 2**20:.1f} MiB "
+          f"(step {rec_it['step_s'] * 1e3:.0f} ms + flush {rec_it['flush_s'] * 1e3:.0f} ms) | "
+          f"{extra / write_s:.2f}× the time to write its bytes at {disk_bw / 2**20:.0f} MiB/s | ≤ 1.2× |")
+
+    mem_bw = memory_bandwidth()
+    largest = 0
+    for _, r in TraceReader(os.path.join(tmp, "reference")).records():
+        numel = 1
+        for s in r.layout.logical_shape:
+            numel *= s
+        largest = max(largest, numel * torch.empty(0, dtype=getattr(torch, r.dtype)).element_size())
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, os.path.join(tmp, "reference"), rec_dir],
+                         capture_output=True, text=True, env=env, check=True)
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    nbytes = dir_bytes(os.path.join(tmp, "reference")) + dir_bytes(rec_dir)
+    thr = nbytes / res["seconds"]
+    peak = res["peak_kib_over_baseline"] * 1024
+    print(f"| compare throughput ({res['tensors']} tensors, {nbytes / 2**20:.1f} MiB, verdict {res['verdict']}) | "
+          f"{thr / 2**20:.0f} MiB/s | {thr / mem_bw:.3f}× memory bandwidth ({mem_bw / 2**30:.1f} GiB/s) | ≥ 0.5× |")
+    print(f"| compare peak memory over baseline | {peak / 2**20:.1f} MiB | {peak / largest:.1f}× the largest "
+          f"logical tensor ({largest / 2**20:.1f} MiB) | ≤ 2× |")
+
+    print("\n| recorded iterations | trace MiB (both sides) | compare s | s per MiB |")
+    print("|---|---|---|---|")
+    for iters in ([1], [1, 2], [1, 2, 3, 4]):
+        name = "scale-" + "-".join(map(str, iters))
+        rd, _ = run(REFERENCE, name + "-ref", record_iterations=iters)
+        cd, _ = run(CANDIDATE, name + "-cand", record_iterations=iters)
+        out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, rd, cd], capture_output=True, text=True,
+                             env=env, check=True)
+        r = json.loads(out.stdout.strip().splitlines()[-1])
+        mib = (dir_bytes(rd) + dir_bytes(cd)) / 2**20
+        print(f"| {len(iters)} | {mib:.1f} | {r['seconds']:.2f} | {r['seconds'] / mib:.4f} |")
+
+
+if __name__ == "__main__":
+    main()
