@@ -135,3 +135,25 @@ def test_cli_selective_recording(tmp_path):
         assert keys and {k.iteration for k in keys} == {2}
         assert all(k.module.startswith("decoder.layers.1.") for k in keys)
         assert {k.microbatch for k in keys} <= {-1, 1}
+
+
+def test_cli_runs_a_directory_of_recipes_with_junit(tmp_path):
+    """`ttrace run DIR --junit`: every recipe, a summary, JUnit XML, non-zero if any fails."""
+    import shutil
+    from xml.etree import ElementTree as ET
+
+    from ttrace_megatron.cli import main
+
+    recipes = tmp_path / "recipes"
+    recipes.mkdir()
+    shutil.copy(os.path.join(RECIPES, "gpt_tp2.yaml"), recipes / "a_clean.yaml")
+    (recipes / "b_bad.yaml").write_text("model:\n  num_layer: 2\n")
+    rc = main(["run", str(recipes), "--junit", str(tmp_path / "junit.xml"), "--json", str(tmp_path / "s.json")])
+    assert rc == 2  # one recipe is bad input
+    suite = ET.parse(tmp_path / "junit.xml").getroot()
+    assert suite.get("tests") == "2" and suite.get("errors") == "1" and suite.get("failures") == "0"
+    cases = {c.get("name"): c for c in suite}
+    assert cases["a_clean"].find("failure") is None and cases["a_clean"].find("error") is None
+    assert "num_layer" in cases["b_bad"].find("error").get("message")
+    summary = json.loads((tmp_path / "s.json").read_text())
+    assert [r["verdict"] for r in summary["recipes"]] == ["pass", "error"]

@@ -11,11 +11,13 @@ import os
 import shutil
 import sys
 import tempfile
+import time
 import warnings
 from typing import List, Optional
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+from rich.table import Table
 
 from .errors import RecipeError, RunFailed, TraceError
 
@@ -27,8 +29,8 @@ def _quiet_warnings() -> None:
         warnings.filterwarnings("ignore", category=category)
 
 
-def _compare_and_report(ref_dir: str, cand_dir: str, json_path: Optional[str], console: Console,
-                        out_dir: Optional[str] = None) -> int:
+def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None):
+    """Compare with a progress bar, print the report, write JSON; returns the report (JSON form)."""
     from .compare import compare_traces
     from .report import render, to_json, write_json
 
@@ -41,42 +43,122 @@ def _compare_and_report(ref_dir: str, cand_dir: str, json_path: Optional[str], c
     render(report, console, num_layers=int(comparison.reference_run.get("num_layers", 0)))
     if json_path:
         write_json(comparison, json_path)
-    if out_dir:
-        write_json(comparison, os.path.join(out_dir, "report.json"))
-    return EXIT_PASS if comparison.verdict == "pass" else EXIT_FAIL
+    return report
 
 
-def cmd_run(args, console: Console) -> int:
+def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[str]) -> dict:
+    """Reference run, candidate run, compare. Returns the report (JSON form)."""
     from .adapter.config import validate_recipe
     from .adapter.launch import launch
     from .adapter.runner import CANDIDATE, REFERENCE, RunSpec
-    from .recipe import default_recipe, load_recipe
 
-    recipe = load_recipe(args.recipe) if args.recipe else default_recipe()
     validate_recipe(recipe)
-    out = args.out or tempfile.mkdtemp(prefix="ttrace-")
+    ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
+    for d in (ref_dir, cand_dir):
+        shutil.rmtree(d, ignore_errors=True)
+    seed = os.path.join(out, "seed_checkpoint.safetensors")
+    console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
+    common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, cpu=args.cpu,
+                  record_iterations=args.iters, record_modules=args.modules or ["*"],
+                  record_microbatches=args.microbatches)
+    console.print(f"reference run (1 rank) → {ref_dir}")
+    launch(RunSpec(role=REFERENCE, trace_dir=ref_dir, **common))
+    console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
+                  + (f", injected bugs: {args.inject}" if args.inject else ""))
+    launch(RunSpec(role=CANDIDATE, trace_dir=cand_dir, inject=list(args.inject), **common))
+    report = _compare(ref_dir, cand_dir, console, json_path)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump(report, f, indent=1)
+    return report
+
+
+def _recipe_paths(target: str) -> List[str]:
+    if os.path.isdir(target):
+        paths = sorted(os.path.join(target, f) for f in os.listdir(target) if f.endswith((".yaml", ".yml")))
+        if not paths:
+            raise RecipeError(f"{target}: no recipe (*.yaml) in this directory")
+        return paths
+    return [target]
+
+
+def cmd_run(args, console: Console) -> int:
+    """One recipe (or the embedded default), or every recipe of a directory with a summary."""
+    from .recipe import default_recipe, load_recipe
+    from .report import headline
+
+    targets = _recipe_paths(args.recipe) if args.recipe else [None]
+    many = len(targets) > 1 or (args.recipe and os.path.isdir(args.recipe))
+    out_root = args.out or tempfile.mkdtemp(prefix="ttrace-")
+    rows = []
     try:
-        ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
-        for d in (ref_dir, cand_dir):
-            shutil.rmtree(d, ignore_errors=True)
-        seed = os.path.join(out, "seed_checkpoint.safetensors")
-        console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
-        common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, cpu=args.cpu,
-                      record_iterations=args.iters, record_modules=args.modules or ["*"],
-                      record_microbatches=args.microbatches)
-        console.print(f"reference run (1 rank) → {ref_dir}")
-        launch(RunSpec(role=REFERENCE, trace_dir=ref_dir, **common))
-        console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
-                      + (f", injected bugs: {args.inject}" if args.inject else ""))
-        launch(RunSpec(role=CANDIDATE, trace_dir=cand_dir, inject=list(args.inject), **common))
-        return _compare_and_report(ref_dir, cand_dir, args.json, console, out_dir=out if args.out else None)
+        for target in targets:
+            start = time.monotonic()
+            name = os.path.splitext(os.path.basename(target))[0] if target else "default"
+            row = {"recipe": name, "source": target or "<embedded>"}
+            try:
+                recipe = load_recipe(target) if target else default_recipe()
+                out = os.path.join(out_root, recipe.name) if many else out_root
+                report = _run_recipe(recipe, out, args, console, None if many else args.json)
+                row.update(verdict=report["verdict"], first_mismatch=report["first_mismatch"],
+                           message=headline(report))
+            except (TraceError, RecipeError, RunFailed, ValueError) as e:
+                if not many:
+                    raise
+                row.update(verdict="error", first_mismatch=None, message=str(e))
+                console.print(f"[red]{name}: error:[/] {e}", markup=True, highlight=False)
+            row["seconds"] = round(time.monotonic() - start, 2)
+            rows.append(row)
     finally:
         if not args.out:
-            shutil.rmtree(out, ignore_errors=True)
+            shutil.rmtree(out_root, ignore_errors=True)
+    if many:
+        _print_summary(rows, console)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({"verdict": _overall(rows), "recipes": rows}, f, indent=1)
+    if args.junit:
+        write_junit(rows, args.junit)
+    return {"pass": EXIT_PASS, "fail": EXIT_FAIL}.get(_overall(rows), EXIT_ERROR)
+
+
+def _overall(rows) -> str:
+    verdicts = {r["verdict"] for r in rows}
+    return "error" if "error" in verdicts else ("fail" if "fail" in verdicts else "pass")
+
+
+def _print_summary(rows, console: Console) -> None:
+    table = Table(title="recipes")
+    for col in ("recipe", "verdict", "seconds", "first mismatch / error"):
+        table.add_column(col, overflow="fold")
+    colors = {"pass": "green", "fail": "red", "error": "yellow"}
+    for r in rows:
+        fm = r.get("first_mismatch")
+        where = f"{fm['module']} {fm['phase']} {fm['tensor']}" if fm else ("" if r["verdict"] == "pass" else r["message"])
+        table.add_row(r["recipe"], f"[{colors[r['verdict']]}]{r['verdict']}[/]", f"{r['seconds']:.1f}", where)
+    console.print(table)
+
+
+def write_junit(rows, path: str) -> None:
+    """JUnit XML, one test case per recipe, for CI systems."""
+    from xml.etree import ElementTree as ET
+
+    suite = ET.Element("testsuite", name="ttrace", tests=str(len(rows)),
+                       failures=str(sum(r["verdict"] == "fail" for r in rows)),
+                       errors=str(sum(r["verdict"] == "error" for r in rows)),
+                       time=f"{sum(r['seconds'] for r in rows):.2f}")
+    for r in rows:
+        case = ET.SubElement(suite, "testcase", classname="ttrace.recipes", name=r["recipe"], time=f"{r['seconds']:.2f}")
+        if r["verdict"] == "fail":
+            ET.SubElement(case, "failure", message=r["message"]).text = json.dumps(r["first_mismatch"], indent=1)
+        elif r["verdict"] == "error":
+            ET.SubElement(case, "error", message=r["message"])
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    ET.ElementTree(suite).write(path, encoding="utf-8", xml_declaration=True)
 
 
 def cmd_compare(args, console: Console) -> int:
-    return _compare_and_report(args.reference, args.candidate, args.json, console)
+    report = _compare(args.reference, args.candidate, console, args.json)
+    return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 
 
 def cmd_report(args, console: Console) -> int:
@@ -118,9 +200,12 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run the reference and the candidate of a recipe, then compare")
-    run.add_argument("recipe", nargs="?", help="recipe YAML (default: the embedded tiny GPT, TP=2 + SP)")
-    run.add_argument("--out", help="keep the traces and report.json in this directory")
-    run.add_argument("--json", help="write the machine-readable report here")
+    run.add_argument("recipe", nargs="?",
+                     help="recipe YAML, or a directory: run every recipe in it and print a summary "
+                          "(default: the embedded tiny GPT, TP=2 + SP)")
+    run.add_argument("--out", help="keep the traces and report.json in this directory (one subdirectory per recipe)")
+    run.add_argument("--json", help="write the machine-readable report here (a summary for a directory)")
+    run.add_argument("--junit", help="write JUnit XML here, one test case per recipe")
     run.add_argument("--inject", action="append", default=[], metavar="BUG[:MODULE_PATTERN]",
                      help="inject a known bug into the candidate (tests and the bug zoo)")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
