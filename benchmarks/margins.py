@@ -64,7 +64,7 @@ def main():
           f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}\n")
     print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio |")
     print("|---|---|---|---|---|---|---|")
-    for name in ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp"):
+    for name in ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2"):
         for dtype in ("fp32", "bf16"):
             worst, fps, n = None, 0, 0
             for seed in range(1, args.seeds + 1):
