@@ -2,6 +2,12 @@ import os
 import warnings
 
 import pytest
+from hypothesis import settings
+
+# CI replays a fixed set of examples so a landing never depends on the draw; local runs explore.
+settings.register_profile("ci", derandomize=True)
+if os.environ.get("CI"):
+    settings.load_profile("ci")
 
 for category in (UserWarning, FutureWarning, DeprecationWarning):
     warnings.filterwarnings("ignore", category=category)

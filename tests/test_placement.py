@@ -119,3 +119,13 @@ def test_json_round_trip():
         assert placement_from_json(placement_to_json(p)) == p
     layout = Layout((Shard(0, "tp"),), (2, 3, 4), (1, 0, 2))
     assert Layout.from_json(layout.to_json()) == layout
+
+
+def test_replicas_with_size_one_dims_compare_bitwise():
+    """Found by hypothesis: a permuted replica with a size-1 dim kept a stride that forbade a byte view."""
+    full = torch.randn(1, 2, dtype=torch.float64)
+    layout = Layout((Shard(0, "tp"), Replicate("cp")), (1, 2), (1, 0))
+    coords = [{"tp": (r, 2), "cp": (c, 2)} for r in range(2) for c in range(2)]
+    pieces = [(c, slice_logical(full, layout, c, (1, 1))) for c in coords]
+    merged = merge_shards(pieces, layout)
+    assert merged.replica_mismatches == [] and torch.equal(merged.tensor, full)

@@ -346,10 +346,18 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    # a fresh dense copy: views of size-1 dims can keep strides that forbid a dtype view
+    flat = torch.empty(t.numel(), dtype=t.dtype)
+    flat.copy_(t.reshape(-1))
+    return flat.view(torch.uint8)
+
+
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit-for-bit equality (NaNs with the same bits are equal, unlike torch.equal)."""
     if a.shape != b.shape or a.dtype != b.dtype:
         return False
-    return bool(torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8))) if a.numel() else True
+    return bool(torch.equal(_as_bytes(a), _as_bytes(b))) if a.numel() else True
 
 
 def _max_abs_diff(a: torch.Tensor, b: torch.Tensor) -> float:

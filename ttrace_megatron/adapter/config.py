@@ -21,9 +21,6 @@ GPT_MODEL_KEYS = {
     "make_vocab_size_divisible_by": 128,
 }
 
-# Parallel settings live in `parallel:`, never in `model:`.
-_PARALLEL_FIELDS = None
-
 
 def _fields(cls) -> Dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}

@@ -9,6 +9,7 @@ The model is a megatron-core GPTModel (local spec) wrapped as megatron.training 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
 import os
 import time
@@ -46,8 +47,7 @@ class RunSpec:
     timings: bool = False  # write per-iteration step and flush times (cost benchmarks)
 
     def get_recipe(self) -> Recipe:
-        r = recipe_from_dict({k: v for k, v in self.recipe.items() if k != "source"})
-        return r
+        return recipe_from_dict(self.recipe)
 
     @property
     def parallel(self) -> Dict:
@@ -151,7 +151,7 @@ def _run(rank: int, spec: RunSpec) -> None:
     if not spec.cpu:
         model.cuda(torch.cuda.current_device())
     for mname, pname, _, param in all_parameters([model]):
-        if any(__import__("fnmatch").fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
+        if any(fnmatch.fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
             param.requires_grad_(False)
 
     facts = layouts.ModelFacts(num_layers=config.num_layers, vocab_size=recipe.data.vocab_size,
