@@ -1,7 +1,6 @@
 """Fuzzing the manifest and trace loader: mutated traces give a TraceError or load, nothing else."""
 
 import json
-import os
 import shutil
 
 import pytest

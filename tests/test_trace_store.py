@@ -34,7 +34,7 @@ def make_trace(path, world=2, value=None, model_config=None, close=True, nan=Fal
 
 
 def test_round_trip(tmp_path):
-    full = make_trace(tmp_path)
+    make_trace(tmp_path)
     reader = TraceReader(str(tmp_path))
     assert len(reader.ranks) == 2
     c = compare_traces(str(tmp_path), str(tmp_path))
@@ -112,7 +112,6 @@ def test_nan_is_a_mismatch_even_when_identical(tmp_path):
 def test_tensor_on_one_side_only_is_listed(tmp_path):
     make_trace(tmp_path / "a")
     make_trace(tmp_path / "b")
-    path = tmp_path / "b" / "rank-00000" / "manifest.json"
     for r in (0, 1):
         path = tmp_path / "b" / f"rank-0000{r}" / "manifest.json"
         m = json.loads(path.read_text())

@@ -12,7 +12,6 @@ import shutil
 import sys
 import tempfile
 import time
-import warnings
 from typing import List, Optional
 
 from rich.console import Console
@@ -22,11 +21,6 @@ from rich.table import Table
 from .errors import RecipeError, RunFailed, TraceError
 
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
-
-
-def _quiet_warnings() -> None:
-    for category in (UserWarning, FutureWarning, DeprecationWarning):
-        warnings.filterwarnings("ignore", category=category)
 
 
 def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None):
@@ -230,8 +224,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         args = parser.parse_args(argv)
     except SystemExit as e:
         return EXIT_ERROR if e.code not in (0, None) else EXIT_PASS
-    if not args.verbose:
-        _quiet_warnings()
+    if args.verbose:
+        os.environ["TTRACE_VERBOSE"] = "1"  # rank processes read it too
+    from .adapter.worker_env import quiet_warnings
+
+    quiet_warnings()
     console = Console()
     commands = {"run": cmd_run, "compare": cmd_compare, "report": cmd_report}
     try:

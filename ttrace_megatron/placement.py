@@ -106,16 +106,6 @@ class Layout:
         if self.permute is not None and sorted(self.permute) != list(range(len(self.logical_shape))):
             raise ValueError(f"permute {self.permute} is not a permutation of {len(self.logical_shape)} dims")
 
-    @property
-    def stored_logical_shape(self) -> Tuple[int, ...]:
-        """The logical shape in stored dim order."""
-        if self.permute is None:
-            return self.logical_shape
-        shape = [0] * len(self.logical_shape)
-        for logical_dim, stored_dim in enumerate(self.permute):
-            shape[stored_dim] = self.logical_shape[logical_dim]
-        return tuple(shape)
-
     def to_json(self) -> dict:
         obj = {
             "placements": [placement_to_json(p) for p in self.placements],
@@ -373,17 +363,3 @@ def _trim(t: torch.Tensor, logical_shape: Sequence[int]) -> torch.Tensor:
         raise PlacementError(f"merged shape {tuple(t.shape)} cannot hold logical shape {tuple(logical_shape)}")
     return t[tuple(slice(0, n) for n in logical_shape)].contiguous()
 
-
-def local_shape_of(layout: Layout, coords: Coords, padded_sizes: Optional[Mapping[int, int]] = None) -> Tuple[int, ...]:
-    """The shape a rank holds, for an evenly divisible layout (``padded_sizes`` overrides dims)."""
-    shape = list(layout.stored_logical_shape)
-    for dim, size in (padded_sizes or {}).items():
-        shape[dim] = size
-    for p in layout.placements:
-        if isinstance(p, Shard):
-            dim = p.dim % len(shape)
-            _, n = _coord(coords, p.axis)
-            if shape[dim] % n:
-                raise PlacementError(f"dim {dim} of size {shape[dim]} does not split evenly over {n} ranks")
-            shape[dim] //= n
-    return tuple(shape)

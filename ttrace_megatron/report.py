@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
 from .compare import FAIL, PASS, Comparison, TensorResult
-
-PHASE_COLUMNS = ("forward", "backward", "main_grad", "optimizer")
+from .trace_store import PHASES
 
 
 def _num(x: float):
@@ -107,11 +106,11 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
             worst[t["depth"]][t["phase"]] = dict(t, ratio=ratio)
     table = Table(title="worst error / tolerance per layer (ε units)", show_lines=False)
     table.add_column("layer")
-    for phase in PHASE_COLUMNS:
+    for phase in PHASES:
         table.add_column(phase, justify="right")
     for depth in sorted(worst):
         row = [_layer_label(depth, num_layers)]
-        for phase in PHASE_COLUMNS:
+        for phase in PHASES:
             t = worst[depth].get(phase)
             if t is None:
                 row.append("—")

@@ -10,7 +10,7 @@ vocabulary padded per TP size) is not part of the logical tensor and loads as ze
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List
 
 import torch
 from safetensors.torch import load_file, save_file
