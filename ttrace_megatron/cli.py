@@ -24,15 +24,23 @@ EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
 def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None):
-    """Compare with a progress bar, print the report, write JSON; returns the report (JSON form)."""
+    """Compare with a progress bar, print the report, write JSON; returns the report (JSON form).
+
+    A candidate that compared online (``--ttrace-reference``) holds verdict sums, not tensors:
+    they are combined instead.
+    """
     from .compare import compare_traces
+    from .online import combine_online, has_online_results
     from .report import render, to_json, write_json
 
-    with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), console=console,
-                  transient=True) as progress:
-        task = progress.add_task("compare", total=None)
-        comparison = compare_traces(ref_dir, cand_dir,
-                                    progress=lambda done, total: progress.update(task, completed=done, total=total))
+    if has_online_results(cand_dir) and not os.path.exists(os.path.join(cand_dir, "rank-00000", "manifest.json")):
+        comparison = combine_online(cand_dir, ref_dir)
+    else:
+        with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), console=console,
+                      transient=True) as progress:
+            task = progress.add_task("compare", total=None)
+            comparison = compare_traces(
+                ref_dir, cand_dir, progress=lambda done, total: progress.update(task, completed=done, total=total))
     report = to_json(comparison)
     render(report, console, num_layers=int(comparison.reference_run.get("num_layers", 0)))
     if json_path:
@@ -55,11 +63,13 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, cpu=args.cpu,
                   record_iterations=args.iters, record_modules=args.modules or ["*"],
                   record_microbatches=args.microbatches)
+    online = dict(online_reference=ref_dir, keep_tensors=False) if args.online else {}
     console.print(f"reference run (1 rank) → {ref_dir}")
     launch(RunSpec(role=REFERENCE, trace_dir=ref_dir, **common))
     console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
-                  + (f", injected bugs: {args.inject}" if args.inject else ""))
-    launch(RunSpec(role=CANDIDATE, trace_dir=cand_dir, inject=list(args.inject), **common))
+                  + (f", injected bugs: {args.inject}" if args.inject else "")
+                  + (", comparing online" if args.online else ""))
+    launch(RunSpec(role=CANDIDATE, trace_dir=cand_dir, inject=list(args.inject), **online, **common))
     report = _compare(ref_dir, cand_dir, console, json_path)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
@@ -169,8 +179,15 @@ def cmd_report(args, console: Console) -> int:
             raise TraceError(f"not a ttrace report ({e})", path=report_path) from None
         render(report, console)
         return EXIT_PASS if verdict == "pass" else EXIT_FAIL
+    from .online import has_online_results
     from .trace_store import TraceReader
 
+    if has_online_results(path):
+        from .trace_store import RUN_FILE, read_json
+
+        run = read_json(os.path.join(path, RUN_FILE), rank=None)
+        return cmd_compare(argparse.Namespace(reference=run.get("online_reference"), candidate=path, json=None),
+                           console)
     reader = TraceReader(path)
     counts = {}
     for _, rec in reader.records():
@@ -202,6 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--junit", help="write JUnit XML here, one test case per recipe")
     run.add_argument("--inject", action="append", default=[], metavar="BUG[:MODULE_PATTERN]",
                      help="inject a known bug into the candidate (tests and the bug zoo)")
+    run.add_argument("--online", action="store_true",
+                     help="the candidate compares against the reference while it runs and writes verdicts only")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
     run.add_argument("--iters", type=_int_list, help="record only these iterations (1-based), e.g. 1,3")
     run.add_argument("--modules", action="append", metavar="PATTERN",

@@ -51,6 +51,7 @@ class Comparison:
     missing_in_reference: List[TensorKey]
     reference_run: dict
     candidate_run: dict
+    skipped: List[TensorKey] = dataclasses.field(default_factory=list)  # not judgeable (online partial sums)
 
     @property
     def failures(self) -> List[TensorResult]:
@@ -75,26 +76,26 @@ def _flatten(obj, prefix="") -> Dict[str, object]:
     return {prefix[:-1]: obj}
 
 
-def check_compatible(ref: TraceReader, cand: TraceReader) -> None:
+def check_compatible(reference_run: dict, candidate_run: dict, candidate_dir: str) -> None:
     """Reference and candidate must describe the same model, data and training."""
-    a = _flatten(ref.run.get("model_config", {}))
-    b = _flatten(cand.run.get("model_config", {}))
+    a = _flatten(reference_run.get("model_config", {}))
+    b = _flatten(candidate_run.get("model_config", {}))
     differing = sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>"))
     if differing:
         detail = ", ".join(f"{k}: reference={a.get(k, '<unset>')!r} candidate={b.get(k, '<unset>')!r}"
                            for k in differing[:8])
         raise ConfigMismatchError(f"reference and candidate configs differ in {len(differing)} field(s): {detail}",
-                                  path=cand.dir)
+                                  path=candidate_dir)
 
 
-def _group(reader: TraceReader) -> Dict[TensorKey, List[Tuple[RankTrace, Record]]]:
+def group_records(reader: TraceReader) -> Dict[TensorKey, List[Tuple[RankTrace, Record]]]:
     groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]] = {}
     for rt, rec in reader.records():
         groups.setdefault(rec.key, []).append((rt, rec))
     return groups
 
 
-def _logical(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]):
+def logical_tensor(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]):
     first_rt, first = pieces[0]
     for rt, rec in pieces[1:]:
         if rec.layout != first.layout:
@@ -112,51 +113,64 @@ def _logical(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]):
     return merged
 
 
+def nonfinite_message(candidate_count: int, reference_count: int, same_positions: bool) -> Optional[str]:
+    if candidate_count == 0 and reference_count == 0:
+        return None
+    if same_positions:
+        return f"non-finite values: the same {candidate_count} NaN/Inf positions on both sides"
+    return f"non-finite values: candidate has {candidate_count} NaN/Inf, reference has {reference_count}"
+
+
 def _nonfinite_reason(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     fa = ~torch.isfinite(a)
     fb = ~torch.isfinite(b)
     na, nb = int(fa.sum()), int(fb.sum())
-    if na == 0 and nb == 0:
-        return None
-    if na and nb and torch.equal(fa, fb):
-        return f"non-finite values: the same {na} NaN/Inf positions on both sides"
-    return f"non-finite values: candidate has {na} NaN/Inf, reference has {nb}"
+    return nonfinite_message(na, nb, bool(na and nb and torch.equal(fa, fb)))
+
+
+def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config: ToleranceConfig,
+           shape: Tuple[int, ...], error: float, reason: str = "") -> TensorResult:
+    """The verdict on one logical tensor: a stated reason fails it, else error against tolerance."""
+    tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config)
+    ok = not reason and error / tol.eps <= tol.tolerance_eps
+    return TensorResult(key=key, verdict=PASS if ok else FAIL, error=error, eps=tol.eps,
+                        tolerance_eps=tol.tolerance_eps, order=order, depth=rec.depth, shape=tuple(shape),
+                        tolerance_source=tol.source, reason=reason)
 
 
 def judge(key: TensorKey, cand: torch.Tensor, ref: torch.Tensor, rec: Record, num_layers: int, order: int,
           tol_config: ToleranceConfig, replica_note: str = "") -> TensorResult:
-    tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config)
-    base = dict(key=key, eps=tol.eps, tolerance_eps=tol.tolerance_eps, order=order, depth=rec.depth,
-                shape=tuple(ref.shape), tolerance_source=tol.source)
+    args = (key, rec, num_layers, order, tol_config, tuple(ref.shape))
     if tuple(cand.shape) != tuple(ref.shape):
-        return TensorResult(verdict=FAIL, error=math.inf,
-                            reason=f"shape {tuple(cand.shape)} differs from the reference's {tuple(ref.shape)}", **base)
+        return decide(*args, math.inf, f"shape {tuple(cand.shape)} differs from the reference's {tuple(ref.shape)}")
     nonfinite = _nonfinite_reason(cand, ref)
     if nonfinite:
         finite = torch.isfinite(cand) & torch.isfinite(ref)
         err = relative_error(cand[finite], ref[finite])[0] if bool(finite.any()) else math.nan
-        return TensorResult(verdict=FAIL, error=err, reason=nonfinite, **base)
+        return decide(*args, err, nonfinite)
     err, _ = relative_error(cand, ref)
-    if replica_note:
-        return TensorResult(verdict=FAIL, error=err, reason=replica_note, **base)
-    verdict = PASS if err / tol.eps <= tol.tolerance_eps else FAIL
-    return TensorResult(verdict=verdict, error=err, **base)
+    return decide(*args, err, replica_note)
+
+
+def reference_order(groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]) -> Dict[TensorKey, int]:
+    """Execution order of each key: the reference's recording order."""
+    return {key: min(rec.seq + rt.rank * 10**9 for rt, rec in pieces) for key, pieces in groups.items()}
 
 
 def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig(),
                    progress: Optional[Callable[[int, int], None]] = None) -> Comparison:
     ref = TraceReader(reference_dir)
     cand = TraceReader(candidate_dir)
-    check_compatible(ref, cand)
+    check_compatible(ref.run, cand.run, cand.dir)
     num_layers = int(ref.run.get("num_layers", 0))
-    ref_groups = _group(ref)
-    cand_groups = _group(cand)
-    order = {key: min(rec.seq + rt.rank * 10**9 for rt, rec in pieces) for key, pieces in ref_groups.items()}
+    ref_groups = group_records(ref)
+    cand_groups = group_records(cand)
+    order = reference_order(ref_groups)
     common = sorted(set(ref_groups) & set(cand_groups), key=lambda k: order[k])
     results: List[TensorResult] = []
     for i, key in enumerate(common):
-        ref_merged = _logical(ref, ref_groups[key])
-        cand_merged = _logical(cand, cand_groups[key])
+        ref_merged = logical_tensor(ref, ref_groups[key])
+        cand_merged = logical_tensor(cand, cand_groups[key])
         notes = []
         for side, merged in (("candidate", cand_merged), ("reference", ref_merged)):
             for m in merged.replica_mismatches:

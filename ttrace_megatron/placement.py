@@ -343,6 +343,14 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+def content_digest(t: torch.Tensor) -> int:
+    """CRC32 of a tensor's bytes: replicas that agree bit for bit have equal digests, so ranks
+    can check replicas without exchanging tensors (online compare)."""
+    import zlib
+
+    return zlib.crc32(_as_bytes(t.detach().cpu()).numpy().tobytes()) if t.numel() else 0
+
+
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-for-bit equality (NaNs with the same bits are equal, unlike torch.equal)."""
     if a.shape != b.shape or a.dtype != b.dtype:

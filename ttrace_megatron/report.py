@@ -43,9 +43,10 @@ def to_json(c: Comparison) -> dict:
         "first_mismatch": _mismatch_json(first) if first else None,
         "summary": {"compared": len(c.results), "failed": len(c.failures),
                     "missing_in_candidate": len(c.missing_in_candidate),
-                    "missing_in_reference": len(c.missing_in_reference)},
+                    "missing_in_reference": len(c.missing_in_reference), "skipped": len(c.skipped)},
         "missing_in_candidate": [str(k) for k in c.missing_in_candidate],
         "missing_in_reference": [str(k) for k in c.missing_in_reference],
+        "skipped": [str(k) for k in c.skipped],
         "tensors": [dict(_mismatch_json(r), verdict=r.verdict, error=_num(r.error), eps=r.eps, depth=r.depth,
                          order=r.order, shape=list(r.shape), tolerance_source=r.tolerance_source)
                     for r in c.results],
@@ -60,8 +61,10 @@ def write_json(c: Comparison, path: str) -> None:
 
 def headline(report: dict) -> str:
     if report["verdict"] == PASS:
+        skipped = report["summary"].get("skipped", 0)
         return (f"equivalent within floating-point round-off: {report['summary']['compared']} logical tensors "
-                f"compared, none above its tolerance")
+                f"compared, none above its tolerance"
+                + (f" ({skipped} per-rank partial sums not judgeable online)" if skipped else ""))
     fm = report["first_mismatch"]
     if fm is None:
         s = report["summary"]

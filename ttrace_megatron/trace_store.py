@@ -96,7 +96,7 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _atomic_write_json(path: str, obj: dict) -> None:
+def atomic_write_json(path: str, obj: dict) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
         json.dump(obj, f, indent=1)
@@ -107,7 +107,7 @@ def _atomic_write_json(path: str, obj: dict) -> None:
 
 def write_run_info(trace_dir: str, info: dict) -> None:
     os.makedirs(trace_dir, exist_ok=True)
-    _atomic_write_json(os.path.join(trace_dir, RUN_FILE), dict(info, format_version=FORMAT_VERSION))
+    atomic_write_json(os.path.join(trace_dir, RUN_FILE), dict(info, format_version=FORMAT_VERSION))
 
 
 class TraceWriter:
@@ -140,14 +140,14 @@ class TraceWriter:
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
             compute_dtype: Optional[torch.dtype] = None, reduction: int = 0, scale: float = 1.0) -> None:
-        """Queue a tensor (already detached and copied by the caller) for the next flush."""
+        """Queue a copy of ``tensor`` (on CPU) for the next flush."""
         if not self.active:
             return
         name = f"t{self._seq:07d}"
         rec = Record(key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, "", name, depth,
                      dtype_name(compute_dtype or tensor.dtype), reduction, scale)
         self._seq += 1
-        self._pending[name] = tensor.contiguous()
+        self._pending[name] = tensor.detach().to("cpu", copy=True).contiguous()
         self._pending_records.append(rec)
 
     def flush(self, iteration: int) -> None:
@@ -198,7 +198,7 @@ class TraceWriter:
                 pass
 
     def _write_manifest(self, complete: bool) -> None:
-        _atomic_write_json(os.path.join(self.dir, MANIFEST_FILE), {
+        atomic_write_json(os.path.join(self.dir, MANIFEST_FILE), {
             "format_version": FORMAT_VERSION,
             "rank": self.rank,
             "coords": self.coords,
@@ -224,7 +224,7 @@ class TraceReader:
     def __init__(self, trace_dir: str, *, allow_incomplete: bool = False):
         self.dir = trace_dir
         run_path = os.path.join(trace_dir, RUN_FILE)
-        self.run = _read_json(run_path, rank=None)
+        self.run = read_json(run_path, rank=None)
         if not isinstance(self.run, dict) or "world_size" not in self.run:
             raise TraceError("run description lacks 'world_size'", path=run_path)
         if self.run.get("format_version") != FORMAT_VERSION:
@@ -248,7 +248,7 @@ class TraceReader:
         if not os.path.exists(path):
             raise TraceError(f"rank {rank} of {self.run['world_size']} has no manifest (missing rank)",
                              path=path, rank=rank)
-        m = _read_json(path, rank)
+        m = read_json(path, rank)
         try:
             if m.get("rank") != rank:
                 raise TraceError(f"manifest says rank {m.get('rank')!r}", path=path, rank=rank)
@@ -326,7 +326,7 @@ class TraceReader:
             raise TraceError(f"data file is not valid safetensors ({e})", path=path, rank=rank_trace.rank) from None
 
 
-def _read_json(path: str, rank: Optional[int]):
+def read_json(path: str, rank: Optional[int]):
     try:
         with open(path) as f:
             return json.load(f)

@@ -3,10 +3,18 @@
 What is recorded, each with its placement (see :mod:`.layouts`):
 
 * forward: the first input and output of every ColumnParallelLinear, RowParallelLinear and
-  VocabParallelEmbedding (the output layer included), and the per-token loss;
+  VocabParallelEmbedding (the output layer included), and the per-token loss (the GPTModel's
+  output when it is given labels);
 * backward: the grads w.r.t. those inputs and outputs, and each parameter's grad per microbatch;
-* main_grad: ``param.main_grad`` after ``finalize_model_grads`` (grad reduction done);
+* main_grad: ``param.main_grad`` when ``optimizer.step()`` starts (``finalize_model_grads`` has
+  reduced them by then, whoever set ``config.finalize_model_grads_func``);
 * optimizer: the grad norm and the updated parameters after ``optimizer.step()``.
+
+Tensors go to *sinks*: a :class:`~ttrace_megatron.trace_store.TraceWriter` (offline compare) and/or
+an :class:`~ttrace_megatron.online.OnlineComparer` (verdicts only). Nothing is recorded outside
+``begin_iteration`` … ``end_iteration``, so evaluation passes between steps are ignored.
+Microbatches are counted by a forward pre-hook on each model chunk: without pipelining the
+schedule calls the model once per microbatch, in megatron's data order.
 
 Neutrality: hooks copy tensors and never write to the run's tensors. To capture the grad w.r.t.
 a module's own input (not the sum over all consumers of that tensor) the input is passed to the
@@ -22,9 +30,9 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 
 from ..placement import Layout
-from ..trace_store import TensorKey, TraceWriter
+from ..trace_store import TensorKey
 from . import layouts
-from .naming import all_parameters, canonical_module_names
+from .naming import all_parameters, canonical_module_names, unwrap
 
 
 @dataclasses.dataclass
@@ -40,14 +48,10 @@ class RecordFilter:
         return any(fnmatch.fnmatchcase(name, p) for p in self.modules)
 
 
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().to("cpu", copy=True)
-
-
 class Recorder:
-    def __init__(self, writer: TraceWriter, chunks: List[torch.nn.Module], facts: layouts.ModelFacts,
+    def __init__(self, sinks: Sequence, chunks: List[torch.nn.Module], facts: layouts.ModelFacts,
                  rank: int, dp_rank: int, dp_size: int, record_filter: RecordFilter = RecordFilter()):
-        self.writer = writer
+        self.sinks = list(sinks)
         self.chunks = chunks
         self.facts = facts
         self.rank = rank
@@ -55,6 +59,8 @@ class Recorder:
         self.dp_size = dp_size
         self.filter = record_filter
         self.iteration = 0
+        self.in_iteration = False
+        self._local_microbatch = 0
         self.microbatch = -1  # global id of the microbatch whose forward runs now
         self.backward_microbatch = -1
         self._handles = []
@@ -65,7 +71,7 @@ class Recorder:
     @property
     def recording(self) -> bool:
         f = self.filter
-        return (self.writer.active
+        return (self.in_iteration and any(s.active for s in self.sinks)
                 and (f.iterations is None or self.iteration in f.iterations)
                 and (f.ranks is None or self.rank in f.ranks))
 
@@ -77,6 +83,8 @@ class Recorder:
     # ---- training-loop calls
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
+        self.in_iteration = True
+        self._local_microbatch = 0
 
     def begin_microbatch(self, local_microbatch: int) -> None:
         """Megatron's data order: DP rank r's j-th microbatch is global microbatch j·dp + r.
@@ -89,13 +97,16 @@ class Recorder:
         self.backward_microbatch = self.microbatch
 
     def end_iteration(self, iteration: int) -> None:
-        self.writer.flush(iteration)
+        self.in_iteration = False
+        for sink in self.sinks:
+            sink.flush(iteration)
 
     def close(self) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
-        self.writer.close()
+        for sink in self.sinks:
+            sink.close()
 
     # ---- module hooks
     def attach(self) -> "Recorder":
@@ -104,6 +115,8 @@ class Recorder:
 
         recorded = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
         for chunk in self.chunks:
+            self._handles.append(chunk.register_forward_pre_hook(self._count_microbatch))
+            self._handles.append(unwrap(chunk).register_forward_hook(self._loss_hook, with_kwargs=True))
             for module, name in canonical_module_names(chunk).items():
                 if isinstance(module, recorded):
                     self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
@@ -120,8 +133,19 @@ class Recorder:
         # per-microbatch grads are dp times those of a run with DP=1; DDP divides by dp again
         # when it reduces main grads.
         scale = float(self.dp_size) if key.phase == "backward" else 1.0
-        self.writer.add(key, _copy(tensor), layout, depth=depth, compute_dtype=self._compute_dtype,
-                        reduction=reduction, scale=scale)
+        for sink in self.sinks:
+            sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
+                     scale=scale)
+
+    def _count_microbatch(self, module, args):
+        if self.in_iteration:
+            self.begin_microbatch(self._local_microbatch)
+            self._local_microbatch += 1
+
+    def _loss_hook(self, module, args, kwargs, output):
+        """GPTModel returns the per-token loss [b, s] when it is given labels."""
+        if kwargs.get("labels") is not None and isinstance(output, torch.Tensor):
+            self.record_loss(output)
 
     def _layouts(self, name, module, inp, out):
         return layouts.activation_layouts(name, module, self.facts, tuple(inp.shape),
@@ -205,10 +229,26 @@ class Recorder:
                 layout = layouts.param_layout(mname, pname, module, param, self.facts)
                 self._add(TensorKey(self.iteration, -1, mname, "optimizer", pname), param, layout)
 
-    def wrap_finalize(self, finalize_fn):
-        """``config.finalize_model_grads_func`` that records main grads once grads are final."""
-        def finalize_and_record(*args, **kwargs):
-            result = finalize_fn(*args, **kwargs)
+    def wrap_optimizer(self, optimizer) -> None:
+        """Record main grads as ``optimizer.step()`` starts, grad norm and parameters after it.
+
+        The wrapper is an instance attribute, so megatron's ``train_step`` (which calls
+        ``optimizer.step()``) goes through it; :meth:`unwrap_optimizer` restores the method.
+        """
+        original = optimizer.step
+
+        def step(*args, **kwargs):
             self.record_main_grads()
+            result = original(*args, **kwargs)
+            grad_norm = result[1] if isinstance(result, tuple) and len(result) >= 2 else None
+            self.record_optimizer_step(grad_norm)
             return result
-        return finalize_and_record
+
+        step.ttrace_original = original
+        optimizer.step = step
+
+    @staticmethod
+    def unwrap_optimizer(optimizer) -> None:
+        original = getattr(optimizer.step, "ttrace_original", None)
+        if original is not None:
+            optimizer.step = original

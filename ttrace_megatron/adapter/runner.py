@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from ..recipe import Recipe, recipe_from_dict
-from ..trace_store import TraceWriter, write_run_info
 from . import config as cfg
 from . import layouts
 from .naming import all_parameters, full_param_name
@@ -43,6 +42,8 @@ class RunSpec:
     record_microbatches: Optional[List[int]] = None
     record_ranks: Optional[List[int]] = None
     trace: bool = True  # False: run without attaching the recorder (bitwise-neutrality checks)
+    online_reference: Optional[str] = None  # candidate: judge shards against this reference during the run
+    keep_tensors: bool = True  # with online_reference: also write the tensors (online vs offline checks)
     dump_state: bool = False  # write losses and final parameters (bitwise-neutrality checks)
     timings: bool = False  # write per-iteration step and flush times (cost benchmarks)
 
@@ -56,23 +57,6 @@ class RunSpec:
     @property
     def world_size(self) -> int:
         return int(self.recipe["world_size"]) if self.role == CANDIDATE else 1
-
-
-def library_versions() -> Dict[str, str]:
-    import megatron.core
-
-    out = {"torch": torch.__version__, "megatron.core": getattr(megatron.core, "__version__", "?")}
-    try:
-        from ttrace_megatron import __version__
-        out["ttrace_megatron"] = __version__
-    except ImportError:
-        pass
-    try:
-        import transformer_engine  # noqa: F401
-        out["transformer_engine"] = transformer_engine.__version__
-    except Exception:
-        pass
-    return out
 
 
 def _sample(seed: int, index: int, seq_length: int, vocab_size: int) -> torch.Tensor:
@@ -129,8 +113,7 @@ def _run(rank: int, spec: RunSpec) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    from . import bugs
-    from .recorder import Recorder, RecordFilter
+    from . import bugs, integration
     from .seed_checkpoint import load_seed_checkpoint, save_seed_checkpoint
 
     recipe = spec.get_recipe()
@@ -173,25 +156,16 @@ def _run(rank: int, spec: RunSpec) -> None:
     for bug in spec.inject if spec.role == CANDIDATE else []:
         bugs.inject([model], bug)
 
-    if rank == 0:
-        write_run_info(spec.trace_dir, {
-            "role": spec.role, "world_size": spec.world_size, "recipe": recipe.to_json(),
-            "parallel": spec.parallel, "model_config": _model_signature(recipe),
-            "num_layers": config.num_layers, "compute_dtype": str(config.params_dtype).replace("torch.", ""),
-            "versions": library_versions(), "injected_bugs": spec.inject if spec.role == CANDIDATE else [],
-        })
-    dist.barrier()
-
-    recorder = None
-    finalize = finalize_model_grads
-    if spec.trace:
-        writer = TraceWriter(spec.trace_dir, rank, coords)
-        record_filter = RecordFilter(spec.record_iterations, spec.record_modules, spec.record_microbatches,
-                                     spec.record_ranks)
-        recorder = Recorder(writer, [model], facts, rank, dp_rank, dp_size, record_filter).attach()
-        finalize = recorder.wrap_finalize(finalize_model_grads)
-    config.finalize_model_grads_func = finalize
+    config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
+    if spec.trace:
+        options = integration.TraceOptions(
+            enabled=True, dir=spec.trace_dir, iterations=spec.record_iterations, modules=tuple(spec.record_modules),
+            ranks=spec.record_ranks, microbatches=spec.record_microbatches, reference=spec.online_reference,
+            keep_tensors=spec.keep_tensors, role=spec.role)
+        integration.attach([model], optimizer, config, options=options, facts=facts, run_info={
+            "recipe": recipe.to_json(), "parallel": spec.parallel, "model_config": _model_signature(recipe),
+            "injected_bugs": spec.inject if spec.role == CANDIDATE else []})
 
     forward_backward = get_forward_backward_func()
     seq = recipe.data.seq_length
@@ -201,17 +175,13 @@ def _run(rank: int, spec: RunSpec) -> None:
         position_ids = position_ids.cuda()
 
     def loss_func(output_tensor):
-        if recorder is not None:
-            recorder.record_loss(output_tensor)
         loss = output_tensor.float().mean()
         return loss, {"lm loss": loss.detach()}
 
     def forward_step(data_iterator, model):
-        j, tokens, labels = next(data_iterator)
+        _, tokens, labels = next(data_iterator)
         if not spec.cpu:
             tokens, labels = tokens.cuda(), labels.cuda()
-        if recorder is not None:
-            recorder.begin_microbatch(j)
         output = model(tokens, position_ids, None, labels=labels)
         return output, partial(loss_func)
 
@@ -219,24 +189,19 @@ def _run(rank: int, spec: RunSpec) -> None:
     timings = []
     for iteration in range(1, recipe.train.iterations + 1):
         start = time.perf_counter()
-        if recorder is not None:
-            recorder.begin_iteration(iteration)
+        integration.begin_iteration(iteration)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         batches = list(microbatches(recipe, iteration - 1, dp_rank, dp_size))
         reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
                                    num_microbatches=len(batches), seq_length=seq, micro_batch_size=mbs,
                                    forward_only=False)
-        _, grad_norm, _ = optimizer.step()
-        if recorder is not None:
-            recorder.record_optimizer_step(grad_norm)
+        optimizer.step()
         stepped = time.perf_counter()
-        if recorder is not None:
-            recorder.end_iteration(iteration)
+        integration.end_iteration(iteration)
         timings.append({"iteration": iteration, "step_s": stepped - start, "flush_s": time.perf_counter() - stepped})
         losses.append([float(r["lm loss"]) for r in reduced])
-    if recorder is not None:
-        recorder.close()
+    integration.flush()
     if spec.dump_state:
         _dump_state(spec, rank, model, losses)
     if spec.timings:

@@ -1,0 +1,152 @@
+"""The training-loop API as Megatron-LM uses it: argparse provider, install(), the patch.
+
+The end-to-end tests drive ``tests/mini_megatron_lm`` (a stand-in for ``megatron/training`` with
+its call structure, over real megatron-core) with torchrun, as a user would launch pretrain_gpt.py.
+The explicit calls (attach / begin_iteration / end_iteration / flush) are what every recipe run
+in the other tests goes through (``adapter/runner.py``).
+"""
+
+import argparse
+import os
+import re
+import socket
+import subprocess
+import sys
+import types
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import ttrace_megatron as ttrace
+from ttrace_megatron.adapter.integration import TraceOptions, parse_int_ranges
+from ttrace_megatron.compare import compare_traces
+from ttrace_megatron.online import combine_online
+
+from conftest import REPO
+
+DRIVER = os.path.join(REPO, "tests", "mini_megatron_lm", "pretrain_gpt.py")
+PATCH = os.path.join(REPO, "patches", "megatron_lm_core_v0.16.1.patch")
+
+
+def test_extra_args_provider_chains_and_parses():
+    def modelopt(parser):
+        parser.add_argument("--export-quant-cfg")
+        return parser
+
+    parser = ttrace.extra_args_provider(modelopt)(argparse.ArgumentParser())
+    args = parser.parse_args(["--export-quant-cfg", "fp8", "--ttrace", "--ttrace-dir", "t", "--ttrace-iters", "1,3-4",
+                              "--ttrace-modules", "decoder.layers.1.*", "--ttrace-modules", "output_layer",
+                              "--ttrace-ranks", "0-1", "--ttrace-microbatches", "0",
+                              "--ttrace-reference", "ref", "--ttrace-seed-checkpoint", "seed.st"])
+    assert args.export_quant_cfg == "fp8"
+    opts = TraceOptions.from_args(args)
+    assert opts == TraceOptions(enabled=True, dir="t", iterations=[1, 3, 4], modules=("decoder.layers.1.*", "output_layer"),
+                                ranks=[0, 1], microbatches=[0], reference="ref", seed_checkpoint="seed.st")
+    assert not opts.write_tensors  # online compare writes verdicts only
+    off = TraceOptions.from_args(ttrace.extra_args_provider(argparse.ArgumentParser()).parse_args([]))
+    assert not off.enabled and off.write_tensors
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_int_ranges("1,x")
+
+
+def test_everything_is_a_no_op_without_ttrace():
+    args = ttrace.extra_args_provider(None)(argparse.ArgumentParser()).parse_args([])
+    sentinel = object()
+    assert ttrace.attach(sentinel, sentinel, sentinel, args=args) is None
+    ttrace.begin_iteration(1)
+    ttrace.end_iteration(1, {}, 0.0, False)
+    ttrace.flush()
+
+
+def test_install_wraps_by_name_and_passes_results_through():
+    calls = []
+    training = types.ModuleType("fake_training")
+    training.setup_model_and_optimizer = lambda *a, **k: calls.append("setup") or ("model", "optimizer", "sched")
+    training.train_step = lambda *a, iteration=None: calls.append(("step", iteration)) or ("loss", False)
+    original_step = training.train_step
+    ttrace.install(training)
+    ttrace.install(training)  # idempotent
+    assert training.train_step is not original_step
+    # --ttrace off (no parsed arguments): attach is not reached, results pass through unchanged
+    assert training.train_step(1, 2, iteration=4) == ("loss", False)
+    assert calls == [("step", 4)]
+
+
+def test_patch_adds_fewer_than_10_lines():
+    with open(PATCH) as f:
+        text = f.read()
+    added = [line for line in text.splitlines() if line.startswith("+") and not line.startswith("+++")]
+    assert 0 < len(added) < 10, added
+    files = set(re.findall(r"^\+\+\+ b/(\S+)", text, re.M))
+    assert files == {"pretrain_gpt.py", "megatron/training/training.py"}
+
+
+@pytest.mark.skipif(not os.environ.get("MEGATRON_LM_DIR"),
+                    reason="set MEGATRON_LM_DIR to a Megatron-LM checkout at tag core_v0.16.1 to check the patch applies")
+def test_patch_applies_to_megatron_lm():
+    repo = os.environ["MEGATRON_LM_DIR"]
+    subprocess.run(["git", "-C", repo, "apply", "--check", PATCH], check=True)
+
+
+# ---- a Megatron-LM-style training script under torchrun
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(nproc, *args, cwd):
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), DRIVER, *args]
+    env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+CANDIDATE = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16")
+
+
+@pytest.fixture(scope="module")
+def megatron_lm_runs(tmp_path_factory):
+    d = tmp_path_factory.mktemp("mlm")
+    seed = ("--ttrace-seed-checkpoint", "seed.safetensors")
+    _torchrun(1, "--bf16", "--ttrace", "--ttrace-dir", "ref", *seed, cwd=d)
+    _torchrun(2, *CANDIDATE, "--ttrace", "--ttrace-dir", "cand", *seed, "--losses-out", "traced", cwd=d)
+    _torchrun(2, *CANDIDATE, "--ttrace", "--ttrace-dir", "online", "--ttrace-reference", "ref", *seed, cwd=d)
+    return str(d)
+
+
+@pytest.mark.multiprocess
+def test_megatron_lm_candidate_matches_reference(megatron_lm_runs):
+    c = compare_traces(os.path.join(megatron_lm_runs, "ref"), os.path.join(megatron_lm_runs, "cand"))
+    assert c.verdict == "pass", c.first_mismatch
+    assert {r.key.phase for r in c.results} == {"forward", "backward", "main_grad", "optimizer"}
+    assert {r.key.iteration for r in c.results} == {1, 2}
+    assert c.candidate_run["role"] == "candidate" and c.reference_run["role"] == "reference"
+
+
+@pytest.mark.multiprocess
+def test_megatron_lm_online_compare(megatron_lm_runs):
+    online = os.path.join(megatron_lm_runs, "online")
+    assert not [f for _, _, fs in os.walk(online) for f in fs if f.endswith(".safetensors")]
+    c = combine_online(online)
+    assert c.verdict == "pass" and len(c.results) > 100
+
+
+@pytest.mark.multiprocess
+def test_megatron_lm_tracing_is_neutral_and_off_by_default(megatron_lm_runs, tmp_path):
+    # the same candidate without --ttrace (but from the same seed checkpoint, loaded by a traced
+    # run with nothing recorded: --ttrace-iters 0) and then fully without ttrace
+    _torchrun(2, *CANDIDATE, "--ttrace", "--ttrace-iters", "0", "--ttrace-dir", "quiet",
+              "--ttrace-seed-checkpoint", os.path.join(megatron_lm_runs, "seed.safetensors"),
+              "--losses-out", "untraced", cwd=tmp_path)
+    for rank in range(2):
+        a = load_file(os.path.join(megatron_lm_runs, f"traced-rank{rank}.safetensors"))
+        b = load_file(os.path.join(tmp_path, f"untraced-rank{rank}.safetensors"))
+        assert a.keys() == b.keys() and len(a) > 10
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+    _torchrun(2, *CANDIDATE, "--ttrace-dir", "never", cwd=tmp_path)
+    assert not os.path.exists(os.path.join(tmp_path, "never"))

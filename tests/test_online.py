@@ -1,0 +1,75 @@
+"""Online compare (each candidate rank judges its own shards during the run) gives the offline verdicts."""
+
+import math
+import os
+
+import pytest
+
+from ttrace_megatron.compare import compare_traces
+from ttrace_megatron.online import combine_online
+
+from conftest import load
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _both(runs, recipe, inject=()):
+    ref = os.path.join(runs.reference(recipe), "reference")
+    _, cand = runs.candidate(recipe, inject=inject, name="online", online_reference=ref, keep_tensors=True)
+    return compare_traces(ref, cand), combine_online(cand)
+
+
+@pytest.mark.parametrize("name,dtype,inject", [
+    ("gpt_tp2", "fp32", ()),
+    ("gpt_tp2_sp", "bf16", ()),
+    ("gpt_tp4_sp", "fp32", ()),
+    ("gpt_tp2_sp_dp2", "bf16", ()),
+    ("gpt_tp2_sp", "fp32", ("row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",)),
+    ("gpt_tp2", "fp32", ("column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",)),
+    ("gpt_tp2", "fp32", ("embedding_mask_missing",)),
+    ("gpt_tp2_sp", "fp32", ("sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",)),
+])
+def test_online_verdicts_equal_offline(runs, name, dtype, inject):
+    offline, online = _both(runs, load(name, dtype=dtype), inject)
+    assert online.verdict == offline.verdict == ("fail" if inject else "pass")
+    off = {r.key: r for r in offline.results}
+    on = {r.key: r for r in online.results}
+    # every offline key is judged online, except per-rank partial sums (listed as skipped)
+    assert set(on) | set(online.skipped) == set(off) and not set(on) & set(online.skipped)
+    if "sp" in name:
+        assert online.skipped and all(k.phase == "backward" and k.tensor.endswith(".grad") for k in online.skipped)
+    for key, a in on.items():
+        b = off[key]
+        assert a.verdict == b.verdict, key
+        assert a.tolerance_eps == b.tolerance_eps
+        if math.isfinite(b.error) and b.error > 0:
+            assert a.error == pytest.approx(b.error, rel=1e-6), key
+        else:
+            assert a.error == b.error or (math.isnan(a.error) and math.isnan(b.error)), key
+    if inject:
+        assert online.first_mismatch.key == offline.first_mismatch.key
+
+
+def test_online_only_writes_no_tensors(runs):
+    recipe = load("gpt_tp2_sp")
+    ref = os.path.join(runs.reference(recipe), "reference")
+    _, cand = runs.candidate(recipe, name="online-only", online_reference=ref, keep_tensors=False)
+    files = [f for _, _, fs in os.walk(cand) for f in fs]
+    assert not [f for f in files if f.endswith(".safetensors")], files
+    assert sorted(f for f in files if f == "online.json") == ["online.json"] * recipe.world_size
+    assert combine_online(cand).verdict == "pass"
+
+
+def test_cli_run_online(tmp_path):
+    import json
+
+    from ttrace_megatron.cli import main
+
+    assert main(["run", os.path.join(os.path.dirname(__file__), "..", "recipes", "gpt_tp2.yaml"), "--online",
+                 "--out", str(tmp_path / "clean"), "--json", str(tmp_path / "clean.json")]) == 0
+    assert main(["run", "--online", "--out", str(tmp_path / "bug"), "--json", str(tmp_path / "bug.json"),
+                 "--inject", "row_allreduce_dropped:decoder.layers.0.mlp.linear_fc2"]) == 1
+    with open(tmp_path / "bug.json") as f:
+        first = json.load(f)["first_mismatch"]
+    assert (first["module"], first["phase"], first["tensor"]) == ("decoder.layers.0.mlp.linear_fc2", "forward", "output")
+    assert main(["report", str(tmp_path / "bug" / "candidate")]) == 1

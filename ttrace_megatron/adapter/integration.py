@@ -1,0 +1,403 @@
+"""The training-loop API: what Megatron-LM's ``pretrain_gpt.py`` / ``training.py`` call.
+
+Two ways in, both no-ops unless ``--ttrace`` is given:
+
+* **the patch** (``patches/``, fewer than 10 lines)::
+
+      extra_args_provider=ttrace.extra_args_provider(<existing provider or None>)   # pretrain_gpt.py
+      ttrace.attach(model, optimizer, config)       # pretrain(), after setup_model_and_optimizer
+      ttrace.begin_iteration(iteration + 1)         # train(), before train_step
+      ttrace.end_iteration(iteration + 1, loss_dict, grad_norm, skipped_iter)   # after train_step
+      ttrace.flush()                                # end of train() (atexit covers sys.exit)
+
+* **zero edits to training.py**: ``ttrace.install()`` once in ``pretrain_gpt.py`` before
+  ``pretrain(...)``. It wraps ``megatron.training.training.setup_model_and_optimizer`` and
+  ``train_step``, which ``pretrain``/``train`` look up by name at call time.
+
+Iterations are numbered from 1, as Megatron-LM logs them (``iteration + 1`` inside ``train()``).
+``attach`` takes the objects ``pretrain`` holds: a list of model chunks (``DDP(Float16Module(
+GPTModel))``) and the optimizer from ``get_megatron_optimizer`` (a ``ChainedOptimizer``).
+It writes nothing to the run: hooks copy tensors, the optimizer wrapper calls the original
+``step`` and records around it, and no hook issues a collective.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import dataclasses
+import os
+from typing import Any, Callable, Dict, List, Optional, Sequence
+
+from ..errors import RecipeError
+
+REFERENCE = "reference"
+CANDIDATE = "candidate"
+
+
+def parse_int_ranges(text: str) -> List[int]:
+    """``"1,3-5"`` → ``[1, 3, 4, 5]`` (non-negative integers)."""
+    out: List[int] = []
+    try:
+        for part in (p.strip() for p in text.split(",")):
+            if "-" in part:
+                lo, hi = part.split("-", 1)
+                out.extend(range(int(lo), int(hi) + 1))
+            elif part:
+                out.append(int(part))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected integers and ranges like 1,3-5, got {text!r}") from None
+    return out
+
+
+@dataclasses.dataclass
+class TraceOptions:
+    """What to record and where; built from ``--ttrace*`` arguments or given directly."""
+
+    enabled: bool = False
+    dir: str = "ttrace"
+    iterations: Optional[List[int]] = None  # 1-based; None = every iteration
+    modules: Sequence[str] = ("*",)  # fnmatch patterns of canonical module names
+    ranks: Optional[List[int]] = None
+    microbatches: Optional[List[int]] = None  # global microbatch ids
+    reference: Optional[str] = None  # online compare against this reference trace
+    keep_tensors: bool = False  # with ``reference``: also write the tensors
+    replay: Optional[str] = None  # localization replay (issue #5; refused for now)
+    role: str = "auto"  # reference | candidate | auto (reference when nothing is parallel)
+    seed_checkpoint: Optional[str] = None  # logical initial weights: the reference writes, candidates load
+
+    @staticmethod
+    def from_args(args: Any) -> "TraceOptions":
+        return TraceOptions(
+            enabled=bool(getattr(args, "ttrace", False)),
+            dir=getattr(args, "ttrace_dir", None) or "ttrace",
+            iterations=getattr(args, "ttrace_iters", None),
+            modules=tuple(getattr(args, "ttrace_modules", None) or ("*",)),
+            ranks=getattr(args, "ttrace_ranks", None),
+            microbatches=getattr(args, "ttrace_microbatches", None),
+            reference=getattr(args, "ttrace_reference", None),
+            keep_tensors=bool(getattr(args, "ttrace_keep_tensors", False)),
+            replay=getattr(args, "ttrace_replay", None),
+            role=getattr(args, "ttrace_role", None) or "auto",
+            seed_checkpoint=getattr(args, "ttrace_seed_checkpoint", None),
+        )
+
+    @property
+    def write_tensors(self) -> bool:
+        return self.reference is None or self.keep_tensors
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    group = parser.add_argument_group("ttrace", "differential testing against a single-device reference")
+    group.add_argument("--ttrace", action="store_true", help="record tensors for ttrace (off: ttrace does nothing)")
+    group.add_argument("--ttrace-dir", default="ttrace", help="trace directory (default: ./ttrace)")
+    group.add_argument("--ttrace-iters", type=parse_int_ranges, help="record only these iterations (1-based), e.g. 1,3-5")
+    group.add_argument("--ttrace-modules", action="append", metavar="PATTERN",
+                       help="record only modules matching this fnmatch pattern (repeatable), e.g. 'decoder.layers.1.*'")
+    group.add_argument("--ttrace-ranks", type=parse_int_ranges, help="record only on these global ranks")
+    group.add_argument("--ttrace-microbatches", type=parse_int_ranges, help="record only these global microbatch ids")
+    group.add_argument("--ttrace-reference", metavar="DIR",
+                       help="online compare: judge each rank's shards against this reference trace during the run "
+                            "and write verdicts only")
+    group.add_argument("--ttrace-keep-tensors", action="store_true",
+                       help="with --ttrace-reference, also write the candidate's tensors")
+    group.add_argument("--ttrace-seed-checkpoint", metavar="FILE",
+                       help="start from the same logical weights: the reference writes FILE (if absent), every "
+                            "other run loads its shard of each weight from it, whatever its parallel layout")
+    group.add_argument("--ttrace-replay", metavar="DIR", help="localization replay against this reference (not yet)")
+    group.add_argument("--ttrace-role", choices=("auto", REFERENCE, CANDIDATE), default="auto",
+                       help="label of this run (auto: reference when TP=PP=CP=EP=DP=1)")
+    return parser
+
+
+def extra_args_provider(existing: Optional[Callable] = None):
+    """An ``extra_args_provider`` for ``pretrain(...)`` that adds ``--ttrace*`` after ``existing``.
+
+    Megatron-LM accepts one provider, so the existing one (modelopt's, or None) is chained. Given a
+    parser instead of a provider, adds the arguments to it and returns it.
+    """
+    if isinstance(existing, argparse.ArgumentParser):
+        return add_arguments(existing)
+
+    def provider(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        if existing is not None:
+            parser = existing(parser)
+        return add_arguments(parser)
+
+    return provider
+
+
+# ------------------------------------------------------------------------------------------------
+# the session
+
+
+@dataclasses.dataclass
+class Session:
+    options: TraceOptions
+    recorder: Any  # adapter.recorder.Recorder
+    optimizer: Any
+    rank: int
+
+
+_SESSION: Optional[Session] = None
+
+
+def _megatron_args():
+    """Megatron-LM's parsed arguments, or None outside Megatron-LM (megatron.training absent)."""
+    try:
+        from megatron.training import get_args
+    except ImportError:
+        return None
+    try:
+        return get_args()
+    except (AssertionError, AttributeError):
+        return None  # megatron.training present, arguments not parsed (a megatron-core-only loop)
+
+
+def _parallel_sizes() -> Dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size()}
+
+
+def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: TraceOptions) -> None:
+    """Modes whose placements are not inferred yet: refuse before training starts, not mid-run."""
+    problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("pp", "cp", "ep") and v > 1]
+    if len(chunks) != 1:
+        problems.append(f"{len(chunks)} virtual-pipeline chunks")
+    if getattr(config, "num_moe_experts", None):
+        problems.append("MoE")
+    if getattr(config, "fp8", None):
+        problems.append("FP8")
+    if getattr(config, "recompute_granularity", None) == "full":
+        problems.append("full activation recompute (module forwards run again during backward)")
+    if options.replay:
+        problems.append("--ttrace-replay (localization replay is not implemented yet)")
+    if problems:
+        raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
+                          + ". Supported: TP, SP and DP with the local or TE layer spec.")
+
+
+def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: Optional[int] = None,
+                tokens_per_microbatch: Optional[int] = None, tokens_per_iteration: Optional[int] = None):
+    """What placement inference needs, from the model, its config and Megatron-LM's arguments."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
+
+    from .layouts import ModelFacts
+    from .naming import unwrap
+
+    if logical_vocab_size is None:
+        embedding = next((m for m in unwrap(chunks[0]).modules() if isinstance(m, VocabParallelEmbedding)), None)
+        logical_vocab_size = int(getattr(embedding, "num_embeddings", 0))  # the padded vocabulary
+    if tokens_per_microbatch is None or tokens_per_iteration is None:
+        if args is None or not hasattr(args, "seq_length"):
+            raise RecipeError("ttrace.attach needs tokens_per_microbatch and tokens_per_iteration outside Megatron-LM")
+        tokens_per_microbatch = args.micro_batch_size * args.seq_length
+        tokens_per_iteration = args.global_batch_size * args.seq_length
+    return ModelFacts(num_layers=config.num_layers, vocab_size=logical_vocab_size,
+                      sequence_parallel=config.sequence_parallel, gated_linear_unit=config.gated_linear_unit,
+                      tp_size=ps.get_tensor_model_parallel_world_size(), hidden_size=config.hidden_size,
+                      tokens_per_microbatch=tokens_per_microbatch, tokens_per_iteration=tokens_per_iteration)
+
+
+# fields of TransformerConfig that define the computation (parallel layout and performance knobs
+# are left out: they are what reference and candidate legitimately differ in)
+_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                 "kv_channels", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
+                 "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "hidden_dropout",
+                 "attention_dropout", "apply_residual_connection_post_layernorm", "init_method_std",
+                 "bf16", "fp16", "params_dtype", "fp8", "num_moe_experts", "moe_router_topk",
+                 "calculate_per_token_loss", "apply_query_key_layer_scaling", "attention_softmax_in_fp32")
+
+
+def model_signature(config, facts, args: Any = None) -> Dict[str, Any]:
+    """What must be equal between reference and candidate for a comparison to make sense."""
+    sig: Dict[str, Any] = {f: str(getattr(config, f, None)) if f == "params_dtype" else getattr(config, f, None)
+                           for f in _MODEL_FIELDS}
+    sig["activation_func"] = getattr(getattr(config, "activation_func", None), "__name__", None)
+    sig["vocab_size"] = facts.vocab_size
+    sig["tokens_per_iteration"] = facts.tokens_per_iteration
+    if args is not None:
+        for name in ("seq_length", "global_batch_size", "seed", "lr", "optimizer", "weight_decay", "clip_grad",
+                     "adam_beta1", "adam_beta2", "adam_eps", "position_embedding_type",
+                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by"):
+            if hasattr(args, name):
+                value = getattr(args, name)
+                sig[name] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+    return sig
+
+
+def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, args: Any = None,
+           facts=None, run_info: Optional[Dict[str, Any]] = None) -> Optional[Session]:
+    """Start recording ``model`` (a chunk or a list of chunks) and ``optimizer``.
+
+    Options come from ``options`` or else from Megatron-LM's ``--ttrace*`` arguments; without
+    ``--ttrace`` nothing happens and None is returned. Raises RecipeError before training starts
+    for parallel modes that cannot be traced yet.
+    """
+    global _SESSION
+    import torch.distributed as dist
+
+    from megatron.core import parallel_state as ps
+
+    from ..trace_store import TraceWriter, write_run_info
+    from . import layouts
+    from .recorder import Recorder, RecordFilter
+
+    if args is None and options is None:
+        args = _megatron_args()
+    options = options or TraceOptions.from_args(args)
+    if not options.enabled:
+        return None
+    if _SESSION is not None:
+        raise RuntimeError("ttrace.attach was called twice without ttrace.flush in between")
+    chunks = list(model) if isinstance(model, (list, tuple)) else [model]
+    sizes = _parallel_sizes()
+    _refuse_unsupported(config, sizes, chunks, options)
+    facts = facts or model_facts(chunks, config, args)
+
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
+    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, sizes["dp"])}
+    role = options.role if options.role != "auto" else (REFERENCE if world == 1 else CANDIDATE)
+
+    if rank == 0:
+        info = {"role": role, "world_size": world, "parallel": {k: v for k, v in sizes.items() if v > 1},
+                "model_config": model_signature(config, facts, args), "num_layers": facts.num_layers,
+                "compute_dtype": str(config.params_dtype).replace("torch.", ""), "versions": library_versions(),
+                "online_reference": os.path.abspath(options.reference) if options.reference else None}
+        info.update(run_info or {})
+        write_run_info(options.dir, info)
+
+    if options.seed_checkpoint:
+        _share_initial_weights(options.seed_checkpoint, chunks, optimizer, facts, coords, rank, role, world)
+
+    sinks = []
+    if options.write_tensors:
+        sinks.append(TraceWriter(options.dir, rank, coords))
+    if options.reference:
+        from ..online import OnlineComparer
+
+        sinks.append(OnlineComparer(options.reference, options.dir, rank, coords))
+    record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
+    recorder = Recorder(sinks, chunks, facts, rank, dp_rank, sizes["dp"], record_filter).attach()
+    recorder.wrap_optimizer(optimizer)
+    _SESSION = Session(options, recorder, optimizer, rank)
+    return _SESSION
+
+
+def _share_initial_weights(path: str, chunks, optimizer, facts, coords, rank: int, role: str, world: int) -> None:
+    """The reference saves its logical weights; every run then loads its shard of them.
+
+    Equal seeds do not give equal logical weights across parallel layouts, so both runs start
+    from one file instead (see :mod:`.seed_checkpoint`). Loading happens after the optimizer is
+    built, so its fp32 main copies are refreshed with ``reload_model_params``.
+    """
+    from .seed_checkpoint import load_seed_checkpoint, save_seed_checkpoint
+
+    if not os.path.exists(path):
+        if role != REFERENCE or world != 1:
+            raise RecipeError(f"seed checkpoint {path} does not exist: run the reference (world size 1) first")
+        save_seed_checkpoint(chunks, facts, coords, path)
+        return
+    load_seed_checkpoint(chunks, facts, coords, path, rank)
+    optimizer.reload_model_params()
+
+
+def begin_iteration(iteration: int) -> None:
+    """Start recording iteration ``iteration`` (1-based)."""
+    if _SESSION is not None:
+        _SESSION.recorder.begin_iteration(iteration)
+
+
+def end_iteration(iteration: int, loss_dict=None, grad_norm=None, skipped_iter=None) -> None:
+    """Finish iteration ``iteration``: its tensors are written (or judged) now.
+
+    ``loss_dict``, ``grad_norm`` and ``skipped_iter`` are what ``train_step`` returns; the grad
+    norm itself is recorded per rank inside the optimizer wrapper, before ``train_step`` reduces it.
+    """
+    if _SESSION is not None:
+        _SESSION.recorder.end_iteration(iteration)
+
+
+def flush() -> None:
+    """Close the trace: manifests are marked complete, hooks removed, the optimizer unwrapped."""
+    global _SESSION
+    session, _SESSION = _SESSION, None
+    if session is None:
+        return
+    from .recorder import Recorder
+
+    session.recorder.close()
+    Recorder.unwrap_optimizer(session.optimizer)
+
+
+atexit.register(flush)
+
+
+def session() -> Optional[Session]:
+    return _SESSION
+
+
+def library_versions() -> Dict[str, str]:
+    import torch
+
+    import megatron.core
+
+    out = {"torch": torch.__version__, "megatron.core": getattr(megatron.core, "__version__", "?")}
+    try:
+        from ttrace_megatron import __version__
+        out["ttrace_megatron"] = __version__
+    except ImportError:
+        pass
+    try:
+        import transformer_engine  # noqa: F401
+        out["transformer_engine"] = transformer_engine.__version__
+    except Exception:
+        pass
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# zero-edit install
+
+
+def install(training_module=None) -> None:
+    """Wrap Megatron-LM's ``setup_model_and_optimizer`` and ``train_step`` by name.
+
+    ``pretrain`` and ``train`` look both up as module globals of ``megatron.training.training`` at
+    call time, so replacing them there is enough. Arguments are parsed inside ``pretrain``, so the
+    wrappers decide at call time whether ``--ttrace`` is on.
+    """
+    if training_module is None:
+        import megatron.training.training as training_module
+    if getattr(training_module, "_ttrace_installed", False):
+        return
+    setup = training_module.setup_model_and_optimizer
+    train_step = training_module.train_step
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        result = setup(*args, **kwargs)
+        model, optimizer = result[0], result[1]
+        from megatron.core.utils import get_model_config
+
+        attach(model, optimizer, get_model_config(model[0] if isinstance(model, (list, tuple)) else model))
+        return result
+
+    def traced_train_step(*args, **kwargs):
+        iteration = kwargs.get("iteration")
+        if iteration is None:
+            margs = _megatron_args()
+            iteration = getattr(margs, "curr_iteration", 0) if margs is not None else 0
+        begin_iteration(iteration + 1)
+        result = train_step(*args, **kwargs)
+        end_iteration(iteration + 1)
+        return result
+
+    training_module.setup_model_and_optimizer = setup_model_and_optimizer
+    training_module.train_step = traced_train_step
+    training_module._ttrace_installed = True

@@ -1,0 +1,261 @@
+"""Online compare: each candidate rank judges its own shards against the reference while it runs.
+
+The candidate never writes tensors. For every recorded tensor, a rank slices the reference's
+logical tensor to its own shard (the same :func:`~ttrace_megatron.placement.slice_logical` that
+builds the seed checkpoint) and keeps only sums: ``Σ(cand − ref)²`` and ``Σ ref²`` over the
+positions that are part of the logical tensor (padding excluded), the non-finite counts, and a
+digest of its shard. :func:`combine_online` adds the sums of the distinct shards, which gives
+the same relative Frobenius error as merging the shards first; replicas are checked by digest.
+No rank talks to another: the combination happens after the run, from the per-rank files.
+
+A partial sum (a :class:`~ttrace_megatron.placement.Partial` placement) cannot be judged on one
+rank; such tensors are listed as skipped. The reduced value they feed (``main_grad``) is judged.
+
+Knows nothing about megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from .compare import (Comparison, TensorResult, check_compatible, decide, group_records, logical_tensor,
+                      nonfinite_message, reference_order)
+from .errors import TraceError
+from .placement import Coords, Layout, Partial, PlacementError, Shard, content_digest, slice_logical
+from .tolerance import ToleranceConfig
+from .trace_store import RUN_FILE, TensorKey, TraceReader, atomic_write_json, read_json
+
+ONLINE_FILE = "online.json"
+_RANK_DIR = "rank-{:05d}"
+
+
+@dataclasses.dataclass
+class ShardSums:
+    """One rank's contribution to the verdict on one logical tensor."""
+
+    key: TensorKey
+    shard: Dict[str, Tuple[int, int]]  # (position, size) along each Shard axis; replicas share it
+    digest: int
+    diff_sq: float
+    ref_sq: float
+    compared: int  # positions where both sides are finite
+    candidate_nonfinite: int
+    reference_nonfinite: int
+    same_nonfinite: bool
+    logical_shape: Tuple[int, ...]
+    status: str = "ok"  # ok | shape | partial | missing_reference
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        obj = dataclasses.asdict(self)
+        obj["key"] = self.key.to_json()
+        obj["logical_shape"] = list(self.logical_shape)
+        return obj
+
+    @staticmethod
+    def from_json(obj: dict) -> "ShardSums":
+        fields = dict(obj)
+        fields["key"] = TensorKey.from_json(obj["key"])
+        fields["shard"] = {str(k): (int(v[0]), int(v[1])) for k, v in obj["shard"].items()}
+        fields["logical_shape"] = tuple(int(s) for s in obj["logical_shape"])
+        for name in ("digest", "compared", "candidate_nonfinite", "reference_nonfinite"):
+            fields[name] = int(obj[name])
+        for name in ("diff_sq", "ref_sq"):
+            fields[name] = float(obj[name])
+        return ShardSums(**fields)
+
+
+def _sums(cand: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> Tuple[float, float, int, int, int, bool]:
+    c = cand.reshape(-1).to(torch.float64)
+    r = ref.reshape(-1).to(torch.float64)
+    m = mask.reshape(-1)
+    bad_c = ~torch.isfinite(c) & m
+    bad_r = ~torch.isfinite(r) & m
+    keep = m & ~bad_c & ~bad_r
+    c, r = c[keep], r[keep]
+    return (float((c - r).square().sum()), float(r.square().sum()), int(keep.sum()), int(bad_c.sum()),
+            int(bad_r.sum()), bool(torch.equal(bad_c, bad_r)))
+
+
+class OnlineComparer:
+    """A recording sink with the :class:`~ttrace_megatron.trace_store.TraceWriter` interface
+    (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
+
+    def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords):
+        self.reference = TraceReader(reference_dir)
+        self._reference_groups = group_records(self.reference)
+        self.rank = rank
+        self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
+        self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
+        self.entries: List[ShardSums] = []
+        self.failed: Optional[str] = None
+        os.makedirs(self.dir, exist_ok=True)
+        self._write(complete=False)
+
+    @property
+    def active(self) -> bool:
+        return self.failed is None
+
+    def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
+            compute_dtype=None, reduction: int = 0, scale: float = 1.0) -> None:
+        if not self.active:
+            return
+        self.entries.append(self._judge_shard(key, tensor.detach(), layout, scale))
+
+    def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout, scale: float) -> ShardSums:
+        shard = {p.axis: self.coords[p.axis] for p in layout.placements if isinstance(p, Shard)}
+        base = dict(key=key, shard=shard, digest=content_digest(cand), diff_sq=0.0, ref_sq=0.0, compared=0,
+                    candidate_nonfinite=0, reference_nonfinite=0, same_nonfinite=True,
+                    logical_shape=tuple(layout.logical_shape))
+        pieces = self._reference_groups.get(key)
+        if pieces is None:
+            return ShardSums(status="missing_reference", **base)
+        if any(isinstance(p, Partial) for p in layout.placements):
+            return ShardSums(status="partial", detail="a partial sum; judge it offline", **base)
+        ref_full = logical_tensor(self.reference, pieces).tensor
+        if tuple(ref_full.shape) != tuple(layout.logical_shape):
+            return ShardSums(status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs from the "
+                                                     f"reference's {tuple(ref_full.shape)}", **base)
+        try:
+            ref_shard = slice_logical(ref_full, layout, self.coords, cand.shape)
+            mask = slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, self.coords, cand.shape)
+        except PlacementError as e:
+            raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
+                             rank=self.rank, tensor=str(key)) from None
+        if scale != 1.0:
+            cand = cand.to(torch.float64) / scale
+        diff_sq, ref_sq, compared, nc, nr, same = _sums(cand.cpu(), ref_shard, mask)
+        base.update(diff_sq=diff_sq, ref_sq=ref_sq, compared=compared, candidate_nonfinite=nc, reference_nonfinite=nr,
+                    same_nonfinite=same)
+        return ShardSums(**base)
+
+    def flush(self, iteration: int) -> None:
+        self._write(complete=False)
+
+    def close(self) -> None:
+        self._write(complete=True)
+
+    def _write(self, complete: bool) -> None:
+        try:
+            atomic_write_json(os.path.join(self.dir, ONLINE_FILE), {
+                "rank": self.rank, "coords": self.coords, "complete": complete,
+                "reference": os.path.abspath(self.reference.dir), "failure": self.failed,
+                "entries": [e.to_json() for e in self.entries]})
+        except OSError as e:
+            if self.failed is None:
+                self.failed = f"{type(e).__name__}: {e}"
+                print(f"[ttrace] rank {self.rank}: online compare stopped: {self.failed}", flush=True)
+
+
+def has_online_results(trace_dir: str) -> bool:
+    return os.path.exists(os.path.join(trace_dir, _RANK_DIR.format(0), ONLINE_FILE))
+
+
+def _read_rank(trace_dir: str, rank: int) -> List[ShardSums]:
+    path = os.path.join(trace_dir, _RANK_DIR.format(rank), ONLINE_FILE)
+    if not os.path.exists(path):
+        raise TraceError("no online results (missing rank)", path=path, rank=rank)
+    obj = read_json(path, rank)
+    try:
+        if obj.get("rank") != rank:
+            raise TraceError(f"file says rank {obj.get('rank')!r}", path=path, rank=rank)
+        if not obj.get("complete"):
+            why = obj.get("failure") or "the rank did not close its online compare (stopped or killed mid-run)"
+            raise TraceError(f"incomplete online results: {why}", path=path, rank=rank)
+        return [ShardSums.from_json(e) for e in obj["entries"]]
+    except TraceError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise TraceError(f"malformed online results ({type(e).__name__}: {e})", path=path, rank=rank) from None
+
+
+def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
+                   tol_config: ToleranceConfig = ToleranceConfig()) -> Comparison:
+    """Add up the ranks' shard sums into one :class:`~ttrace_megatron.compare.Comparison`."""
+    cand_run = read_json(os.path.join(candidate_dir, RUN_FILE), rank=None)
+    if not isinstance(cand_run, dict) or not isinstance(cand_run.get("world_size"), int):
+        raise TraceError("run description lacks 'world_size'", path=os.path.join(candidate_dir, RUN_FILE))
+    reference_dir = reference_dir or cand_run.get("online_reference")
+    if not reference_dir:
+        raise TraceError("the run does not name its online reference", path=os.path.join(candidate_dir, RUN_FILE))
+    ref = TraceReader(reference_dir)
+    check_compatible(ref.run, cand_run, candidate_dir)
+    num_layers = int(ref.run.get("num_layers", 0))
+    ref_groups = group_records(ref)
+    order = reference_order(ref_groups)
+
+    by_key: Dict[TensorKey, List[Tuple[int, ShardSums]]] = {}
+    for rank in range(cand_run["world_size"]):
+        for entry in _read_rank(candidate_dir, rank):
+            by_key.setdefault(entry.key, []).append((rank, entry))
+
+    results: List[TensorResult] = []
+    skipped: List[TensorKey] = []
+    missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
+    for key in sorted((k for k in by_key if k in ref_groups), key=lambda k: order[k]):
+        entries = by_key[key]
+        if any(e.status == "partial" for _, e in entries):
+            skipped.append(key)
+            continue
+        results.append(_combine_key(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
+                                    candidate_dir))
+    missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
+    return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
+                      ref.run, cand_run, skipped=skipped)
+
+
+def _combine_key(key, entries, ref_record, num_layers, order, tol_config, candidate_dir) -> TensorResult:
+    shape = entries[0][1].logical_shape
+    args = (key, ref_record, num_layers, order, tol_config, shape)
+    shaped = [e for _, e in entries if e.status == "shape"]
+    if shaped:
+        return decide(*args, math.inf, shaped[0].detail)
+    replicas: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
+    for rank, e in entries:
+        replicas.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
+    notes = []
+    diff_sq = ref_sq = 0.0
+    nc = nr = compared = 0
+    same = True
+    for position, copies in sorted(replicas.items()):
+        digests = {e.digest for _, e in copies}
+        if len(digests) > 1:
+            notes.append(f"candidate replicas differ (ranks {sorted(r for r, _ in copies)})")
+        _, first = min(copies, key=lambda c: c[0])  # the lowest rank's copy, as the offline merge uses
+        diff_sq += first.diff_sq
+        ref_sq += first.ref_sq
+        compared += first.compared
+        nc += first.candidate_nonfinite
+        nr += first.reference_nonfinite
+        same = same and first.same_nonfinite
+    expected = _expected_positions(entries)
+    if len(replicas) != expected:
+        raise TraceError(f"online results cover {len(replicas)} of {expected} shards", path=candidate_dir,
+                         tensor=str(key))
+    if ref_sq == 0.0:
+        error = 0.0 if diff_sq == 0.0 else math.inf
+    else:
+        error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
+    nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
+    if nonfinite and compared == 0:
+        error = math.nan  # nothing finite to compare, as offline
+    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes))
+
+
+def _expected_positions(entries) -> int:
+    """How many distinct shards the candidate's placement has."""
+    return math.prod(size for _, size in entries[0][1].shard.values())
+
+
+def write_summary(comparison: Comparison, path: str) -> None:
+    """Keep the combined verdicts next to the per-rank files."""
+    from .report import to_json
+
+    with open(path, "w") as f:
+        json.dump(to_json(comparison), f, indent=1)
