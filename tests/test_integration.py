@@ -97,12 +97,13 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _torchrun(nproc, *args, cwd):
+def _torchrun(nproc, *args, cwd, expect_ok=True):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(nproc),
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), DRIVER, *args]
     env = dict(os.environ, PYTHONWARNINGS="ignore", OMP_NUM_THREADS="1")
     proc = subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    assert (proc.returncode == 0) == expect_ok, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
 
 
 CANDIDATE = ("--tensor-model-parallel-size", "2", "--sequence-parallel", "--bf16")
@@ -150,3 +151,9 @@ def test_megatron_lm_tracing_is_neutral_and_off_by_default(megatron_lm_runs, tmp
             assert torch.equal(a[k], b[k]), k
     _torchrun(2, *CANDIDATE, "--ttrace-dir", "never", cwd=tmp_path)
     assert not os.path.exists(os.path.join(tmp_path, "never"))
+
+
+@pytest.mark.multiprocess
+def test_megatron_lm_unsupported_mode_is_refused_before_training(tmp_path):
+    proc = _torchrun(1, "--ttrace", "--ttrace-replay", "ref", cwd=tmp_path, expect_ok=False)
+    assert "ttrace cannot trace this run yet: --ttrace-replay" in proc.stderr + proc.stdout

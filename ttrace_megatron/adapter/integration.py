@@ -173,11 +173,14 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
         problems.append("FP8")
     if getattr(config, "recompute_granularity", None) == "full":
         problems.append("full activation recompute (module forwards run again during backward)")
+    te = sorted({type(m).__name__ for c in chunks for m in c.modules() if type(m).__name__.startswith("TE")})
+    if te:
+        problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
     if options.replay:
         problems.append("--ttrace-replay (localization replay is not implemented yet)")
     if problems:
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
-                          + ". Supported: TP, SP and DP with the local or TE layer spec.")
+                          + ". Supported: TP, SP and DP with the local layer spec.")
 
 
 def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: Optional[int] = None,
@@ -223,7 +226,7 @@ def model_signature(config, facts, args: Any = None) -> Dict[str, Any]:
     if args is not None:
         for name in ("seq_length", "global_batch_size", "seed", "lr", "optimizer", "weight_decay", "clip_grad",
                      "adam_beta1", "adam_beta2", "adam_eps", "position_embedding_type",
-                     "untie_embeddings_and_output_weights", "make_vocab_size_divisible_by"):
+                     "untie_embeddings_and_output_weights"):
             if hasattr(args, name):
                 value = getattr(args, name)
                 sig[name] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
