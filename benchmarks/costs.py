@@ -4,7 +4,8 @@
    The recorded iteration's extra time is set against the time to write its bytes at the disk
    bandwidth measured here (fsync'd writes of the same size).
 2. Compare throughput (trace bytes read per second) against memory bandwidth measured here (a
-   large tensor copy), and compare peak memory (RSS high-water mark in a fresh process) against
+   large tensor copy into a touched buffer), and compare peak memory (RSS high-water mark of a fresh
+   process, reset through /proc/self/clear_refs after imports) against
    the largest logical tensor.
 3. Compare time against trace size (1, 2 and 4 recorded iterations).
 
@@ -34,15 +35,21 @@ MODEL = {"name": "costs_gpt_tp2", "model": {"num_layers": 4, "hidden_size": 512,
          "train": {"iterations": 7}, "dtype": "fp32"}
 
 COMPARE_CHILD = r"""
-import json, resource, sys, time, warnings
+import json, sys, time, warnings
 warnings.filterwarnings("ignore")
 from ttrace_megatron.compare import compare_traces
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+
+def status(field):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
+
+before = status("VmRSS")
+with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark (VmHWM) to the current RSS
+    f.write("5")
 t = time.perf_counter()
 c = compare_traces(sys.argv[1], sys.argv[2])
 elapsed = time.perf_counter() - t
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(json.dumps({"seconds": elapsed, "peak_kib_over_baseline": after - before, "tensors": len(c.results),
+print(json.dumps({"seconds": elapsed, "peak_kib_over_baseline": status("VmHWM") - before, "tensors": len(c.results),
                   "verdict": c.verdict}))
 """
 
@@ -51,34 +58,36 @@ def dir_bytes(path, suffix=".safetensors"):
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs if f.endswith(suffix))
 
 
-def disk_bandwidth(directory, nbytes):
+def disk_bandwidth(directory, nbytes, repeats=3):
+    """Median of ``repeats`` fsync'd writes of ``nbytes`` (this machine's disk is noisy)."""
     blob = os.urandom(min(nbytes, 64 << 20))
     path = os.path.join(directory, "disk-probe.bin")
-    t = time.perf_counter()
-    with open(path, "wb") as f:
-        written = 0
-        while written < nbytes:
-            f.write(blob[: nbytes - written])
-            written += min(len(blob), nbytes - written)
-        f.flush()
-        os.fsync(f.fileno())
-    elapsed = time.perf_counter() - t
-    os.remove(path)
-    return nbytes / elapsed
+    rates = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        with open(path, "wb") as f:
+            written = 0
+            while written < nbytes:
+                f.write(blob[: nbytes - written])
+                written += min(len(blob), nbytes - written)
+            f.flush()
+            os.fsync(f.fileno())
+        rates.append(nbytes / (time.perf_counter() - t))
+        os.remove(path)
+    return statistics.median(rates)
 
 
 def memory_bandwidth():
+    """Best of 5 copies of 256 MiB into an already-touched buffer (read + write bytes per second)."""
     import torch
 
-    x = torch.empty(256 << 20, dtype=torch.uint8)
-    x.fill_(1)
+    x = torch.ones(256 << 20, dtype=torch.uint8)
+    y = torch.zeros_like(x)
     best = 0.0
     for _ in range(5):
         t = time.perf_counter()
-        y = x.clone()
-        elapsed = time.perf_counter() - t
-        best = max(best, 2 * x.numel() / elapsed)  # read + write
-        del y
+        y.copy_(x)
+        best = max(best, 2 * x.numel() / (time.perf_counter() - t))
     return best
 
 

@@ -72,3 +72,48 @@ def test_damaged_data_file_gives_named_error(pristine, tmp_path_factory, cut, fl
     with pytest.raises(TraceError) as e:
         compare_traces(str(pristine / "ref"), str(work / "cand"))
     assert e.value.rank == 1 and "rank-00001" in (e.value.path or "")
+
+
+def _rewrite_with_valid_checksum(cand_dir, raw: bytes):
+    """Replace rank 1's data file and make the manifest's size and CRC32 agree with it, so the
+    loader's own safetensors header parsing is what meets the damage."""
+    import zlib
+
+    data_file = cand_dir / "rank-00001" / "iter-000001.safetensors"
+    data_file.write_bytes(raw)
+    manifest = cand_dir / "rank-00001" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    m["files"]["iter-000001.safetensors"] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    manifest.write_text(json.dumps(m))
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_checksummed_but_malformed_header_gives_named_error(pristine, tmp_path_factory, data):
+    import struct
+
+    work = tmp_path_factory.mktemp("fuzzheader")
+    shutil.copytree(pristine / "ref", work / "cand")
+    raw = (work / "cand" / "rank-00001" / "iter-000001.safetensors").read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    mode = data.draw(st.sampled_from(["value", "length", "garbage"]))
+    if mode == "value":
+        paths = [p for p in _paths(header) if p]
+        target = data.draw(st.sampled_from(paths))
+        node = header
+        for part in target[:-1]:
+            node = node[part]
+        node[target[-1]] = data.draw(JSON_VALUES)
+        blob = json.dumps(header).encode()
+        blob += b" " * (-len(blob) % 8)
+        new = struct.pack("<Q", len(blob)) + blob + raw[8 + n:]
+    elif mode == "length":
+        new = struct.pack("<Q", data.draw(st.integers(0, 2**64 - 1))) + raw[8:]
+    else:
+        new = data.draw(st.binary(max_size=64)) + raw[data.draw(st.integers(0, len(raw))):]
+    _rewrite_with_valid_checksum(work / "cand", new)
+    try:
+        compare_traces(str(pristine / "ref"), str(work / "cand"))
+    except TraceError as e:
+        assert e.rank == 1

@@ -43,7 +43,8 @@ def test_online_verdicts_equal_offline(runs, name, dtype, inject):
         assert a.verdict == b.verdict, key
         assert a.tolerance_eps == b.tolerance_eps
         if math.isfinite(b.error) and b.error > 0:
-            assert a.error == pytest.approx(b.error, rel=1e-6), key
+            # offline norms are float32 per 64 Ki-element chunk (relative_error: ~1e-5), online float64
+            assert a.error == pytest.approx(b.error, rel=1e-4), key
         else:
             assert a.error == b.error or (math.isnan(a.error) and math.isnan(b.error)), key
     if inject:

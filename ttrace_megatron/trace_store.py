@@ -18,12 +18,11 @@ import dataclasses
 import json
 import os
 import re
+import struct
 import zlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save as safetensors_save
 
 from .errors import TraceError
 from .placement import Layout
@@ -105,6 +104,40 @@ def atomic_write_json(path: str, obj: dict) -> None:
     os.replace(tmp, path)
 
 
+_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                       torch.float8_e5m2: "F8_E5M2"}
+
+
+def write_safetensors(path: str, tensors: Dict[str, torch.Tensor]) -> Tuple[int, int]:
+    """Write ``tensors`` (contiguous, on CPU) in the safetensors format, straight from their memory.
+
+    ``safetensors.torch.save`` builds the whole file in memory first (several copies of every
+    byte); here each tensor's bytes go to the file once, and the CRC32 is computed on the way.
+    Returns (bytes written, CRC32 of the file).
+    """
+    header, offset = {}, 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    head = struct.pack("<Q", len(blob)) + blob
+    crc = zlib.crc32(head)
+    with open(path, "wb") as f:
+        f.write(head)
+        for t in tensors.values():
+            if t.numel():
+                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                crc = zlib.crc32(data, crc)
+                f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(head) + offset, crc
+
+
 def write_run_info(trace_dir: str, info: dict) -> None:
     os.makedirs(trace_dir, exist_ok=True)
     atomic_write_json(os.path.join(trace_dir, RUN_FILE), dict(info, format_version=FORMAT_VERSION))
@@ -160,16 +193,11 @@ class TraceWriter:
         self._file_index[iteration] = part + 1
         fname = f"iter-{iteration:06d}.safetensors" if part == 0 else f"iter-{iteration:06d}-{part:03d}.safetensors"
         try:
-            blob = safetensors_save(self._pending)
-            path = os.path.join(self.dir, fname)
-            with open(path, "wb") as f:
-                f.write(blob)
-                f.flush()
-                os.fsync(f.fileno())
+            size, crc = write_safetensors(os.path.join(self.dir, fname), self._pending)
             for rec in self._pending_records:
                 rec.file = fname
             self.records.extend(self._pending_records)
-            self.files[fname] = {"bytes": len(blob), "crc32": zlib.crc32(blob)}
+            self.files[fname] = {"bytes": size, "crc32": crc}
             self._write_manifest(complete=False)
         except OSError as e:
             self._fail(e)
@@ -279,40 +307,60 @@ class TraceReader:
                 yield rt, rec
 
     def load(self, rank_trace: RankTrace, rec: Record) -> torch.Tensor:
+        """Read one tensor: only its bytes, at its offset (no memory map, no whole-file buffer)."""
         cache_key = (rank_trace.rank, rec.file)
-        handle = self._cache.get(cache_key)
-        if handle is None:
-            if len(self._cache) >= 16:
+        index = self._cache.get(cache_key)
+        if index is None:
+            if len(self._cache) >= 64:
                 self._cache.clear()
-            handle = self._open_file(rank_trace, rec.file)
-            self._cache[cache_key] = handle
+            index = self._open_file(rank_trace, rec.file)
+            self._cache[cache_key] = index
         path = os.path.join(rank_trace.dir, rec.file)
-        if rec.name not in handle.keys():
+        entry = index.get(rec.name)
+        if entry is None:
             raise TraceError(f"tensor {rec.name!r} is not in the file", path=path, rank=rank_trace.rank,
                              tensor=str(rec.key))
-        try:
-            t = handle.get_tensor(rec.name)
-        except Exception as e:  # safetensors raises its own error types
-            raise TraceError(f"cannot read tensor ({e})", path=path, rank=rank_trace.rank, tensor=str(rec.key)) from None
-        if tuple(t.shape) != rec.shape or dtype_name(t.dtype) != rec.dtype:
-            raise TraceError(f"file holds {dtype_name(t.dtype)}{list(t.shape)}, manifest says {rec.dtype}{list(rec.shape)}",
+        dtype, shape, start, nbytes = entry
+        if tuple(shape) != rec.shape or dtype_name(dtype) != rec.dtype:
+            raise TraceError(f"file holds {dtype_name(dtype)}{list(shape)}, manifest says {rec.dtype}{list(rec.shape)}",
                              path=path, rank=rank_trace.rank, tensor=str(rec.key))
-        return t
+        buf = bytearray(nbytes)
+        try:
+            with open(path, "rb") as f:
+                got = os.preadv(f.fileno(), [buf], start) if nbytes else 0
+        except OSError as e:
+            raise TraceError(f"cannot read tensor ({e.strerror})", path=path, rank=rank_trace.rank,
+                             tensor=str(rec.key)) from None
+        if got != nbytes:
+            raise TraceError(f"read {got} of {nbytes} bytes (file changed since it was verified?)", path=path,
+                             rank=rank_trace.rank, tensor=str(rec.key))
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
-    def _open_file(self, rank_trace: RankTrace, fname: str):
-        """Verify a data file's size and CRC32 (streamed), then open it memory-mapped: tensors are
-        read one at a time, so comparing never holds whole iteration files in memory."""
+    def _open_file(self, rank_trace: RankTrace, fname: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]]:
+        """Verify a data file's size and CRC32 (streamed through one reused buffer), then index
+        its safetensors header: name -> (dtype, shape, absolute offset, byte count)."""
         path = os.path.join(rank_trace.dir, fname)
         info = rank_trace.files[fname]
         crc, size = 0, 0
+        chunk = bytearray(8 << 20)
+        view = memoryview(chunk)
         try:
             with open(path, "rb") as f:
                 while True:
-                    chunk = f.read(16 << 20)
-                    if not chunk:
+                    n = f.readinto(chunk)
+                    if not n:
                         break
-                    crc = zlib.crc32(chunk, crc)
-                    size += len(chunk)
+                    crc = zlib.crc32(view[:n], crc)
+                    size += n
+                f.seek(0)
+                head = f.read(8)
+                header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
+                if not 0 <= header_len <= min(size - 8, 100 << 20):
+                    header = None
+                else:
+                    header = f.read(header_len)
         except OSError as e:
             raise TraceError(f"cannot read data file ({e.strerror})", path=path, rank=rank_trace.rank) from None
         if size != info["bytes"]:
@@ -320,10 +368,38 @@ class TraceReader:
                              path=path, rank=rank_trace.rank)
         if crc != info["crc32"]:
             raise TraceError("data file is corrupt (CRC32 mismatch)", path=path, rank=rank_trace.rank)
-        try:
-            return safe_open(path, framework="pt")
-        except Exception as e:  # safetensors raises its own error types
-            raise TraceError(f"data file is not valid safetensors ({e})", path=path, rank=rank_trace.rank) from None
+        if header is None:
+            raise TraceError("data file is not valid safetensors (bad header length)", path=path, rank=rank_trace.rank)
+        return _index_header(header, 8 + header_len, size, path, rank_trace.rank)
+
+
+_DTYPES_BY_NAME = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+
+
+def _index_header(header: bytes, data_start: int, file_size: int, path: str, rank: int):
+    """Parse and check a safetensors header (JSON only; offsets must lie inside the file)."""
+    try:
+        obj = json.loads(header.decode("utf-8"))
+        if not isinstance(obj, dict):
+            raise ValueError("header is not a JSON object")
+        index = {}
+        for name, e in obj.items():
+            if name == "__metadata__":
+                continue
+            dtype = _DTYPES_BY_NAME[e["dtype"]]
+            shape = tuple(int(d) for d in e["shape"])
+            begin, end = (int(x) for x in e["data_offsets"])
+            numel = 1
+            for d in shape:
+                if d < 0:
+                    raise ValueError(f"negative dim in {name!r}")
+                numel *= d
+            if not 0 <= begin <= end <= file_size - data_start or end - begin != numel * dtype.itemsize:
+                raise ValueError(f"offsets {begin}..{end} of {name!r} do not fit its shape or the file")
+            index[str(name)] = (dtype, shape, data_start + begin, end - begin)
+        return index
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+        raise TraceError(f"data file is not valid safetensors ({type(e).__name__}: {e})", path=path, rank=rank) from None
 
 
 def read_json(path: str, rank: Optional[int]):
