@@ -84,6 +84,20 @@ def test_malformed_manifest_is_named(tmp_path):
     assert e.value.rank == 0
 
 
+@pytest.mark.parametrize("field", ["shape", "logical_shape"])
+def test_infinite_shape_in_manifest_is_named(tmp_path, field):
+    """Found by hypothesis: int(inf) raised OverflowError instead of a named error."""
+    make_trace(tmp_path)
+    path = tmp_path / "rank-00000" / "manifest.json"
+    m = json.loads(path.read_text())
+    target = m["records"][0] if field == "shape" else m["records"][0]["layout"]
+    target[field] = [float("inf")]
+    path.write_text(json.dumps(m))
+    with pytest.raises(TraceError, match="malformed manifest") as e:
+        TraceReader(str(tmp_path))
+    assert e.value.rank == 0
+
+
 def test_manifest_cannot_escape_the_trace_directory(tmp_path):
     make_trace(tmp_path)
     path = tmp_path / "rank-00000" / "manifest.json"

@@ -6,14 +6,16 @@ Knows nothing about megatron: it reads traces, merges by placements, and applies
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from .errors import ConfigMismatchError, TraceError
-from .placement import PlacementError, merge_shards
-from .tolerance import ToleranceConfig, relative_error, tolerance_for
+from .placement import (Coords, Layout, Partial, PlacementError, Shard, check_coords, content_digest, merge_shards,
+                        slice_logical)
+from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for
 from .trace_store import RankTrace, Record, TensorKey, TraceReader
 
 PASS = "pass"
@@ -97,11 +99,7 @@ def group_records(reader: TraceReader) -> Dict[TensorKey, List[Tuple[RankTrace, 
 
 def logical_tensor(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]):
     first_rt, first = pieces[0]
-    for rt, rec in pieces[1:]:
-        if rec.layout != first.layout:
-            raise TraceError(f"ranks {first_rt.rank} and {rt.rank} record different placements "
-                             f"({first.layout.to_json()} vs {rec.layout.to_json()})",
-                             path=rt.dir, rank=rt.rank, tensor=str(rec.key))
+    _common_layout(pieces)
     loaded = [(rt.coords, reader.load(rt, rec)) for rt, rec in pieces]
     try:
         merged = merge_shards(loaded, first.layout)
@@ -153,6 +151,152 @@ def judge(key: TensorKey, cand: torch.Tensor, ref: torch.Tensor, rec: Record, nu
     return decide(*args, err, replica_note)
 
 
+# --------------------------------------------------------------------------------------------
+# shard by shard: each candidate piece against the reference sliced to it (offline and online)
+
+
+@dataclasses.dataclass
+class ShardSums:
+    """One rank's contribution to the verdict on one logical tensor.
+
+    Sums over the positions of the rank's piece that belong to the logical tensor (padding
+    excluded). Adding the sums of the distinct pieces gives the relative Frobenius error of the
+    merged tensor without ever merging it; replicas share a position and are checked by digest.
+    """
+
+    key: TensorKey
+    shard: Dict[str, Tuple[int, int]]  # (position, size) along each Shard axis; replicas share it
+    digest: int
+    diff_sq: float
+    ref_sq: float
+    compared: int  # positions where both sides are finite
+    candidate_nonfinite: int
+    reference_nonfinite: int
+    same_nonfinite: bool
+    logical_shape: Tuple[int, ...]
+    status: str = "ok"  # ok | shape | partial | missing_reference
+    detail: str = ""
+
+    def to_json(self) -> dict:
+        obj = dataclasses.asdict(self)
+        obj["key"] = self.key.to_json()
+        obj["logical_shape"] = list(self.logical_shape)
+        return obj
+
+    @staticmethod
+    def from_json(obj: dict) -> "ShardSums":
+        fields = dict(obj)
+        fields["key"] = TensorKey.from_json(obj["key"])
+        fields["shard"] = {str(k): (int(v[0]), int(v[1])) for k, v in obj["shard"].items()}
+        fields["logical_shape"] = tuple(int(s) for s in obj["logical_shape"])
+        for name in ("digest", "compared", "candidate_nonfinite", "reference_nonfinite"):
+            fields[name] = int(obj[name])
+        for name in ("diff_sq", "ref_sq"):
+            fields[name] = float(obj[name])
+        return ShardSums(**fields)
+
+
+def blank_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords) -> dict:
+    shard = {p.axis: tuple(coords[p.axis]) for p in layout.placements if isinstance(p, Shard)}
+    return dict(key=key, shard=shard, digest=content_digest(cand), diff_sq=0.0, ref_sq=0.0, compared=0,
+                candidate_nonfinite=0, reference_nonfinite=0, same_nonfinite=True,
+                logical_shape=tuple(layout.logical_shape))
+
+
+def missing_reference(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords) -> ShardSums:
+    return ShardSums(**dict(blank_shard_sums(key, cand, layout, coords), status="missing_reference"))
+
+
+def _is_padded(layout: Layout, coords: Coords, local_shape: Tuple[int, ...]) -> bool:
+    pieces = math.prod(coords[p.axis][1] for p in layout.placements if isinstance(p, Shard))
+    return math.prod(local_shape) * pieces != math.prod(layout.logical_shape)
+
+
+def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords, ref_full: torch.Tensor,
+               scale: float = 1.0) -> ShardSums:
+    """Judge one candidate piece against the logical reference sliced to it (``slice_logical``)."""
+    base = blank_shard_sums(key, cand, layout, coords)
+    if tuple(ref_full.shape) != tuple(layout.logical_shape):
+        return ShardSums(**dict(base, status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs "
+                                                               f"from the reference's {tuple(ref_full.shape)}"))
+    local = tuple(cand.shape)
+    try:
+        ref_piece = slice_logical(ref_full, layout, coords, local)
+    except PlacementError as e:
+        return ShardSums(**dict(base, status="shape", detail=f"the candidate's piece {local} does not fit the "
+                                                               f"reference's logical shape: {e}"))
+    cand = cand.detach().cpu()
+    if scale != 1.0:
+        cand = cand.to(torch.float64) / scale
+    if _is_padded(layout, coords, local):
+        mask = slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, coords, local)
+        cand, ref_piece = cand.reshape(-1)[mask.reshape(-1)], ref_piece.reshape(-1)[mask.reshape(-1)]
+    diff_norm, ref_norm = difference_norms(cand, ref_piece)
+    if math.isfinite(diff_norm) and math.isfinite(ref_norm):  # no NaN/Inf anywhere: no element-wise scan
+        return ShardSums(**dict(base, diff_sq=diff_norm ** 2, ref_sq=ref_norm ** 2, compared=cand.numel()))
+    bad_c = ~torch.isfinite(cand)
+    bad_r = ~torch.isfinite(ref_piece)
+    keep = ~bad_c & ~bad_r
+    diff_norm, ref_norm = difference_norms(cand[keep], ref_piece[keep])
+    return ShardSums(**dict(base, diff_sq=diff_norm ** 2, ref_sq=ref_norm ** 2, compared=int(keep.sum()),
+                            candidate_nonfinite=int(bad_c.sum()), reference_nonfinite=int(bad_r.sum()),
+                            same_nonfinite=bool(torch.equal(bad_c, bad_r))))
+
+
+def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Record, num_layers: int, order: int,
+                   tol_config: ToleranceConfig, where: str, notes: Sequence[str] = (),
+                   replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None) -> TensorResult:
+    """The verdict on one logical tensor from its pieces' sums (``entries``: (rank, sums))."""
+    shape = entries[0][1].logical_shape
+    args = (key, rec, num_layers, order, tol_config, shape)
+    shaped = [e for _, e in entries if e.status == "shape"]
+    if shaped:
+        return decide(*args, math.inf, shaped[0].detail)
+    positions: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
+    for rank, e in entries:
+        positions.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
+    expected = {tuple(sorted(zip(entries[0][1].shard, combo)))
+                for combo in itertools.product(*(range(size) for _, size in entries[0][1].shard.values()))}
+    if set(positions) != expected:
+        missing = sorted(expected - set(positions))
+        raise TraceError(f"the candidate's pieces cover {len(set(positions) & expected)} of {len(expected)} shards "
+                         f"(missing {[dict(m) for m in missing[:4]]})", path=where, tensor=str(key))
+    notes = list(notes)
+    diff_sq = ref_sq = 0.0
+    nc = nr = compared = 0
+    same = True
+    for _, copies in sorted(positions.items()):
+        if len({e.digest for _, e in copies}) > 1:
+            ranks = sorted(r for r, _ in copies)
+            detail = f", max |Δ| {replica_max_abs_diff(ranks):.3g}" if replica_max_abs_diff else ""
+            notes.append(f"candidate replicas differ (ranks {ranks}{detail})")
+        _, first = min(copies, key=lambda c: c[0])  # the lowest rank's copy, as a merge would use
+        diff_sq += first.diff_sq
+        ref_sq += first.ref_sq
+        compared += first.compared
+        nc += first.candidate_nonfinite
+        nr += first.reference_nonfinite
+        same = same and first.same_nonfinite
+    if compared == 0 and nc + nr:
+        error = math.nan  # nothing finite to compare
+    elif ref_sq == 0.0:
+        error = 0.0 if diff_sq == 0.0 else math.inf
+    else:
+        error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
+    nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
+    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes))
+
+
+def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
+    first_rt, first = pieces[0]
+    for rt, rec in pieces[1:]:
+        if rec.layout != first.layout:
+            raise TraceError(f"ranks {first_rt.rank} and {rt.rank} record different placements "
+                             f"({first.layout.to_json()} vs {rec.layout.to_json()})",
+                             path=rt.dir, rank=rt.rank, tensor=str(rec.key))
+    return first.layout
+
+
 def reference_order(groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]) -> Dict[TensorKey, int]:
     """Execution order of each key: the reference's recording order."""
     return {key: min(rec.seq + rt.rank * 10**9 for rt, rec in pieces) for key, pieces in groups.items()}
@@ -170,15 +314,36 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     common = sorted(set(ref_groups) & set(cand_groups), key=lambda k: order[k])
     results: List[TensorResult] = []
     for i, key in enumerate(common):
-        ref_merged = logical_tensor(ref, ref_groups[key])
-        cand_merged = logical_tensor(cand, cand_groups[key])
-        notes = []
-        for side, merged in (("candidate", cand_merged), ("reference", ref_merged)):
-            for m in merged.replica_mismatches:
-                notes.append(f"{side} replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})")
         rec = ref_groups[key][0][1]
-        results.append(judge(key, cand_merged.tensor, ref_merged.tensor, rec, num_layers, order[key], tol_config,
-                             "; ".join(notes)))
+        ref_merged = logical_tensor(ref, ref_groups[key])
+        notes = [f"reference replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})"
+                 for m in ref_merged.replica_mismatches]
+        pieces = cand_groups[key]
+        layout = _common_layout(pieces)
+        if any(isinstance(p, Partial) for p in layout.placements):
+            # partial sums can only be judged once added up: merge them
+            cand_merged = logical_tensor(cand, pieces)
+            notes += [f"candidate replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})"
+                      for m in cand_merged.replica_mismatches]
+            results.append(judge(key, cand_merged.tensor, ref_merged.tensor, rec, num_layers, order[key], tol_config,
+                                 "; ".join(notes)))
+        else:
+            # shard by shard: never more than the reference, one candidate piece and its slice in memory
+            for rt, r in pieces:
+                try:
+                    check_coords(rt.coords, r.layout)
+                except PlacementError as e:
+                    raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
+            entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, ref_merged.tensor, r.scale))
+                       for rt, r in pieces]
+            by_rank = {rt.rank: (rt, r) for rt, r in pieces}
+
+            def replica_max_abs_diff(ranks, by_rank=by_rank):
+                loaded = [cand.load(*by_rank[r]) for r in ranks]
+                return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
+
+            results.append(combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
+                                          replica_max_abs_diff))
         if progress:
             progress(i + 1, len(common))
     missing_in_candidate = sorted(set(ref_groups) - set(cand_groups), key=lambda k: order[k])

@@ -16,71 +16,20 @@ Knows nothing about megatron.
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import math
 import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (Comparison, TensorResult, check_compatible, decide, group_records, logical_tensor,
-                      nonfinite_message, reference_order)
+from .compare import (Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible, combine_shards, group_records,
+                      logical_tensor, missing_reference, reference_order, shard_sums)
 from .errors import TraceError
-from .placement import Coords, Layout, Partial, PlacementError, Shard, content_digest, slice_logical
+from .placement import Coords, Layout, Partial, PlacementError
 from .tolerance import ToleranceConfig
 from .trace_store import RUN_FILE, TensorKey, TraceReader, atomic_write_json, read_json
 
 ONLINE_FILE = "online.json"
 _RANK_DIR = "rank-{:05d}"
-
-
-@dataclasses.dataclass
-class ShardSums:
-    """One rank's contribution to the verdict on one logical tensor."""
-
-    key: TensorKey
-    shard: Dict[str, Tuple[int, int]]  # (position, size) along each Shard axis; replicas share it
-    digest: int
-    diff_sq: float
-    ref_sq: float
-    compared: int  # positions where both sides are finite
-    candidate_nonfinite: int
-    reference_nonfinite: int
-    same_nonfinite: bool
-    logical_shape: Tuple[int, ...]
-    status: str = "ok"  # ok | shape | partial | missing_reference
-    detail: str = ""
-
-    def to_json(self) -> dict:
-        obj = dataclasses.asdict(self)
-        obj["key"] = self.key.to_json()
-        obj["logical_shape"] = list(self.logical_shape)
-        return obj
-
-    @staticmethod
-    def from_json(obj: dict) -> "ShardSums":
-        fields = dict(obj)
-        fields["key"] = TensorKey.from_json(obj["key"])
-        fields["shard"] = {str(k): (int(v[0]), int(v[1])) for k, v in obj["shard"].items()}
-        fields["logical_shape"] = tuple(int(s) for s in obj["logical_shape"])
-        for name in ("digest", "compared", "candidate_nonfinite", "reference_nonfinite"):
-            fields[name] = int(obj[name])
-        for name in ("diff_sq", "ref_sq"):
-            fields[name] = float(obj[name])
-        return ShardSums(**fields)
-
-
-def _sums(cand: torch.Tensor, ref: torch.Tensor, mask: torch.Tensor) -> Tuple[float, float, int, int, int, bool]:
-    c = cand.reshape(-1).to(torch.float64)
-    r = ref.reshape(-1).to(torch.float64)
-    m = mask.reshape(-1)
-    bad_c = ~torch.isfinite(c) & m
-    bad_r = ~torch.isfinite(r) & m
-    keep = m & ~bad_c & ~bad_r
-    c, r = c[keep], r[keep]
-    return (float((c - r).square().sum()), float(r.square().sum()), int(keep.sum()), int(bad_c.sum()),
-            int(bad_r.sum()), bool(torch.equal(bad_c, bad_r)))
 
 
 class OnlineComparer:
@@ -109,31 +58,18 @@ class OnlineComparer:
         self.entries.append(self._judge_shard(key, tensor.detach(), layout, scale))
 
     def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout, scale: float) -> ShardSums:
-        shard = {p.axis: self.coords[p.axis] for p in layout.placements if isinstance(p, Shard)}
-        base = dict(key=key, shard=shard, digest=content_digest(cand), diff_sq=0.0, ref_sq=0.0, compared=0,
-                    candidate_nonfinite=0, reference_nonfinite=0, same_nonfinite=True,
-                    logical_shape=tuple(layout.logical_shape))
         pieces = self._reference_groups.get(key)
         if pieces is None:
-            return ShardSums(status="missing_reference", **base)
+            return missing_reference(key, cand, layout, self.coords)
         if any(isinstance(p, Partial) for p in layout.placements):
-            return ShardSums(status="partial", detail="a partial sum; judge it offline", **base)
+            return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
+                                    detail="a partial sum; judge it offline"))
         ref_full = logical_tensor(self.reference, pieces).tensor
-        if tuple(ref_full.shape) != tuple(layout.logical_shape):
-            return ShardSums(status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs from the "
-                                                     f"reference's {tuple(ref_full.shape)}", **base)
         try:
-            ref_shard = slice_logical(ref_full, layout, self.coords, cand.shape)
-            mask = slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, self.coords, cand.shape)
+            return shard_sums(key, cand, layout, self.coords, ref_full, scale)
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              rank=self.rank, tensor=str(key)) from None
-        if scale != 1.0:
-            cand = cand.to(torch.float64) / scale
-        diff_sq, ref_sq, compared, nc, nr, same = _sums(cand.cpu(), ref_shard, mask)
-        base.update(diff_sq=diff_sq, ref_sq=ref_sq, compared=compared, candidate_nonfinite=nc, reference_nonfinite=nr,
-                    same_nonfinite=same)
-        return ShardSums(**base)
 
     def flush(self, iteration: int) -> None:
         self._write(complete=False)
@@ -171,7 +107,7 @@ def _read_rank(trace_dir: str, rank: int) -> List[ShardSums]:
         return [ShardSums.from_json(e) for e in obj["entries"]]
     except TraceError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise TraceError(f"malformed online results ({type(e).__name__}: {e})", path=path, rank=rank) from None
 
 
@@ -203,59 +139,8 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
         if any(e.status == "partial" for _, e in entries):
             skipped.append(key)
             continue
-        results.append(_combine_key(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
-                                    candidate_dir))
+        results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
+                                      candidate_dir))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand_run, skipped=skipped)
-
-
-def _combine_key(key, entries, ref_record, num_layers, order, tol_config, candidate_dir) -> TensorResult:
-    shape = entries[0][1].logical_shape
-    args = (key, ref_record, num_layers, order, tol_config, shape)
-    shaped = [e for _, e in entries if e.status == "shape"]
-    if shaped:
-        return decide(*args, math.inf, shaped[0].detail)
-    replicas: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
-    for rank, e in entries:
-        replicas.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
-    notes = []
-    diff_sq = ref_sq = 0.0
-    nc = nr = compared = 0
-    same = True
-    for position, copies in sorted(replicas.items()):
-        digests = {e.digest for _, e in copies}
-        if len(digests) > 1:
-            notes.append(f"candidate replicas differ (ranks {sorted(r for r, _ in copies)})")
-        _, first = min(copies, key=lambda c: c[0])  # the lowest rank's copy, as the offline merge uses
-        diff_sq += first.diff_sq
-        ref_sq += first.ref_sq
-        compared += first.compared
-        nc += first.candidate_nonfinite
-        nr += first.reference_nonfinite
-        same = same and first.same_nonfinite
-    expected = _expected_positions(entries)
-    if len(replicas) != expected:
-        raise TraceError(f"online results cover {len(replicas)} of {expected} shards", path=candidate_dir,
-                         tensor=str(key))
-    if ref_sq == 0.0:
-        error = 0.0 if diff_sq == 0.0 else math.inf
-    else:
-        error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
-    nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
-    if nonfinite and compared == 0:
-        error = math.nan  # nothing finite to compare, as offline
-    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes))
-
-
-def _expected_positions(entries) -> int:
-    """How many distinct shards the candidate's placement has."""
-    return math.prod(size for _, size in entries[0][1].shard.values())
-
-
-def write_summary(comparison: Comparison, path: str) -> None:
-    """Keep the combined verdicts next to the per-rank files."""
-    from .report import to_json
-
-    with open(path, "w") as f:
-        json.dump(to_json(comparison), f, indent=1)

@@ -269,6 +269,12 @@ def _coord(coords: Coords, axis: str) -> Tuple[int, int]:
     return int(rank), int(size)
 
 
+def check_coords(coords: Coords, layout: Layout) -> None:
+    """Raise PlacementError unless ``coords`` names every axis of ``layout`` with a valid rank."""
+    for p in layout.placements:
+        _coord(coords, p.axis)
+
+
 def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) -> Merged:
     """Reassemble the logical tensor from every rank's piece.
 

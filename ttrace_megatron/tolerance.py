@@ -79,10 +79,9 @@ def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, r
                      f"k·C^d·(√K·ε_acc+ε_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
 
 
-def relative_error(a, b, chunk: int = 1 << 16) -> Tuple[float, float]:
-    """(‖a−b‖/‖b‖, ‖b‖), 0 when both are zero, inf when only the reference is zero.
+def difference_norms(a, b, chunk: int = 1 << 16) -> Tuple[float, float]:
+    """(‖a−b‖, ‖b‖), in chunks, in float32 (float64 for float64 tensors), summed in float64.
 
-    Computed in chunks in float32 (float64 for float64 tensors), summed across chunks in float64.
     For fp32/bf16/fp16 inputs the difference of two nearby values is exact in float32 (Sterbenz),
     and a 64 Ki-element float32 norm is accurate to ~1e-5 relative, far below what a verdict
     needs; it runs near memory bandwidth, where float64 copies of every chunk did not.
@@ -98,8 +97,12 @@ def relative_error(a, b, chunk: int = 1 << 16) -> Tuple[float, float]:
         bc = b[start:start + chunk].to(wide)
         ref_sq += float(torch.linalg.vector_norm(bc)) ** 2
         diff_sq += float(torch.linalg.vector_norm(a[start:start + chunk].to(wide) - bc)) ** 2
-    ref_norm = math.sqrt(ref_sq)
-    diff_norm = math.sqrt(diff_sq)
+    return math.sqrt(diff_sq), math.sqrt(ref_sq)
+
+
+def relative_error(a, b, chunk: int = 1 << 16) -> Tuple[float, float]:
+    """(‖a−b‖/‖b‖, ‖b‖): 0 when both are zero, inf when only the reference is zero."""
+    diff_norm, ref_norm = difference_norms(a, b, chunk)
     if ref_norm == 0.0:
         return (0.0 if diff_norm == 0.0 else float("inf")), ref_norm
     return diff_norm / ref_norm, ref_norm

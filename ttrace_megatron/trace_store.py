@@ -293,7 +293,7 @@ class TraceReader:
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
         except TraceError:
             raise
-        except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise TraceError(f"malformed manifest ({type(e).__name__}: {e})", path=path, rank=rank) from None
         for rec in records:
             if rec.file not in files:
@@ -398,7 +398,8 @@ def _index_header(header: bytes, data_start: int, file_size: int, path: str, ran
                 raise ValueError(f"offsets {begin}..{end} of {name!r} do not fit its shape or the file")
             index[str(name)] = (dtype, shape, data_start + begin, end - begin)
         return index
-    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError,
+            OverflowError) as e:
         raise TraceError(f"data file is not valid safetensors ({type(e).__name__}: {e})", path=path, rank=rank) from None
 
 
