@@ -143,3 +143,29 @@ def test_unwritable_directory_stops_recording_not_training(tmp_path, capsys):
     w.flush(1)
     w.close()
     assert not w.active and "recording stopped" in capsys.readouterr().out
+
+
+def test_online_compare_judges_shards_and_warns_live(tmp_path, capsys):
+    from ttrace_megatron.online import OnlineComparer, combine_online
+
+    full = make_trace(tmp_path / "ref", world=1)
+    write_run_info(str(tmp_path / "cand"), {"role": "candidate", "world_size": 2, "num_layers": 2,
+                                            "model_config": {"model": {"hidden_size": 8}},
+                                            "online_reference": str(tmp_path / "ref")})
+    layout = Layout((Shard(1, "tp"),), tuple(full.shape))
+    for r in range(2):
+        comparer = OnlineComparer(str(tmp_path / "ref"), str(tmp_path / "cand"), r, {"tp": (r, 2)})
+        shard = full.chunk(2, dim=1)[r].clone()
+        if r == 1:
+            shard *= 2  # a bug on rank 1's shard
+        comparer.add(KEY, shard, layout, depth=1)
+        comparer.add(TensorKey(1, -1, "decoder.layers.0.mlp.linear_fc1", "main_grad", "bias.main_grad"),
+                     torch.ones(3), Layout((Replicate("tp"),), (3,)), depth=1)
+        comparer.flush(1)
+        comparer.close()
+    out = capsys.readouterr().out
+    assert "[ttrace] rank 1 iteration 1: 1 shard(s) above tolerance" in out and "rank 0" not in out
+    assert not list((tmp_path / "cand").rglob("*.safetensors"))
+    c = combine_online(str(tmp_path / "cand"))
+    assert c.verdict == "fail" and c.first_mismatch.key == KEY
+    assert [r.verdict for r in c.results if r.key != KEY] == ["pass"]

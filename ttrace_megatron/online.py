@@ -16,16 +16,17 @@ Knows nothing about megatron.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible, combine_shards, group_records,
-                      logical_tensor, missing_reference, reference_order, shard_sums)
+from .compare import (Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible, combine_shards,
+                      group_records, logical_tensor, missing_reference, reference_order, shard_sums)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
-from .tolerance import ToleranceConfig
+from .tolerance import ToleranceConfig, tolerance_for
 from .trace_store import RUN_FILE, TensorKey, TraceReader, atomic_write_json, read_json
 
 ONLINE_FILE = "online.json"
@@ -43,6 +44,7 @@ class OnlineComparer:
         self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
         self.entries: List[ShardSums] = []
+        self._warned = 0
         self.failed: Optional[str] = None
         os.makedirs(self.dir, exist_ok=True)
         self._write(complete=False)
@@ -73,6 +75,30 @@ class OnlineComparer:
 
     def flush(self, iteration: int) -> None:
         self._write(complete=False)
+        self._warn_live(iteration)
+
+    def _warn_live(self, iteration: int) -> None:
+        """A heads-up while training runs: this rank's shards that exceed their tolerance.
+
+        A shard's own relative error is not the logical tensor's (``combine_online`` gives the
+        verdict), but a bug large enough to matter shows on the shards that carry it.
+        """
+        num_layers = int(self.reference.run.get("num_layers", 0))
+        above = []
+        for e in self.entries[self._warned:]:
+            if e.status != "ok" or e.key.iteration != iteration or e.ref_sq == 0.0:
+                continue
+            rec = self._reference_groups[e.key][0][1]
+            tol = tolerance_for(e.key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction)
+            err_eps = math.sqrt(e.diff_sq / e.ref_sq) / tol.eps
+            if not err_eps <= tol.tolerance_eps or e.candidate_nonfinite:
+                above.append((e, err_eps, tol.tolerance_eps))
+        self._warned = len(self.entries)
+        if above:
+            e, err, tol = above[0]
+            print(f"[ttrace] rank {self.rank} iteration {iteration}: {len(above)} shard(s) above tolerance; first: "
+                  f"{e.key.module} [{e.key.phase}] {e.key.tensor} {err:.3g} ε > {tol:.3g} ε on this rank's shard "
+                  f"(the verdict: ttrace report <trace dir>)", flush=True)
 
     def close(self) -> None:
         self._write(complete=True)
