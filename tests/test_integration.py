@@ -157,3 +157,23 @@ def test_megatron_lm_tracing_is_neutral_and_off_by_default(megatron_lm_runs, tmp
 def test_megatron_lm_unsupported_mode_is_refused_before_training(tmp_path):
     proc = _torchrun(1, "--ttrace", "--ttrace-replay", "ref", cwd=tmp_path, expect_ok=False)
     assert "ttrace cannot trace this run yet: --ttrace-replay" in proc.stderr + proc.stdout
+
+
+def test_unsupported_modes_are_named():
+    from ttrace_megatron.adapter.integration import _refuse_unsupported
+    from ttrace_megatron.errors import RecipeError
+
+    class DistributedOptimizer:
+        pass
+
+    class ChainedOptimizer:
+        chained_optimizers = [DistributedOptimizer()]
+
+    config = types.SimpleNamespace(num_moe_experts=None, fp8=None, recompute_granularity="full")
+    sizes = {"tp": 2, "pp": 2, "cp": 1, "ep": 1, "dp": 2}
+    with pytest.raises(RecipeError) as e:
+        _refuse_unsupported(config, sizes, [torch.nn.Linear(1, 1)], ChainedOptimizer(), TraceOptions(enabled=True))
+    for what in ("PP=2", "distributed optimizer", "full activation recompute"):
+        assert what in str(e.value)
+    plain = types.SimpleNamespace(num_moe_experts=None, fp8=None, recompute_granularity=None)
+    _refuse_unsupported(plain, dict(sizes, pp=1), [torch.nn.Linear(1, 1)], object(), TraceOptions(enabled=True))

@@ -162,9 +162,13 @@ def _parallel_sizes() -> Dict[str, int]:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: TraceOptions) -> None:
+def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, options: TraceOptions) -> None:
     """Modes whose placements are not inferred yet: refuse before training starts, not mid-run."""
     problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("pp", "cp", "ep") and v > 1]
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    if any(type(o).__name__ == "DistributedOptimizer" for o in inner) or any(
+            getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
+        problems.append("the distributed optimizer (main_grad holds only this rank's shard ranges)")
     if len(chunks) != 1:
         problems.append(f"{len(chunks)} virtual-pipeline chunks")
     if getattr(config, "num_moe_experts", None):
@@ -259,7 +263,7 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
         raise RuntimeError("ttrace.attach was called twice without ttrace.flush in between")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     sizes = _parallel_sizes()
-    _refuse_unsupported(config, sizes, chunks, options)
+    _refuse_unsupported(config, sizes, chunks, optimizer, options)
     facts = facts or model_facts(chunks, config, args)
 
     rank = dist.get_rank() if dist.is_initialized() else 0
