@@ -46,6 +46,7 @@ class RunSpec:
     keep_tensors: bool = True  # with online_reference: also write the tensors (online vs offline checks)
     dump_state: bool = False  # write losses and final parameters (bitwise-neutrality checks)
     timings: bool = False  # write per-iteration step and flush times (cost benchmarks)
+    alternate_idle: bool = False  # attach the tracer on even iterations only (interleaved overhead benchmark)
 
     def get_recipe(self) -> Recipe:
         return recipe_from_dict(self.recipe)
@@ -158,7 +159,7 @@ def _run(rank: int, spec: RunSpec) -> None:
 
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
-    if spec.trace:
+    def attach_tracer():
         options = integration.TraceOptions(
             enabled=True, dir=spec.trace_dir, iterations=spec.record_iterations, modules=tuple(spec.record_modules),
             ranks=spec.record_ranks, microbatches=spec.record_microbatches, reference=spec.online_reference,
@@ -166,6 +167,9 @@ def _run(rank: int, spec: RunSpec) -> None:
         integration.attach([model], optimizer, config, options=options, facts=facts, run_info={
             "recipe": recipe.to_json(), "parallel": spec.parallel, "model_config": _model_signature(recipe),
             "injected_bugs": spec.inject if spec.role == CANDIDATE else []})
+
+    if spec.trace and not spec.alternate_idle:
+        attach_tracer()
 
     forward_backward = get_forward_backward_func()
     seq = recipe.data.seq_length
@@ -188,6 +192,9 @@ def _run(rank: int, spec: RunSpec) -> None:
     losses = []
     timings = []
     for iteration in range(1, recipe.train.iterations + 1):
+        attached_now = spec.alternate_idle and iteration % 2 == 0
+        if attached_now:
+            attach_tracer()
         start = time.perf_counter()
         integration.begin_iteration(iteration)
         model.zero_grad_buffer()
@@ -199,7 +206,10 @@ def _run(rank: int, spec: RunSpec) -> None:
         optimizer.step()
         stepped = time.perf_counter()
         integration.end_iteration(iteration)
-        timings.append({"iteration": iteration, "step_s": stepped - start, "flush_s": time.perf_counter() - stepped})
+        timings.append({"iteration": iteration, "step_s": stepped - start, "flush_s": time.perf_counter() - stepped,
+                        "attached": attached_now or (spec.trace and not spec.alternate_idle)})
+        if attached_now:
+            integration.flush()
         losses.append([float(r["lm loss"]) for r in reduced])
     integration.flush()
     if spec.dump_state:
