@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -104,6 +106,8 @@ def main():
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     tmp = tempfile.mkdtemp(prefix="ttrace-costs-")
+    if not os.environ.get("TTRACE_KEEP_BENCH"):
+        atexit.register(shutil.rmtree, tmp, True)  # several GiB of traces: a full /tmp stops everything
     seed = os.path.join(tmp, "seed.safetensors")
     common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, timings=True)
 
