@@ -155,8 +155,9 @@ def test_megatron_lm_tracing_is_neutral_and_off_by_default(megatron_lm_runs, tmp
 
 @pytest.mark.multiprocess
 def test_megatron_lm_unsupported_mode_is_refused_before_training(tmp_path):
-    proc = _torchrun(1, "--ttrace", "--ttrace-replay", "ref", cwd=tmp_path, expect_ok=False)
-    assert "ttrace cannot trace this run yet: --ttrace-replay" in proc.stderr + proc.stdout
+    proc = _torchrun(1, "--ttrace", "--ttrace-replay", "ref", "--ttrace-reference", "ref", cwd=tmp_path,
+                     expect_ok=False)
+    assert "ttrace cannot trace this run yet: --ttrace-replay with --ttrace-reference" in proc.stderr + proc.stdout
 
 
 def test_unsupported_modes_are_named():

@@ -70,10 +70,40 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
                   + (f", injected bugs: {args.inject}" if args.inject else "")
                   + (", comparing online" if args.online else ""))
     launch(RunSpec(role=CANDIDATE, trace_dir=cand_dir, inject=list(args.inject), **online, **common))
-    report = _compare(ref_dir, cand_dir, console, json_path)
+    report = _compare(ref_dir, cand_dir, console, None)
+    first = report.get("first_mismatch")
+    if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
+        replay_dir = os.path.join(out, "replay")
+        shutil.rmtree(replay_dir, ignore_errors=True)
+        console.print(f"localizing: the candidate again, every module on the reference's inputs "
+                      f"(iteration {first['iteration']}) → {replay_dir}")
+        launch(RunSpec(role=CANDIDATE, trace_dir=replay_dir, inject=list(args.inject), replay_reference=ref_dir,
+                       **dict(common, record_iterations=[first["iteration"]])))
+        report["culprits"] = _localize(ref_dir, replay_dir, console)
+    if json_path:
+        os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
+        with open(json_path, "w") as f:
+            json.dump(report, f, indent=1)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     return report
+
+
+def _localize(ref_dir: str, replay_dir: str, console: Console) -> list:
+    from .compare import localize
+    from .report import culprits_json, render_culprits
+
+    culprits = culprits_json(localize(ref_dir, replay_dir))
+    render_culprits(culprits, console)
+    return culprits
+
+
+def cmd_localize(args, console: Console) -> int:
+    culprits = _localize(args.reference, args.replay, console)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"culprits": culprits}, f, indent=1)
+    return EXIT_FAIL if culprits else EXIT_PASS
 
 
 def _recipe_paths(target: str) -> List[str]:
@@ -219,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--junit", help="write JUnit XML here, one test case per recipe")
     run.add_argument("--inject", action="append", default=[], metavar="BUG[:MODULE_PATTERN]",
                      help="inject a known bug into the candidate (tests and the bug zoo)")
+    run.add_argument("--no-localize", action="store_true",
+                     help="on a mismatch, do not replay the candidate to find the module that introduces it")
     run.add_argument("--online", action="store_true",
                      help="the candidate compares against the reference while it runs and writes verdicts only")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
@@ -231,6 +263,11 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("reference")
     cmp_.add_argument("candidate")
     cmp_.add_argument("--json", help="write the machine-readable report here")
+
+    loc = sub.add_parser("localize", help="judge a replay trace (--ttrace-replay) module by module under local bounds")
+    loc.add_argument("reference")
+    loc.add_argument("replay")
+    loc.add_argument("--json", help="write the culprits here")
 
     rep = sub.add_parser("report", help="print the report kept in a run's --out directory, or summarize a trace")
     rep.add_argument("dir")
@@ -249,7 +286,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     quiet_warnings()
     console = Console()
-    commands = {"run": cmd_run, "compare": cmd_compare, "report": cmd_report}
+    commands = {"run": cmd_run, "compare": cmd_compare, "report": cmd_report, "localize": cmd_localize}
     try:
         return commands[args.command](args, console)
     except (TraceError, RecipeError, RunFailed, ValueError) as e:

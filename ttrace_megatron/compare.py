@@ -126,10 +126,21 @@ def _nonfinite_reason(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     return nonfinite_message(na, nb, bool(na and nb and torch.equal(fa, fb)))
 
 
+def arrives_at_module(key: TensorKey) -> bool:
+    """What arrives at a module (its input, its output-grad), as opposed to what it computes.
+
+    In a localization replay these are replaced by the reference's values before the module runs,
+    so the trace holds what arrived (judged like an end-to-end tensor), and everything the module
+    computes from them is judged under the local bound.
+    """
+    return (key.phase, key.tensor) in (("forward", "input"), ("backward", "grad_output"))
+
+
 def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config: ToleranceConfig,
            shape: Tuple[int, ...], error: float, reason: str = "") -> TensorResult:
     """The verdict on one logical tensor: a stated reason fails it, else error against tolerance."""
-    tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config)
+    tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config,
+                        propagate=not (tol_config.replay and not arrives_at_module(key)))
     ok = not reason and error / tol.eps <= tol.tolerance_eps
     return TensorResult(key=key, verdict=PASS if ok else FAIL, error=error, eps=tol.eps,
                         tolerance_eps=tol.tolerance_eps, order=order, depth=rec.depth, shape=tuple(shape),
@@ -207,7 +218,7 @@ def missing_reference(key: TensorKey, cand: torch.Tensor, layout: Layout, coords
     return ShardSums(**dict(blank_shard_sums(key, cand, layout, coords), status="missing_reference"))
 
 
-def _is_padded(layout: Layout, coords: Coords, local_shape: Tuple[int, ...]) -> bool:
+def is_padded(layout: Layout, coords: Coords, local_shape: Tuple[int, ...]) -> bool:
     pieces = math.prod(coords[p.axis][1] for p in layout.placements if isinstance(p, Shard))
     return math.prod(local_shape) * pieces != math.prod(layout.logical_shape)
 
@@ -228,7 +239,7 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
     cand = cand.detach().cpu()
     if scale != 1.0:
         cand = cand.to(torch.float64) / scale
-    if _is_padded(layout, coords, local):
+    if is_padded(layout, coords, local):
         mask = slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, coords, local)
         cand, ref_piece = cand.reshape(-1)[mask.reshape(-1)], ref_piece.reshape(-1)[mask.reshape(-1)]
     diff_norm, ref_norm = difference_norms(cand, ref_piece)
@@ -350,3 +361,44 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     missing_in_reference = sorted(set(cand_groups) - set(ref_groups), key=str)
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand.run)
+
+
+# --------------------------------------------------------------------------------------------
+# localization: a replay trace (every module run on the reference's inputs) judged locally
+
+PHASE_LABELS = {("forward", "loss"): "forward (loss)", ("backward", "grad_input"): "backward (dgrad)"}
+
+
+def phase_label(key: TensorKey) -> str:
+    """forward / backward (dgrad) / backward (wgrad) / grad reduction / optimizer."""
+    if key.phase == "backward" and key.tensor.endswith(".grad"):
+        return "backward (wgrad)"
+    if key.phase == "main_grad":
+        return "grad reduction"
+    return PHASE_LABELS.get((key.phase, key.tensor), PHASE_LABELS.get((key.phase, key.module), key.phase))
+
+
+@dataclasses.dataclass
+class Localization:
+    comparison: Comparison
+    culprits: List[TensorResult]  # what modules computed and failed on their own, in execution order
+
+    @property
+    def culprit(self) -> Optional[TensorResult]:
+        return self.culprits[0] if self.culprits else None
+
+
+def explain(result: TensorResult) -> str:
+    if result.reason:
+        return result.reason
+    return f"{result.ratio:.3g}× its local tolerance, given the reference's inputs"
+
+
+def localize(reference_dir: str, replay_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig()) -> Localization:
+    """Judge a replay trace: what each module computed from the reference's inputs, under the local
+    bound. Iterations the replay did not record are not reported missing."""
+    comparison = compare_traces(reference_dir, replay_dir, tol_config=dataclasses.replace(tol_config, replay=True))
+    replayed = {r.key.iteration for r in comparison.results}
+    comparison.missing_in_candidate = [k for k in comparison.missing_in_candidate if k.iteration in replayed]
+    culprits = sorted((r for r in comparison.failures if not arrives_at_module(r.key)), key=lambda r: r.order)
+    return Localization(comparison, culprits)

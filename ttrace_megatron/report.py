@@ -140,3 +140,31 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
         if report.get(side):
             console.print(f"[yellow]{len(report[side])} tensor(s) {side.replace('_', ' ')}:[/] "
                           + ", ".join(report[side][:max_rows]) + (" …" if len(report[side]) > max_rows else ""))
+
+
+def culprits_json(localization) -> list:
+    """The ``culprits`` of the JSON report: what modules computed and failed on their own."""
+    from .compare import explain, phase_label
+
+    return [{"module": r.key.module, "phase": phase_label(r.key), "tensor": r.key.tensor,
+             "iteration": r.key.iteration, "microbatch": r.key.microbatch, "error_eps": _num(r.error_eps),
+             "tolerance_eps": _num(r.tolerance_eps), "explanation": explain(r)} for r in localization.culprits]
+
+
+def render_culprits(culprits: list, console: Optional[Console] = None, max_rows: int = 5) -> None:
+    console = console or Console()
+    if not culprits:
+        console.print("[green]localization: every module's outputs match given the reference's inputs[/] "
+                      "(the mismatch enters outside the hooked modules)")
+        return
+    c = culprits[0]
+    console.print(Panel(f"{c['module']}, {c['phase']}, {c['tensor']} (iteration {c['iteration']}) fails on its own: "
+                        f"{c['error_eps']:.3g} ε against a local tolerance of {c['tolerance_eps']:.3g} ε — "
+                        f"{c['explanation']}", title="[bold red]culprit[/]", border_style="red"))
+    if len(culprits) > 1:
+        table = Table(title=f"every module failing on its own ({len(culprits)}), in execution order")
+        for col in ("module", "phase", "tensor", "error ε", "local tol ε"):
+            table.add_column(col)
+        for c in culprits[:max_rows]:
+            table.add_row(c["module"], c["phase"], c["tensor"], f"{c['error_eps']:.3g}", f"{c['tolerance_eps']:.3g}")
+        console.print(table)

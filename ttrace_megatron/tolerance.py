@@ -39,6 +39,7 @@ class ToleranceConfig:
     k: float = 4.0  # the big-O constant of Theorem 5.3 (Megatron-LM uses 4; BioNeMo 5)
     C: float = 1.03  # per-layer amplification of round-off (Megatron-LM: 1.01-1.05)
     accumulate: str = "float32"  # accumulation format of GEMMs and reductions
+    replay: bool = False  # a localization replay: tensors computed from substituted inputs get the local bound
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +71,15 @@ def local_error(reduction: int, storage_dtype: str, accumulate: str = "float32")
 
 
 def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, reduction: int,
-                  config: ToleranceConfig = ToleranceConfig()) -> Tolerance:
+                  config: ToleranceConfig = ToleranceConfig(), *, propagate: bool = True) -> Tolerance:
+    """``propagate=False``: the local bound of a tensor computed from inputs both runs share
+    (localization replay), without the depth factor."""
     fmt = report_format(storage_dtype)
-    d = propagation_depth(phase, depth, num_layers)
     local = local_error(reduction, storage_dtype, config.accumulate)
+    if not propagate:
+        return Tolerance(fmt.eps, config.k * local / fmt.eps, 0,
+                         f"local k·(√K·ε_acc+ε_out): k={config.k:g} K={max(reduction, 1)}")
+    d = propagation_depth(phase, depth, num_layers)
     bound = config.k * config.C ** d * local / fmt.eps
     return Tolerance(fmt.eps, bound, d,
                      f"k·C^d·(√K·ε_acc+ε_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")

@@ -33,6 +33,7 @@ from ..errors import RecipeError
 
 REFERENCE = "reference"
 CANDIDATE = "candidate"
+REPLAY = "replay"
 
 
 def parse_int_ranges(text: str) -> List[int]:
@@ -62,7 +63,7 @@ class TraceOptions:
     microbatches: Optional[List[int]] = None  # global microbatch ids
     reference: Optional[str] = None  # online compare against this reference trace
     keep_tensors: bool = False  # with ``reference``: also write the tensors
-    replay: Optional[str] = None  # localization replay (issue #5; refused for now)
+    replay: Optional[str] = None  # localization replay: run every module on this reference's inputs
     role: str = "auto"  # reference | candidate | auto (reference when nothing is parallel)
     seed_checkpoint: Optional[str] = None  # logical initial weights: the reference writes, candidates load
 
@@ -104,7 +105,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ttrace-seed-checkpoint", metavar="FILE",
                        help="start from the same logical weights: the reference writes FILE (if absent), every "
                             "other run loads its shard of each weight from it, whatever its parallel layout")
-    group.add_argument("--ttrace-replay", metavar="DIR", help="localization replay against this reference (not yet)")
+    group.add_argument("--ttrace-replay", metavar="DIR",
+                       help="localization replay: every recorded module runs on this reference trace's inputs and "
+                            "output-grads, so each is judged on its own (ttrace compare --local)")
     group.add_argument("--ttrace-role", choices=("auto", REFERENCE, CANDIDATE), default="auto",
                        help="label of this run (auto: reference when TP=PP=CP=EP=DP=1)")
     return parser
@@ -137,6 +140,7 @@ class Session:
     recorder: Any  # adapter.recorder.Recorder
     optimizer: Any
     rank: int
+    replayer: Any = None  # adapter.replay.Replayer when --ttrace-replay
 
 
 _SESSION: Optional[Session] = None
@@ -180,8 +184,8 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, 
     te = sorted({type(m).__name__ for c in chunks for m in c.modules() if type(m).__name__.startswith("TE")})
     if te:
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
-    if options.replay:
-        problems.append("--ttrace-replay (localization replay is not implemented yet)")
+    if options.replay and options.reference:
+        problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
     if problems:
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
                           + ". Supported: TP, SP and DP with the local layer spec.")
@@ -271,12 +275,15 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
     coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, sizes["dp"])}
     role = options.role if options.role != "auto" else (REFERENCE if world == 1 else CANDIDATE)
+    if options.replay:
+        role = REPLAY
 
     if rank == 0:
         info = {"role": role, "world_size": world, "parallel": {k: v for k, v in sizes.items() if v > 1},
                 "model_config": model_signature(config, facts, args), "num_layers": facts.num_layers,
                 "compute_dtype": str(config.params_dtype).replace("torch.", ""), "versions": library_versions(),
-                "online_reference": os.path.abspath(options.reference) if options.reference else None}
+                "online_reference": os.path.abspath(options.reference) if options.reference else None,
+                "replay_reference": os.path.abspath(options.replay) if options.replay else None}
         info.update(run_info or {})
         write_run_info(options.dir, info)
 
@@ -293,7 +300,12 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
     record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
     recorder = Recorder(sinks, chunks, facts, rank, dp_rank, sizes["dp"], record_filter).attach()
     recorder.wrap_optimizer(optimizer)
-    _SESSION = Session(options, recorder, optimizer, rank)
+    replayer = None
+    if options.replay:
+        from .replay import Replayer
+
+        replayer = Replayer(options.replay, recorder, coords, facts).attach(chunks)  # after the recorder's hooks
+    _SESSION = Session(options, recorder, optimizer, rank, replayer)
     return _SESSION
 
 
@@ -340,6 +352,8 @@ def flush() -> None:
     from .recorder import Recorder
 
     session.recorder.close()
+    if session.replayer is not None:
+        session.replayer.close()
     Recorder.unwrap_optimizer(session.optimizer)
 
 

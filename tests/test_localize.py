@@ -1,0 +1,63 @@
+"""Localization replay: each module run on the reference's inputs and output-grads, judged on its own."""
+
+import json
+import os
+
+import pytest
+
+from ttrace_megatron.compare import localize, phase_label
+
+from conftest import load
+
+pytestmark = pytest.mark.multiprocess
+
+
+def _replay(runs, recipe, inject=()):
+    ref = os.path.join(runs.reference(recipe), "reference")
+    _, replay = runs.candidate(recipe, inject=inject, name="replay", replay_reference=ref, record_iterations=[1])
+    return localize(ref, replay)
+
+
+@pytest.mark.parametrize("name,dtype", [("gpt_tp2", "fp32"), ("gpt_tp2", "bf16"), ("gpt_tp2_sp", "bf16"),
+                                        ("gpt_tp4_sp", "fp32")])
+def test_clean_replay_has_no_culprit(runs, name, dtype):
+    loc = _replay(runs, load(name, dtype=dtype))
+    assert loc.comparison.verdict == "pass" and not loc.culprits, loc.culprit
+    judged_locally = [r for r in loc.comparison.results if r.tolerance_source.startswith("local")]
+    assert len(judged_locally) > 50
+    assert 0 < max(r.error_eps for r in judged_locally)  # round-off is there: not a run compared with itself
+
+
+@pytest.mark.parametrize("name,dtype,bug,module,phase,tensor", [
+    ("gpt_tp2_sp", "bf16", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
+     "decoder.layers.1.mlp.linear_fc2", "forward", "output"),
+    ("gpt_tp2", "fp32", "row_allreduce_dropped:decoder.layers.0.self_attention.linear_proj",
+     "decoder.layers.0.self_attention.linear_proj", "forward", "output"),
+    ("gpt_tp2", "fp32", "column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",
+     "decoder.layers.1.self_attention.linear_qkv", "backward (dgrad)", "grad_input"),
+    ("gpt_tp2", "fp32", "embedding_mask_missing", "embedding.word_embeddings", "forward", "output"),
+    ("gpt_tp2_sp", "fp32", "sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",
+     "decoder.layers.0.input_layernorm", "grad reduction", "weight.main_grad"),
+])
+def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor):
+    culprit = _replay(runs, load(name, dtype=dtype), [bug]).culprit
+    assert culprit is not None
+    assert (culprit.key.module, phase_label(culprit.key), culprit.key.tensor) == (module, phase, tensor)
+    assert culprit.error_eps > 10 * culprit.tolerance_eps
+
+
+def test_cli_run_localizes_on_mismatch(tmp_path):
+    from ttrace_megatron.cli import main
+
+    bug = "row_allreduce_dropped:decoder.layers.0.mlp.linear_fc2"  # the default recipe: TP=2 + SP
+    assert main(["run", "--out", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"), "--inject", bug]) == 1
+    with open(tmp_path / "a.json") as f:
+        report = json.load(f)
+    c = report["culprits"][0]
+    assert (c["module"], c["phase"], c["tensor"]) == ("decoder.layers.0.mlp.linear_fc2", "forward", "output")
+    assert c["error_eps"] > c["tolerance_eps"] and c["explanation"]
+    assert main(["localize", str(tmp_path / "a" / "reference"), str(tmp_path / "a" / "replay")]) == 1
+    assert main(["run", "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json"), "--inject", bug,
+                 "--no-localize"]) == 1
+    with open(tmp_path / "b.json") as f:
+        assert "culprits" not in json.load(f)

@@ -1,0 +1,131 @@
+"""Localization replay: every recorded module runs on the reference's inputs and output-grads.
+
+The candidate runs again, from the same seed checkpoint and data, with two substitutions per
+recorded module (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding):
+
+* forward: the module's first input is replaced by the reference's logical input, sliced to this
+  rank's shard (``slice_logical``, the placements the recorder uses);
+* backward: the grad arriving at the module's first output is replaced by the reference's
+  logical output-grad, sliced likewise.
+
+Each module's outputs — forward output, grad w.r.t. its input, its parameters' grads — then
+depend only on the module itself and on inputs both runs share, so they are judged under the
+*local* tolerance (no depth factor); the first module that fails on its own is the culprit.
+The recorder's hooks are registered first, so the trace also holds what *arrived* at each
+module before substitution.
+
+The substitution keeps the autograd graph: the replaced input passes its grad straight to the
+candidate's own tensor, so parameters upstream still receive grads and grad reduction, the
+optimizer and main grads run as usual. This run is a diagnosis, not the observed training: its
+numerics are changed on purpose.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, List, Optional
+
+import torch
+
+from ..compare import group_records, is_padded, logical_tensor
+from ..errors import TraceError
+from ..placement import Coords, Layout, PlacementError, slice_logical
+from ..trace_store import TensorKey, TraceReader
+from . import layouts
+from .naming import canonical_module_names
+
+
+class _Substitute(torch.autograd.Function):
+    """Forward: ``value`` instead of ``x``. Backward: the grad goes to ``x`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, x, value):
+        return value.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class Replayer:
+    def __init__(self, reference_dir: str, recorder, coords: Coords, facts: layouts.ModelFacts):
+        self.reference = TraceReader(reference_dir)
+        self._groups = group_records(self.reference)
+        self.recorder = recorder
+        self.coords = coords
+        self.facts = facts
+        self.substituted = 0
+        self._handles: List = []
+
+    def attach(self, chunks: List[torch.nn.Module]) -> "Replayer":
+        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                          VocabParallelEmbedding)
+
+        for chunk in chunks:
+            for module, name in canonical_module_names(chunk).items():
+                if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                    self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
+                    self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
+        return self
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _reference_shard(self, key: TensorKey, layout: Layout, like: torch.Tensor) -> Optional[torch.Tensor]:
+        pieces = self._groups.get(key)
+        if pieces is None:
+            return None  # not recorded by the reference (selective recording): leave the candidate's value
+        full = logical_tensor(self.reference, pieces).tensor
+        try:
+            shard = slice_logical(full, layout, self.coords, like.shape).to(dtype=like.dtype, device=like.device)
+            if is_padded(layout, self.coords, tuple(like.shape)):
+                # padding (the vocabulary padded per TP size) is not in the logical tensor: keep the
+                # candidate's own values there (padding logits take part in the softmax and their
+                # grads reach the output layer's padding rows and the grad norm)
+                mask = slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, self.coords,
+                                     like.shape).to(like.device)
+                shard = torch.where(mask, shard, like.detach())
+        except PlacementError as e:
+            raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
+                             tensor=str(key)) from None
+        self.substituted += 1
+        return shard
+
+    def _active(self) -> bool:
+        return self.recorder.in_iteration
+
+    def _pre_hook(self, name: str):
+        def hook(module, args, kwargs):
+            if not self._active() or not args or not isinstance(args[0], torch.Tensor):
+                return None
+            x = args[0]
+            if not x.is_floating_point():
+                return None  # token ids: nothing to substitute
+            in_layout, _ = layouts.activation_layouts(name, module, self.facts, tuple(x.shape), None)
+            key = TensorKey(self.recorder.iteration, self.recorder.microbatch, name, "forward", "input")
+            value = self._reference_shard(key, in_layout, x)
+            if value is None:
+                return None
+            return (_Substitute.apply(x, value),) + tuple(args[1:]), kwargs
+        return hook
+
+    def _post_hook(self, name: str):
+        def hook(module, args, kwargs, output):
+            out = output[0] if isinstance(output, tuple) else output
+            if not self._active() or not isinstance(out, torch.Tensor) or not out.requires_grad:
+                return None
+            _, out_layout = layouts.activation_layouts(name, module, self.facts, tuple(args[0].shape), tuple(out.shape))
+            key = TensorKey(self.recorder.iteration, self.recorder.microbatch, name, "backward", "grad_output")
+
+            def substitute_grad(grad):
+                value = self._reference_shard(key, out_layout, grad)
+                return value if value is not None else grad
+
+            out.register_hook(substitute_grad)
+            return None
+        return hook
+
+
+def replay_summary(replayer: Replayer) -> Dict[str, int]:
+    return {"substituted_tensors": replayer.substituted}
