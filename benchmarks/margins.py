@@ -19,7 +19,7 @@ import warnings
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-BUGS = [  # (recipe, bug spec, expected module, expected phase)
+BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end first mismatch)
     ("gpt_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2", "forward"),
     ("gpt_tp2", "row_allreduce_dropped:decoder.layers.0.self_attention.linear_proj",
      "decoder.layers.0.self_attention.linear_proj", "forward"),
@@ -38,7 +38,7 @@ def main():
 
     from ttrace_megatron.adapter.launch import launch
     from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec
-    from ttrace_megatron.compare import compare_traces
+    from ttrace_megatron.compare import compare_traces, localize, phase_label
     from ttrace_megatron.recipe import recipe_from_dict
 
     parser = argparse.ArgumentParser()
@@ -53,44 +53,58 @@ def main():
         return recipe_from_dict(raw, source=path)
 
     def pair(r, tmp, inject=()):
+        """End-to-end comparison, then the localization replay of iteration 1."""
         common = dict(recipe=r.to_json(), seed_checkpoint=os.path.join(tmp, "seed.safetensors"), master_port=0)
-        launch(RunSpec(role=REFERENCE, trace_dir=os.path.join(tmp, "ref"), **common))
+        ref = os.path.join(tmp, "ref")
+        launch(RunSpec(role=REFERENCE, trace_dir=ref, **common))
         launch(RunSpec(role=CANDIDATE, trace_dir=os.path.join(tmp, "cand"), inject=list(inject), **common))
-        return compare_traces(os.path.join(tmp, "ref"), os.path.join(tmp, "cand"))
+        launch(RunSpec(role=CANDIDATE, trace_dir=os.path.join(tmp, "replay"), inject=list(inject), replay_reference=ref,
+                       record_iterations=[1], **common))
+        return compare_traces(ref, os.path.join(tmp, "cand")), localize(ref, os.path.join(tmp, "replay"))
 
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(f"commit {commit}; machine: {os.cpu_count()} CPU cores, gloo, torch "
           f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}\n")
-    print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio |")
-    print("|---|---|---|---|---|---|---|")
+    print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio "
+          "| replay: false culprits | replay: worst local ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name in ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2"):
         for dtype in ("fp32", "bf16"):
-            worst, fps, n = None, 0, 0
+            worst, fps, n, false_culprits, worst_local = None, 0, 0, 0, 0.0
             for seed in range(1, args.seeds + 1):
                 with tempfile.TemporaryDirectory() as tmp:
-                    c = pair(recipe(name, dtype, seed), tmp)
+                    c, loc = pair(recipe(name, dtype, seed), tmp)
                 fps += len(c.failures)
                 n = len(c.results)
                 w = max(c.results, key=lambda r: r.ratio)
                 if worst is None or w.ratio > worst.ratio:
                     worst = w
+                false_culprits += len(loc.culprits)
+                worst_local = max([worst_local] + [r.ratio for r in loc.comparison.results
+                                                    if r.tolerance_source.startswith("local")])
             print(f"| {name} | {dtype} | {args.seeds} | {n} | {fps} | {worst.error_eps:.3g} / {worst.tolerance_eps:.3g} "
-                  f"({worst.key.module} {worst.key.phase} {worst.key.tensor}) | {worst.ratio:.2f} |")
+                  f"({worst.key.module} {worst.key.phase} {worst.key.tensor}) | {worst.ratio:.2f} | {false_culprits} "
+                  f"| {worst_local:.2f} |")
     print()
-    print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance |")
-    print("|---|---|---|---|---|---|---|")
+    print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance "
+          "| replay culprit | culprit is the injected module | culprit error / local tolerance |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, bug, module, phase in BUGS:
         for dtype in ("fp32", "bf16"):
             with tempfile.TemporaryDirectory() as tmp:
-                c = pair(recipe(name, dtype, 1), tmp, [bug])
+                c, loc = pair(recipe(name, dtype, 1), tmp, [bug])
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"
             localized = bool(fm) and fm.key.module == module and fm.key.phase == phase
             ratio = f"{fm.ratio:.3g}" if fm else "—"
+            cu = loc.culprit
+            culprit = f"{cu.key.module}, {phase_label(cu.key)}, {cu.key.tensor}" if cu else "—"
+            right = bool(cu) and cu.key.module == module
             print(f"| {name} | {dtype} | `{bug}` | {'yes' if detected else 'NO'} | {where} | "
-                  f"{'yes' if localized else 'NO'} | {ratio} |")
+                  f"{'yes' if localized else 'NO'} | {ratio} | {culprit} | {'yes' if right else 'NO'} | "
+                  f"{f'{cu.ratio:.3g}' if cu else '—'} |")
 
 
 if __name__ == "__main__":
