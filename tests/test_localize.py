@@ -19,7 +19,7 @@ def _replay(runs, recipe, inject=()):
 
 
 @pytest.mark.parametrize("name,dtype", [("gpt_tp2", "fp32"), ("gpt_tp2", "bf16"), ("gpt_tp2_sp", "bf16"),
-                                        ("gpt_tp4_sp", "fp32")])
+                                        ("gpt_tp4_sp", "fp32"), ("gpt_tp2_sp_dp2", "fp32")])
 def test_clean_replay_has_no_culprit(runs, name, dtype):
     loc = _replay(runs, load(name, dtype=dtype))
     assert loc.comparison.verdict == "pass" and not loc.culprits, loc.culprit

@@ -129,13 +129,19 @@ class Recorder:
     def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None):
         depth = layouts.layer_depth(key.module, self.facts.num_layers)
         reduction = layouts.reduction_length(key.module, module, key.tensor, self.facts)
-        # megatron scales each microbatch's loss by 1/num_microbatches of this DP rank, so
-        # per-microbatch grads are dp times those of a run with DP=1; DDP divides by dp again
-        # when it reduces main grads.
-        scale = float(self.dp_size) if key.phase == "backward" else 1.0
+        scale = self.scale_for(key.phase)
         for sink in self.sinks:
             sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
                      scale=scale)
+
+    def scale_for(self, phase: str) -> float:
+        """How much larger this run's tensors of ``phase`` are than a DP=1 run's.
+
+        megatron scales each microbatch's loss by 1/num_microbatches of this DP rank, so
+        per-microbatch grads are dp times those of a run with DP=1; DDP divides by dp again when it
+        reduces main grads.
+        """
+        return float(self.dp_size) if phase == "backward" else 1.0
 
     def _count_microbatch(self, module, args):
         if self.in_iteration:

@@ -72,13 +72,18 @@ class Replayer:
             h.remove()
         self._handles.clear()
 
-    def _reference_shard(self, key: TensorKey, layout: Layout, like: torch.Tensor) -> Optional[torch.Tensor]:
+    def _reference_shard(self, key: TensorKey, layout: Layout, like: torch.Tensor,
+                         scale: float = 1.0) -> Optional[torch.Tensor]:
+        """The reference's value of ``key`` as this rank holds it (times ``scale``), shaped like ``like``."""
         pieces = self._groups.get(key)
         if pieces is None:
             return None  # not recorded by the reference (selective recording): leave the candidate's value
         full = logical_tensor(self.reference, pieces).tensor
         try:
-            shard = slice_logical(full, layout, self.coords, like.shape).to(dtype=like.dtype, device=like.device)
+            shard = slice_logical(full, layout, self.coords, like.shape)
+            if scale != 1.0:
+                shard = shard.to(torch.float64) * scale
+            shard = shard.to(dtype=like.dtype, device=like.device)
             if is_padded(layout, self.coords, tuple(like.shape)):
                 # padding (the vocabulary padded per TP size) is not in the logical tensor: keep the
                 # candidate's own values there (padding logits take part in the softmax and their
@@ -119,7 +124,8 @@ class Replayer:
             key = TensorKey(self.recorder.iteration, self.recorder.microbatch, name, "backward", "grad_output")
 
             def substitute_grad(grad):
-                value = self._reference_shard(key, out_layout, grad)
+                # this run's per-microbatch grads are dp times a DP=1 run's (Recorder.scale_for)
+                value = self._reference_shard(key, out_layout, grad, self.recorder.scale_for("backward"))
                 return value if value is not None else grad
 
             out.register_hook(substitute_grad)
