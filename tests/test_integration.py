@@ -178,3 +178,16 @@ def test_unsupported_modes_are_named():
         assert what in str(e.value)
     plain = types.SimpleNamespace(num_moe_experts=None, fp8=None, recompute_granularity=None)
     _refuse_unsupported(plain, dict(sizes, pp=1), [torch.nn.Linear(1, 1)], object(), TraceOptions(enabled=True))
+
+
+@pytest.mark.multiprocess
+def test_megatron_lm_replay_localizes_nothing_on_a_clean_run(megatron_lm_runs, tmp_path):
+    from ttrace_megatron.compare import localize
+
+    ref = os.path.join(megatron_lm_runs, "ref")
+    _torchrun(2, *CANDIDATE, "--ttrace", "--ttrace-dir", "replay", "--ttrace-replay", ref, "--ttrace-iters", "1",
+              "--ttrace-seed-checkpoint", os.path.join(megatron_lm_runs, "seed.safetensors"), cwd=tmp_path)
+    loc = localize(ref, str(tmp_path / "replay"))
+    assert loc.comparison.verdict == "pass" and not loc.culprits
+    assert loc.comparison.candidate_run["role"] == "replay"
+    assert any(r.tolerance_source.startswith("local") for r in loc.comparison.results)
