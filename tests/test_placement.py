@@ -129,3 +129,4 @@ def test_replicas_with_size_one_dims_compare_bitwise():
     pieces = [(c, slice_logical(full, layout, c, (1, 1))) for c in coords]
     merged = merge_shards(pieces, layout)
     assert merged.replica_mismatches == [] and torch.equal(merged.tensor, full)
+

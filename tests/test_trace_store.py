@@ -169,3 +169,17 @@ def test_online_compare_judges_shards_and_warns_live(tmp_path, capsys):
     c = combine_online(str(tmp_path / "cand"))
     assert c.verdict == "fail" and c.first_mismatch.key == KEY
     assert [r.verdict for r in c.results if r.key != KEY] == ["pass"]
+
+
+def test_describe_difference_names_simple_kinds():
+    from ttrace_megatron.compare import describe_difference
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randn(64, 32, generator=g)
+    assert "sign is flipped" in describe_difference(-r, r)
+    assert "2× the reference" in describe_difference(2 * r, r)
+    assert "1/2 of the reference" in describe_difference(r / 2, r)
+    assert "permutation" in describe_difference(r.flip(0), r)
+    a, b = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
+    assert "1/√2" in describe_difference(a, a + b)
+    assert "cosine" in describe_difference(torch.randn(64, 32, generator=g), r)

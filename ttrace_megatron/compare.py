@@ -394,6 +394,35 @@ def explain(result: TensorResult) -> str:
     return f"{result.ratio:.3g}× its local tolerance, given the reference's inputs"
 
 
+def describe_difference(cand: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
+    """Simple checks that name the kind of a difference, for the culprit's explanation."""
+    if cand.shape != ref.shape or cand.numel() == 0:
+        return None
+    c = cand.reshape(-1).to(torch.float64)
+    r = ref.reshape(-1).to(torch.float64)
+    if not (bool(torch.isfinite(c).all()) and bool(torch.isfinite(r).all())):
+        return None
+    rn, cn = float(r.norm()), float(c.norm())
+    if rn == 0.0:
+        return "the reference is zero here" if cn else None
+    if float((c + r).norm()) <= 1e-3 * rn:
+        return "the sign is flipped"
+    ratio = cn / rn
+    for k in (2, 3, 4, 8, 1 / 2, 1 / 3, 1 / 4, 1 / 8):
+        if abs(ratio / k - 1) < 0.01 and float((c - k * r).norm()) <= 0.01 * k * rn:
+            return (f"the candidate is {k:g}× the reference: a sum counted {k:g} times or a missing 1/{k:g} scale"
+                    if k > 1 else f"the candidate is 1/{1 / k:g} of the reference: a missing reduction over "
+                                  f"{1 / k:g} ranks or an extra 1/{1 / k:g} scale")
+    for k in (2, 4, 8):
+        if abs(ratio * math.sqrt(k) - 1) < 0.03:
+            return (f"norm ≈ 1/√{k} of the reference, like one of {k} uncorrelated partial sums "
+                    f"(a missing all-reduce or reduce-scatter?)")
+    if c.numel() <= 1 << 22 and float((torch.sort(c).values - torch.sort(r).values).norm()) <= 1e-3 * rn:
+        return "the same values in another order: a permutation (a wrong stride or layout?)"
+    cos = float(torch.dot(c, r)) / (cn * rn) if cn else 0.0
+    return f"norm ratio {ratio:.3g}, cosine similarity {cos:.3g} to the reference"
+
+
 def localize(reference_dir: str, replay_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig()) -> Localization:
     """Judge a replay trace: what each module computed from the reference's inputs, under the local
     bound. Iterations the replay did not record are not reported missing."""
@@ -401,4 +430,18 @@ def localize(reference_dir: str, replay_dir: str, *, tol_config: ToleranceConfig
     replayed = {r.key.iteration for r in comparison.results}
     comparison.missing_in_candidate = [k for k in comparison.missing_in_candidate if k.iteration in replayed]
     culprits = sorted((r for r in comparison.failures if not arrives_at_module(r.key)), key=lambda r: r.order)
+    if culprits and not culprits[0].reason:
+        _describe(culprits[0], reference_dir, replay_dir)
     return Localization(comparison, culprits)
+
+
+def _describe(result: TensorResult, reference_dir: str, replay_dir: str) -> None:
+    """Add what kind of difference the culprit shows to its reason (merged tensors, one key)."""
+    tensors = []
+    for d in (replay_dir, reference_dir):
+        reader = TraceReader(d)
+        pieces = [(rt, rec) for rt, rec in reader.records() if rec.key == result.key]
+        tensors.append(logical_tensor(reader, pieces).tensor)
+    kind = describe_difference(*tensors)
+    if kind:
+        result.reason = f"{result.ratio:.3g}× its local tolerance given the reference's inputs; {kind}"
