@@ -29,6 +29,10 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("gpt_tp2_sp", "sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",
      "decoder.layers.0.input_layernorm", "main_grad"),
     ("gpt_tp4_sp", "row_allreduce_dropped:decoder.layers.0.mlp.linear_fc2", "decoder.layers.0.mlp.linear_fc2", "forward"),
+    ("gpt_tp2_sp_dp2", "dp_grad_not_averaged", "embedding.word_embeddings", "main_grad"),
+    ("gpt_tp2", "grad_norm_counts_tp_replicas", "optimizer", "optimizer"),
+    ("gpt_tp2_sp", "gated_mlp_halves_swapped:decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc1",
+     "forward"),
 ]
 
 

@@ -38,12 +38,21 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     ("gpt_tp2", "fp32", "embedding_mask_missing", "embedding.word_embeddings", "forward", "output"),
     ("gpt_tp2_sp", "fp32", "sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",
      "decoder.layers.0.input_layernorm", "grad reduction", "weight.main_grad"),
+    ("gpt_tp2_sp_dp2", "fp32", "dp_grad_not_averaged", "embedding.word_embeddings", "grad reduction",
+     "weight.main_grad"),
+    ("gpt_tp2", "fp32", "grad_norm_counts_tp_replicas", "optimizer", "optimizer", "grad_norm"),
+    ("gpt_tp2_sp", "bf16", "gated_mlp_halves_swapped:decoder.layers.0.mlp.linear_fc1",
+     "decoder.layers.0.mlp.linear_fc1", "forward", "output"),
 ])
 def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor):
     culprit = _replay(runs, load(name, dtype=dtype), [bug]).culprit
     assert culprit is not None
     assert (culprit.key.module, phase_label(culprit.key), culprit.key.tensor) == (module, phase, tensor)
     assert culprit.error_eps > 10 * culprit.tolerance_eps
+    if bug == "dp_grad_not_averaged":
+        assert "2× the reference" in culprit.reason
+    if bug.startswith("gated_mlp_halves_swapped"):
+        assert "permutation" in culprit.reason
 
 
 def test_cli_run_localizes_on_mismatch(tmp_path):

@@ -104,11 +104,52 @@ def embedding_mask_missing(chunks, pattern: str = "*word_embeddings") -> None:
         module.forward = forward
 
 
+def dp_grad_not_averaged(chunks, pattern: str = "*") -> None:
+    """DDP sums main grads over data-parallel ranks without the 1/dp scale (a loss or grad scaled
+    wrongly by dp): every main grad is dp times too large."""
+    found = 0
+    for chunk in chunks:
+        for buffer in list(getattr(chunk, "buffers", [])) + list(getattr(chunk, "expert_parallel_buffers", [])):
+            if buffer.gradient_scaling_factor != 1.0:
+                buffer.gradient_scaling_factor = 1.0
+                for bucket in buffer.buckets:
+                    bucket.gradient_scaling_factor = 1.0
+                found += 1
+    if not found:
+        raise ValueError("bug injection: dp_grad_not_averaged needs data parallelism (DP > 1)")
+
+
+def grad_norm_counts_tp_replicas(chunks, pattern: str = "*") -> None:
+    """The grad norm counts TP-replicated parameters (norms, row-parallel biases) on every TP rank
+    instead of once: the BLOOM class of bug. Clipping then scales every update wrongly."""
+    from megatron.core import tensor_parallel
+
+    tensor_parallel.param_is_not_tensor_parallel_duplicate = lambda param, tp_group=None: True
+
+
+def gated_mlp_halves_swapped(chunks, pattern: str = "*linear_fc1") -> None:
+    """A gated MLP's fused fc1 holds [gate; up] per rank (partition_stride 2); a converter that
+    writes [up; gate] instead swaps SwiGLU's two inputs. Applied to the loaded weights."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    for name, module in _modules(chunks, pattern, ColumnParallelLinear):
+        if getattr(module.weight, "partition_stride", 1) != 2:
+            raise ValueError(f"bug injection: {name} is not a fused gated-MLP fc1 (partition_stride 2)")
+        with torch.no_grad():
+            for p in (module.weight, getattr(module, "bias", None)):
+                if p is not None:
+                    gate, up = p.data.chunk(2, dim=0)
+                    p.data.copy_(torch.cat([up, gate], dim=0))
+
+
 BUGS: Dict[str, Callable] = {
     "row_allreduce_dropped": row_allreduce_dropped,
     "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
     "sp_norm_grad_not_reduced": sp_norm_grad_not_reduced,
     "embedding_mask_missing": embedding_mask_missing,
+    "dp_grad_not_averaged": dp_grad_not_averaged,
+    "grad_norm_counts_tp_replicas": grad_norm_counts_tp_replicas,
+    "gated_mlp_halves_swapped": gated_mlp_halves_swapped,
 }
 
 

@@ -153,10 +153,9 @@ def _run(rank: int, spec: RunSpec) -> None:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
     model = DistributedDataParallel(config, ddp_config, model)
-    optimizer = get_megatron_optimizer(cfg.optimizer_config(recipe), [model])
-
     for bug in spec.inject if spec.role == CANDIDATE else []:
-        bugs.inject([model], bug)
+        bugs.inject([model], bug)  # before the optimizer copies the weights into its main params
+    optimizer = get_megatron_optimizer(cfg.optimizer_config(recipe), [model])
 
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
