@@ -66,7 +66,45 @@ def test_cli_run_localizes_on_mismatch(tmp_path):
     assert (c["module"], c["phase"], c["tensor"]) == ("decoder.layers.0.mlp.linear_fc2", "forward", "output")
     assert c["error_eps"] > c["tolerance_eps"] and c["explanation"]
     assert main(["localize", str(tmp_path / "a" / "reference"), str(tmp_path / "a" / "replay")]) == 1
+    _check_html(tmp_path / "a" / "report.html", culprit="decoder.layers.0.mlp.linear_fc2")
     assert main(["run", "--out", str(tmp_path / "b"), "--json", str(tmp_path / "b.json"), "--inject", bug,
                  "--no-localize"]) == 1
     with open(tmp_path / "b.json") as f:
         assert "culprits" not in json.load(f)
+
+
+def _check_html(path, culprit):
+    """Self-contained (no scripts, nothing fetched), tags balanced, every SVG well-formed XML, the
+    culprit highlighted. Not a browser rendering: no headless browser exists on this machine."""
+    import re
+    from html.parser import HTMLParser
+    from xml.etree import ElementTree
+
+    text = path.read_text(encoding="utf-8")
+    assert "<script" not in text and not re.search(r"(src|href)=", text)
+    assert "Culprit" in text and culprit in text and text.count("<tr") > 50
+
+    class Balance(HTMLParser):
+        VOID = {"meta", "br", "line", "circle", "img", "hr", "input"}
+
+        def __init__(self):
+            super().__init__()
+            self.stack = []
+
+        def handle_starttag(self, tag, attrs):
+            if tag not in self.VOID:
+                self.stack.append(tag)
+
+        def handle_endtag(self, tag):
+            if tag not in self.VOID:
+                assert self.stack and self.stack[-1] == tag, (tag, self.stack[-3:])
+                self.stack.pop()
+
+    checker = Balance()
+    checker.feed(text)
+    assert checker.stack == []
+    svgs = re.findall(r"<svg.*?</svg>", text, re.S)
+    assert len(svgs) == 4
+    for svg in svgs:
+        ElementTree.fromstring(svg)
+    assert 'stroke="#000"' in text  # the culprit's point is outlined

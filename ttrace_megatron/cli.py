@@ -86,6 +86,11 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
             json.dump(report, f, indent=1)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
+    from .report import write_html
+
+    write_html(report, os.path.join(out, "report.html"))
+    if getattr(args, "html", None):
+        write_html(report, args.html)
     return report
 
 
@@ -192,6 +197,10 @@ def write_junit(rows, path: str) -> None:
 
 def cmd_compare(args, console: Console) -> int:
     report = _compare(args.reference, args.candidate, console, args.json)
+    if getattr(args, "html", None):
+        from .report import write_html
+
+        write_html(report, args.html)
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 
 
@@ -247,6 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--out", help="keep the traces and report.json in this directory (one subdirectory per recipe)")
     run.add_argument("--json", help="write the machine-readable report here (a summary for a directory)")
     run.add_argument("--junit", help="write JUnit XML here, one test case per recipe")
+    run.add_argument("--html", help="write the self-contained HTML report here (also kept as report.html in --out)")
     run.add_argument("--inject", action="append", default=[], metavar="BUG[:MODULE_PATTERN]",
                      help="inject a known bug into the candidate (tests and the bug zoo)")
     run.add_argument("--no-localize", action="store_true",
@@ -263,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("reference")
     cmp_.add_argument("candidate")
     cmp_.add_argument("--json", help="write the machine-readable report here")
+    cmp_.add_argument("--html", help="write the self-contained HTML report here")
 
     loc = sub.add_parser("localize", help="judge a replay trace (--ttrace-replay) module by module under local bounds")
     loc.add_argument("reference")

@@ -168,3 +168,111 @@ def render_culprits(culprits: list, console: Optional[Console] = None, max_rows:
         for c in culprits[:max_rows]:
             table.add_row(c["module"], c["phase"], c["tensor"], f"{c['error_eps']:.3g}", f"{c['tolerance_eps']:.3g}")
         console.print(table)
+
+
+# --------------------------------------------------------------------------------------------
+# HTML: one self-contained file (inline CSS and SVG, no scripts, nothing fetched)
+
+
+def _ratio(t: dict) -> float:
+    e, tol = t["error_eps"], t["tolerance_eps"]
+    return e / tol if isinstance(e, (int, float)) and isinstance(tol, (int, float)) and tol else math.inf
+
+
+def _svg_plot(tensors: list, phase: str, culprit: Optional[dict], width: int = 560, height: int = 220) -> str:
+    """Worst error/tolerance per layer (log scale) for one phase; 1 = the tolerance."""
+    import html
+
+    worst: Dict[int, float] = {}
+    for t in tensors:
+        if t["phase"] == phase:
+            worst[t["depth"]] = max(worst.get(t["depth"], 0.0), _ratio(t))
+    if not worst:
+        return f"<p>no {html.escape(phase)} tensors</p>"
+    depths = sorted(worst)
+    lo, hi = -3.0, 3.0
+    for r in worst.values():
+        if 0 < r < math.inf:
+            lo, hi = min(lo, math.floor(math.log10(r))), max(hi, math.ceil(math.log10(r)))
+    pad = 40
+
+    def x(i):
+        return pad + (width - 2 * pad) * (i + 0.5) / len(depths)
+
+    def y(r):
+        v = hi if r == math.inf else (lo if r <= 0 else min(max(math.log10(r), lo), hi))
+        return height - pad - (height - 2 * pad) * (v - lo) / (hi - lo)
+
+    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" role="img" '
+             f'aria-label="{html.escape(phase)}: worst error / tolerance per layer">',
+             f'<line x1="{pad}" y1="{y(1):.1f}" x2="{width - pad}" y2="{y(1):.1f}" stroke="#c00" stroke-dasharray="4"/>',
+             f'<text x="{width - pad}" y="{y(1) - 4:.1f}" font-size="11" text-anchor="end" fill="#c00">tolerance</text>']
+    for e in range(int(lo), int(hi) + 1, max(1, int(hi - lo) // 6)):
+        parts.append(f'<text x="{pad - 4}" y="{y(10 ** e) + 4:.1f}" font-size="10" text-anchor="end">1e{e}</text>')
+    for i, d in enumerate(depths):
+        r = worst[d]
+        hit = culprit is not None and culprit.get("depth") == d and culprit.get("phase_key") == phase
+        color = "#c00" if r > 1 else "#2a7"
+        outline = ' stroke="#000" stroke-width="2"' if hit else ""
+        parts.append(f'<circle cx="{x(i):.1f}" cy="{y(r):.1f}" r="{7 if hit else 4}" fill="{color}"{outline}>'
+                     f'<title>depth {d}: {r:.3g}</title></circle>')
+        parts.append(f'<text x="{x(i):.1f}" y="{height - pad + 14}" font-size="10" text-anchor="middle">{d}</text>')
+    parts.append(f'<text x="{width / 2}" y="{height - 6}" font-size="11" text-anchor="middle">layer depth '
+                 f'(0 = embedding, last = output / loss)</text></svg>')
+    return "".join(parts)
+
+
+def to_html(report: dict) -> str:
+    """The report as one self-contained HTML page: verdict, culprit, per-layer plots, every tensor."""
+    import html
+
+    ok = report["verdict"] == PASS
+    culprits = report.get("culprits") or []
+    culprit = dict(culprits[0]) if culprits else None
+    tensors = report.get("tensors", [])
+    if culprit:  # find its depth for the plot
+        for t in tensors:
+            if (t["module"], t["tensor"]) == (culprit["module"], culprit["tensor"]):
+                culprit.update(depth=t["depth"], phase_key=t["phase"])
+                break
+    rows = []
+    for t in sorted(tensors, key=lambda t: t["order"]):
+        cls = "fail" if t["verdict"] == FAIL else "pass"
+        e = t["error_eps"]
+        rows.append(f'<tr class="{cls}"><td>{t["iteration"]}</td><td>{"—" if t["microbatch"] < 0 else t["microbatch"]}'
+                    f'</td><td>{html.escape(t["module"])}</td><td>{html.escape(t["phase"])}</td>'
+                    f'<td>{html.escape(t["tensor"])}</td><td>{e if isinstance(e, str) else f"{e:.3g}"}</td>'
+                    f'<td>{t["tolerance_eps"]:.3g}</td><td>{html.escape(t.get("reason", ""))}</td></tr>')
+    culprit_html = ""
+    if culprits:
+        c = culprits[0]
+        culprit_html = (f'<div class="culprit"><h2>Culprit</h2><p><b>{html.escape(c["module"])}</b>, '
+                        f'{html.escape(c["phase"])}, {html.escape(c["tensor"])} (iteration {c["iteration"]}) fails on '
+                        f'its own: {c["error_eps"]:.3g} ε against a local tolerance of {c["tolerance_eps"]:.3g} ε — '
+                        f'{html.escape(c["explanation"])}</p></div>')
+    plots = "".join(f"<h3>{phase}</h3>{_svg_plot(tensors, phase, culprit)}" for phase in PHASES)
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>ttrace: {report["verdict"].upper()}</title>
+<style>
+body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 1100px; }}
+.verdict {{ padding: 1em; border: 2px solid {"#2a7" if ok else "#c00"}; border-radius: 6px; }}
+.culprit {{ padding: 0.5em 1em; border-left: 6px solid #c00; background: #fee; margin-top: 1em; }}
+table {{ border-collapse: collapse; font-size: 12px; width: 100%; }}
+td, th {{ border-bottom: 1px solid #ddd; padding: 2px 6px; text-align: left; }}
+tr.fail td {{ background: #fdd; }}
+</style></head><body>
+<h1>ttrace: {"PASS" if ok else "FAIL"}</h1>
+<div class="verdict">{html.escape(headline(report))}</div>
+{culprit_html}
+<h2>Worst error / tolerance per layer</h2>{plots}
+<h2>Every tensor ({len(tensors)}), in execution order</h2>
+<table><tr><th>iter</th><th>mb</th><th>module</th><th>phase</th><th>tensor</th><th>error ε</th><th>tol ε</th>
+<th>note</th></tr>{"".join(rows)}</table>
+</body></html>
+"""
+
+
+def write_html(report: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(to_html(report))
