@@ -33,6 +33,9 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("gpt_tp2", "grad_norm_counts_tp_replicas", "optimizer", "optimizer"),
     ("gpt_tp2_sp", "gated_mlp_halves_swapped:decoder.layers.0.mlp.linear_fc1", "decoder.layers.0.mlp.linear_fc1",
      "forward"),
+    ("gpt_tp2", "qkv_groups_reversed:decoder.layers.1.self_attention.linear_qkv",
+     "decoder.layers.1.self_attention.linear_qkv", "forward"),
+    ("gpt_tp2", "cross_entropy_mask_missing", "loss", "forward"),
 ]
 
 

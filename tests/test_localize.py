@@ -43,6 +43,9 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     ("gpt_tp2", "fp32", "grad_norm_counts_tp_replicas", "optimizer", "optimizer", "grad_norm"),
     ("gpt_tp2_sp", "bf16", "gated_mlp_halves_swapped:decoder.layers.0.mlp.linear_fc1",
      "decoder.layers.0.mlp.linear_fc1", "forward", "output"),
+    ("gpt_tp2", "fp32", "qkv_groups_reversed:decoder.layers.1.self_attention.linear_qkv",
+     "decoder.layers.1.self_attention.linear_qkv", "forward", "output"),
+    ("gpt_tp2", "fp32", "cross_entropy_mask_missing", "loss", "forward (loss)", "per_token_loss"),
 ])
 def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor):
     culprit = _replay(runs, load(name, dtype=dtype), [bug]).culprit
@@ -51,7 +54,7 @@ def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor)
     assert culprit.error_eps > 10 * culprit.tolerance_eps
     if bug == "dp_grad_not_averaged":
         assert "2× the reference" in culprit.reason
-    if bug.startswith("gated_mlp_halves_swapped"):
+    if bug.startswith(("gated_mlp_halves_swapped", "qkv_groups_reversed")):
         assert "permutation" in culprit.reason
 
 

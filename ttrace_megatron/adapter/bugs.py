@@ -142,6 +142,39 @@ def gated_mlp_halves_swapped(chunks, pattern: str = "*linear_fc1") -> None:
                     p.data.copy_(torch.cat([up, gate], dim=0))
 
 
+def qkv_groups_reversed(chunks, pattern: str = "*linear_qkv") -> None:
+    """A fused QKV weight written with its query groups in the wrong order within each rank's
+    shard (a checkpoint converter's layout bug). Applied to the loaded weights."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    for name, module in _modules(chunks, pattern, ColumnParallelLinear):
+        groups = module.config.num_query_groups // module.tp_group.size()
+        if groups < 2:
+            raise ValueError(f"bug injection: {name} holds one query group per rank; nothing to reorder")
+        with torch.no_grad():
+            for p in (module.weight, getattr(module, "bias", None)):
+                if p is not None:
+                    shaped = p.data.view(groups, -1, *p.shape[1:])
+                    p.data.copy_(shaped.flip(0).reshape(p.shape))
+
+
+def cross_entropy_mask_missing(chunks, pattern: str = "*") -> None:
+    """Vocab-parallel cross entropy forgets to zero the target logit on ranks that do not own the
+    target token: every other rank adds its own logit at the clamped index to the sum."""
+    from megatron.core.tensor_parallel import cross_entropy
+
+    original = cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits
+
+    def calculate_predicted_logits(*args, **kwargs):
+        target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits = original(*args, **kwargs)
+        flat = exp_logits.view(-1, exp_logits.size(-1))  # exp of the max-shifted logits
+        leaked = torch.log(flat[torch.arange(flat.size(0), device=flat.device), masked_target_1d])
+        predicted_logits = torch.where(target_mask, leaked.view_as(predicted_logits), predicted_logits)
+        return target_mask, masked_target_1d, predicted_logits, sum_exp_logits, exp_logits
+
+    cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits = staticmethod(calculate_predicted_logits)
+
+
 BUGS: Dict[str, Callable] = {
     "row_allreduce_dropped": row_allreduce_dropped,
     "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
@@ -150,6 +183,8 @@ BUGS: Dict[str, Callable] = {
     "dp_grad_not_averaged": dp_grad_not_averaged,
     "grad_norm_counts_tp_replicas": grad_norm_counts_tp_replicas,
     "gated_mlp_halves_swapped": gated_mlp_halves_swapped,
+    "qkv_groups_reversed": qkv_groups_reversed,
+    "cross_entropy_mask_missing": cross_entropy_mask_missing,
 }
 
 
