@@ -64,6 +64,7 @@ class Recorder:
         self.microbatch = -1  # global id of the microbatch whose forward runs now
         self.backward_microbatch = -1
         self._handles = []
+        self.before_step: List = []  # called after main grads are recorded, before the optimizer steps
         self._params: List[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]] = list(all_parameters(chunks))
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
@@ -245,6 +246,8 @@ class Recorder:
 
         def step(*args, **kwargs):
             self.record_main_grads()
+            for callback in self.before_step:
+                callback()
             result = original(*args, **kwargs)
             grad_norm = result[1] if isinstance(result, tuple) and len(result) >= 2 else None
             self.record_optimizer_step(grad_norm)

@@ -6,7 +6,9 @@ recorded module (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
 * forward: the module's first input is replaced by the reference's logical input, sliced to this
   rank's shard (``slice_logical``, the placements the recorder uses);
 * backward: the grad arriving at the module's first output is replaced by the reference's
-  logical output-grad, sliced likewise.
+  logical output-grad, sliced likewise;
+* optimizer: once the candidate's main grads are recorded, they are replaced by the reference's,
+  so the step is judged given the reference's inputs.
 
 Each module's outputs — forward output, grad w.r.t. its input, its parameters' grads — then
 depend only on the module itself and on inputs both runs share, so they are judged under the
@@ -31,7 +33,7 @@ from ..errors import TraceError
 from ..placement import Coords, Layout, PlacementError, slice_logical
 from ..trace_store import TensorKey, TraceReader
 from . import layouts
-from .naming import canonical_module_names
+from .naming import all_parameters, canonical_module_names
 
 
 class _Substitute(torch.autograd.Function):
@@ -56,6 +58,23 @@ class Replayer:
         self.substituted = 0
         self._handles: List = []
 
+    def substitute_main_grads(self, chunks: List[torch.nn.Module]) -> None:
+        """Before the optimizer steps: the reference's main grads, so the step (grad norm, clipping,
+        update) is judged given the reference's inputs. The candidate's own main grads were recorded
+        just before, and are judged as the grad reduction's output."""
+        if not self._active():
+            return
+        with torch.no_grad():
+            for mname, pname, module, param in all_parameters(chunks):
+                main_grad = getattr(param, "main_grad", None)
+                if main_grad is None or not param.requires_grad:
+                    continue
+                key = TensorKey(self.recorder.iteration, -1, mname, "main_grad", f"{pname}.main_grad")
+                layout = layouts.param_layout(mname, pname, module, param, self.facts)
+                value = self._reference_shard(key, layout, main_grad)
+                if value is not None:
+                    main_grad.copy_(value)
+
     def attach(self, chunks: List[torch.nn.Module]) -> "Replayer":
         from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                           VocabParallelEmbedding)
@@ -65,6 +84,7 @@ class Replayer:
                 if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
                     self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
                     self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
+        self.recorder.before_step.append(lambda: self.substitute_main_grads(chunks))
         return self
 
     def close(self) -> None:
