@@ -183,3 +183,17 @@ def test_describe_difference_names_simple_kinds():
     a, b = torch.randn(64, 32, generator=g), torch.randn(64, 32, generator=g)
     assert "1/√2" in describe_difference(a, a + b)
     assert "cosine" in describe_difference(torch.randn(64, 32, generator=g), r)
+
+
+def test_run_stopped_mid_iteration_leaves_an_incomplete_trace(tmp_path):
+    """A recorder closed inside an iteration (an exception, then the atexit flush) must not mark
+    its trace complete."""
+    from ttrace_megatron.adapter.recorder import Recorder
+
+    writer = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
+    writer.add(KEY, torch.ones(2, 2), Layout((Replicate("tp"),), (2, 2)))
+    recorder = Recorder.__new__(Recorder)  # only the sink bookkeeping is exercised
+    recorder._handles, recorder.sinks, recorder.in_iteration, recorder.iteration = [], [writer], True, 3
+    recorder.close()
+    m = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
+    assert m["complete"] is False and "iteration 3" in m["failure"] and not m["records"]

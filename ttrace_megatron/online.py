@@ -103,6 +103,12 @@ class OnlineComparer:
     def close(self) -> None:
         self._write(complete=True)
 
+    def abandon(self, reason: str) -> None:
+        """The run stopped mid-iteration: the results stay marked incomplete."""
+        if self.failed is None:
+            self.failed = reason
+        self._write(complete=False)
+
     def _write(self, complete: bool) -> None:
         try:
             atomic_write_json(os.path.join(self.dir, ONLINE_FILE), {

@@ -215,6 +215,17 @@ class TraceWriter:
             except OSError as e:
                 self._fail(e)
 
+    def abandon(self, reason: str) -> None:
+        """The run stopped mid-iteration: drop what is queued, leave the trace marked incomplete."""
+        self._pending.clear()
+        self._pending_records.clear()
+        if self.failed is None:
+            self.failed = reason
+            try:
+                self._write_manifest(complete=False)
+            except OSError:
+                pass
+
     def _fail(self, error: OSError) -> None:
         if self.failed is None:
             self.failed = f"{type(error).__name__}: {error}"

@@ -103,11 +103,16 @@ class Recorder:
             sink.flush(iteration)
 
     def close(self) -> None:
+        """Remove the hooks and finish the sinks; a run that stops inside an iteration (an
+        exception, then the atexit flush) leaves its trace marked incomplete, not complete."""
         for h in self._handles:
             h.remove()
         self._handles.clear()
         for sink in self.sinks:
-            sink.close()
+            if self.in_iteration:
+                sink.abandon(f"the run stopped during iteration {self.iteration}")
+            else:
+                sink.close()
 
     # ---- module hooks
     def attach(self) -> "Recorder":
