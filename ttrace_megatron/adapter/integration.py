@@ -360,10 +360,6 @@ def flush() -> None:
 atexit.register(flush)
 
 
-def session() -> Optional[Session]:
-    return _SESSION
-
-
 def library_versions() -> Dict[str, str]:
     import torch
 

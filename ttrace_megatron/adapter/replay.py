@@ -24,7 +24,7 @@ numerics are changed on purpose.
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 import torch
 
@@ -152,6 +152,3 @@ class Replayer:
             return None
         return hook
 
-
-def replay_summary(replayer: Replayer) -> Dict[str, int]:
-    return {"substituted_tensors": replayer.substituted}
