@@ -13,8 +13,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import ConfigMismatchError, TraceError
-from .placement import (Coords, Layout, Partial, PlacementError, Shard, check_coords, content_digest, merge_shards,
-                        slice_logical)
+from .placement import (Coords, Layout, Partial, PlacementError, Replicate, Shard, check_coords, content_digest,
+                        logical_mask, merge_shards, slice_logical)
 from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for
 from .trace_store import RankTrace, Record, TensorKey, TraceReader
 
@@ -209,18 +209,16 @@ class ShardSums:
 
 def blank_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords) -> dict:
     shard = {p.axis: tuple(coords[p.axis]) for p in layout.placements if isinstance(p, Shard)}
-    return dict(key=key, shard=shard, digest=content_digest(cand), diff_sq=0.0, ref_sq=0.0, compared=0,
+    # a digest only matters where replicas exist to compare it with
+    replicated = any(isinstance(p, Replicate) for p in layout.placements)
+    return dict(key=key, shard=shard, digest=content_digest(cand) if replicated else 0, diff_sq=0.0, ref_sq=0.0,
+                compared=0,
                 candidate_nonfinite=0, reference_nonfinite=0, same_nonfinite=True,
                 logical_shape=tuple(layout.logical_shape))
 
 
 def missing_reference(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords) -> ShardSums:
     return ShardSums(**dict(blank_shard_sums(key, cand, layout, coords), status="missing_reference"))
-
-
-def is_padded(layout: Layout, coords: Coords, local_shape: Tuple[int, ...]) -> bool:
-    pieces = math.prod(coords[p.axis][1] for p in layout.placements if isinstance(p, Shard))
-    return math.prod(local_shape) * pieces != math.prod(layout.logical_shape)
 
 
 def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords, ref_full: torch.Tensor,
@@ -239,8 +237,8 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
     cand = cand.detach().cpu()
     if scale != 1.0:
         cand = cand.to(torch.float64) / scale
-    if is_padded(layout, coords, local):
-        mask = slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, coords, local)
+    mask = logical_mask(layout, coords, local)
+    if mask is not None:
         cand, ref_piece = cand.reshape(-1)[mask.reshape(-1)], ref_piece.reshape(-1)[mask.reshape(-1)]
     diff_norm, ref_norm = difference_norms(cand, ref_piece)
     if math.isfinite(diff_norm) and math.isfinite(ref_norm):  # no NaN/Inf anywhere: no element-wise scan

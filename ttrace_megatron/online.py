@@ -22,11 +22,12 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible, combine_shards,
-                      group_records, logical_tensor, missing_reference, reference_order, shard_sums)
+from .compare import (FAIL, Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible,
+                      combine_shards, decide, group_records, logical_tensor, missing_reference, reference_order,
+                      shard_sums)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
-from .tolerance import ToleranceConfig, tolerance_for
+from .tolerance import ToleranceConfig
 from .trace_store import RUN_FILE, TensorKey, TraceReader, atomic_write_json, read_json
 
 ONLINE_FILE = "online.json"
@@ -89,16 +90,16 @@ class OnlineComparer:
             if e.status != "ok" or e.key.iteration != iteration or e.ref_sq == 0.0:
                 continue
             rec = self._reference_groups[e.key][0][1]
-            tol = tolerance_for(e.key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction)
-            err_eps = math.sqrt(e.diff_sq / e.ref_sq) / tol.eps
-            if not err_eps <= tol.tolerance_eps or e.candidate_nonfinite:
-                above.append((e, err_eps, tol.tolerance_eps))
+            r = decide(e.key, rec, num_layers, 0, ToleranceConfig(), e.logical_shape, math.sqrt(e.diff_sq / e.ref_sq),
+                       "non-finite values" if e.candidate_nonfinite else "")
+            if r.verdict == FAIL:
+                above.append(r)
         self._warned = len(self.entries)
         if above:
-            e, err, tol = above[0]
+            r = above[0]
             print(f"[ttrace] rank {self.rank} iteration {iteration}: {len(above)} shard(s) above tolerance; first: "
-                  f"{e.key.module} [{e.key.phase}] {e.key.tensor} {err:.3g} ε > {tol:.3g} ε on this rank's shard "
-                  f"(the verdict: ttrace report <trace dir>)", flush=True)
+                  f"{r.key.module} [{r.key.phase}] {r.key.tensor} {r.error_eps:.3g} ε > {r.tolerance_eps:.3g} ε on "
+                  f"this rank's shard (the verdict: ttrace report <trace dir>)", flush=True)
 
     def close(self) -> None:
         self._write(complete=True)

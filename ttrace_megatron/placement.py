@@ -241,6 +241,15 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
     return t.contiguous()
 
 
+def logical_mask(layout: Layout, coords: Coords, local_shape: Sequence[int]) -> Optional[torch.Tensor]:
+    """Which positions of the rank's piece belong to the logical tensor (False on padding, e.g. a
+    vocabulary padded per TP size); None when the piece has no padding."""
+    pieces = math.prod(_coord(coords, p.axis)[1] for p in layout.placements if isinstance(p, Shard))
+    if math.prod(local_shape) * pieces == math.prod(layout.logical_shape):
+        return None
+    return slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, coords, local_shape)
+
+
 # --------------------------------------------------------------------------------------------
 # merge: shards -> logical
 
@@ -354,7 +363,7 @@ def content_digest(t: torch.Tensor) -> int:
     can check replicas without exchanging tensors (online compare)."""
     import zlib
 
-    return zlib.crc32(_as_bytes(t.detach().cpu()).numpy().tobytes()) if t.numel() else 0
+    return zlib.crc32(_as_bytes(t.detach().cpu()).numpy()) if t.numel() else 0
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -102,8 +102,7 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
         num_layers = max((t["depth"] for t in tensors), default=1) - 1
     worst: Dict[int, Dict[str, dict]] = {}
     for t in tensors:
-        e, tol = t["error_eps"], t["tolerance_eps"]
-        ratio = (e / tol) if isinstance(e, (int, float)) and tol else math.inf
+        ratio = _ratio(t)
         cell = worst.setdefault(t["depth"], {}).get(t["phase"])
         if cell is None or ratio > cell["ratio"]:
             worst[t["depth"]][t["phase"]] = dict(t, ratio=ratio)

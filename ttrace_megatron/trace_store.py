@@ -180,7 +180,9 @@ class TraceWriter:
         rec = Record(key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, "", name, depth,
                      dtype_name(compute_dtype or tensor.dtype), reduction, scale)
         self._seq += 1
-        self._pending[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        copy = torch.empty(tensor.shape, dtype=tensor.dtype)  # one copy, contiguous, on the CPU
+        copy.copy_(tensor.detach())
+        self._pending[name] = copy
         self._pending_records.append(rec)
 
     def flush(self, iteration: int) -> None:

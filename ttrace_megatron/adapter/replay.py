@@ -28,9 +28,9 @@ from typing import List, Optional
 
 import torch
 
-from ..compare import group_records, is_padded, logical_tensor
+from ..compare import group_records, logical_tensor
 from ..errors import TraceError
-from ..placement import Coords, Layout, PlacementError, slice_logical
+from ..placement import Coords, Layout, PlacementError, logical_mask, slice_logical
 from ..trace_store import TensorKey, TraceReader
 from . import layouts
 from .naming import all_parameters, canonical_module_names
@@ -104,13 +104,12 @@ class Replayer:
             if scale != 1.0:
                 shard = shard.to(torch.float64) * scale
             shard = shard.to(dtype=like.dtype, device=like.device)
-            if is_padded(layout, self.coords, tuple(like.shape)):
+            mask = logical_mask(layout, self.coords, tuple(like.shape))
+            if mask is not None:
                 # padding (the vocabulary padded per TP size) is not in the logical tensor: keep the
                 # candidate's own values there (padding logits take part in the softmax and their
                 # grads reach the output layer's padding rows and the grad norm)
-                mask = slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, self.coords,
-                                     like.shape).to(like.device)
-                shard = torch.where(mask, shard, like.detach())
+                shard = torch.where(mask.to(like.device), shard, like.detach())
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              tensor=str(key)) from None
