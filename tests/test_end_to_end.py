@@ -36,7 +36,39 @@ def test_clean_world_size_4_passes(runs, name):
         assert {r.key.microbatch for r in c.results} == {-1, 0, 1}
 
 
+def test_pipeline_parallel_with_tied_embeddings(runs):
+    """PP=2 through the real 1F1B schedule: every layer is compared under its global number, and
+    the tied word embeddings, one parameter held by the first and the last stage, are merged as
+    such (per-microbatch grads summed over stages, main grads and values checked as replicas)."""
+    ref, cand = runs.candidate(load("gpt_pp2"))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    modules = {r.key.module for r in c.results}
+    assert {f"decoder.layers.{i}.mlp.linear_fc2" for i in range(4)} <= modules
+    assert {r.key.microbatch for r in c.results} == {-1, 0, 1, 2, 3}
+    tied = {(r.key.phase, r.key.tensor) for r in c.results if r.key.module == "embedding.word_embeddings"}
+    assert {("backward", "weight.grad"), ("main_grad", "weight.main_grad"), ("optimizer", "weight")} <= tied
+    assert "output_layer" not in {r.key.module for r in c.results if r.key.tensor.startswith("weight")
+                                  and r.key.phase != "forward"}
+
+
+def test_distributed_optimizer_main_grads_merge_by_owned_ranges(runs):
+    """DP=2 with the distributed optimizer and Adam: each rank records only its owned flat range of
+    each main grad; merged by those ranges they equal the reference's main grads."""
+    ref, cand = runs.candidate(load("gpt_dp2_distopt"))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    main_grads = [r for r in c.results if r.key.phase == "main_grad"]
+    assert len(main_grads) > 10 and max(r.error_eps for r in main_grads) > 0
+    from ttrace_megatron.trace_store import TraceReader
+    placements = {type(rec.layout.placements[-1]).__name__ for _, rec in TraceReader(cand).records()
+                  if rec.key.phase == "main_grad"}
+    assert placements == {"RangeShard"}
+
+
 @pytest.mark.parametrize("name,bug,module,phase,tensor", [
+    ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad", "weight.main_grad"),
+    ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer", "weight"),
     ("gpt_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
      "decoder.layers.1.mlp.linear_fc2", "forward", "output"),
     ("gpt_tp2", "row_allreduce_dropped:decoder.layers.0.self_attention.linear_proj",
@@ -65,7 +97,8 @@ def test_bf16_bug_is_detected(runs):
 
 
 @pytest.mark.parametrize("name,dtype", [("gpt_tp2", "fp32"), ("gpt_tp2_sp", "fp32"), ("gpt_tp2_sp", "bf16"),
-                                        ("gpt_tp4_sp", "fp32"), ("gpt_tp2_sp_dp2", "bf16")])
+                                        ("gpt_tp4_sp", "fp32"), ("gpt_tp2_sp_dp2", "bf16"), ("gpt_pp2", "bf16"),
+                                        ("gpt_dp2_distopt", "bf16")])
 def test_tracing_is_bitwise_neutral(runs, name, dtype):
     """Losses and updated parameters are bitwise identical with and without tracing."""
     recipe = load(name, dtype=dtype)

@@ -164,20 +164,15 @@ def test_unsupported_modes_are_named():
     from ttrace_megatron.adapter.integration import _refuse_unsupported
     from ttrace_megatron.errors import RecipeError
 
-    class DistributedOptimizer:
-        pass
-
-    class ChainedOptimizer:
-        chained_optimizers = [DistributedOptimizer()]
-
-    config = types.SimpleNamespace(num_moe_experts=None, fp8=None, recompute_granularity="full")
-    sizes = {"tp": 2, "pp": 2, "cp": 1, "ep": 1, "dp": 2}
+    config = types.SimpleNamespace(num_moe_experts=4, fp8=None, recompute_granularity="full")
+    sizes = {"tp": 2, "pp": 2, "cp": 2, "ep": 1, "dp": 2}
+    two_chunks = [torch.nn.Linear(1, 1), torch.nn.Linear(1, 1)]
     with pytest.raises(RecipeError) as e:
-        _refuse_unsupported(config, sizes, [torch.nn.Linear(1, 1)], ChainedOptimizer(), TraceOptions(enabled=True))
-    for what in ("PP=2", "distributed optimizer", "full activation recompute"):
+        _refuse_unsupported(config, sizes, two_chunks, object(), TraceOptions(enabled=True))
+    for what in ("CP=2", "MoE", "virtual pipelining (2 model chunks)", "full activation recompute"):
         assert what in str(e.value)
     plain = types.SimpleNamespace(num_moe_experts=None, fp8=None, recompute_granularity=None)
-    _refuse_unsupported(plain, dict(sizes, pp=1), [torch.nn.Linear(1, 1)], object(), TraceOptions(enabled=True))
+    _refuse_unsupported(plain, dict(sizes, cp=1), [torch.nn.Linear(1, 1)], object(), TraceOptions(enabled=True))
 
 
 @pytest.mark.multiprocess

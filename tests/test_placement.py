@@ -5,8 +5,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ttrace_megatron.placement import (Layout, Partial, PlacementError, Replicate, Shard, ZIGZAG, merge_shards,
-                                       placement_from_json, placement_to_json, slice_logical)
+from ttrace_megatron.placement import (Layout, Partial, PlacementError, RangeShard, Replicate, Shard, ZIGZAG,
+                                       logical_mask, merge_shards, placement_from_json, placement_to_json,
+                                       slice_logical)
 
 AXES = ("tp", "cp", "dp")
 
@@ -50,6 +51,18 @@ def layouts(draw):
                 if stored[p.dim] // sizes[p.axis] > 1 else stored[p.dim]
     permute = tuple(draw(st.permutations(range(ndim)))) if draw(st.booleans()) else None
     logical_perm = tuple(logical[d] for d in permute) if permute else tuple(logical)
+    if draw(st.booleans()):  # a distributed-optimizer style flat range split, innermost
+        local = list(stored)
+        for p in placements:
+            if isinstance(p, Shard):
+                local[p.dim] //= sizes[p.axis]
+        n = draw(st.integers(1, 3))
+        numel = 1
+        for d in local:
+            numel *= d
+        cuts = sorted(draw(st.lists(st.integers(0, numel), min_size=n - 1, max_size=n - 1)))
+        placements.append(RangeShard("zero", (0, *cuts, numel), tuple(local)))
+        sizes["zero"] = n
     return Layout(tuple(placements), logical_perm, permute), sizes, stored
 
 
@@ -63,7 +76,15 @@ def test_slice_then_merge_is_identity(case, seed):
     for p in layout.placements:
         if isinstance(p, Shard):
             local_shape[p.dim] //= sizes[p.axis]
-    pieces = [(c, slice_logical(full, layout, c, local_shape)) for c in _all_coords(sizes)]
+
+    def shape_at(coords):
+        last = layout.placements[-1]
+        if isinstance(last, RangeShard):
+            start, end = last.piece(coords[last.axis][0])
+            return (end - start,)
+        return local_shape
+
+    pieces = [(c, slice_logical(full, layout, c, shape_at(c))) for c in _all_coords(sizes)]
     merged = merge_shards(pieces, layout)
     assert merged.replica_mismatches == []
     assert torch.equal(merged.tensor, full)
@@ -114,8 +135,30 @@ def test_duplicate_piece_is_rejected():
         merge_shards([({"tp": (0, 2)}, torch.zeros(2)), ({"tp": (0, 2)}, torch.zeros(2))], layout)
 
 
+def test_range_shard_follows_flat_ownership_with_padding():
+    """The distributed optimizer's view: rank r owns a flat range of its TP shard, possibly empty;
+    padding (a vocabulary padded per TP size) is masked in the flat piece too."""
+    full = torch.arange(5 * 2, dtype=torch.float32).reshape(5, 2)  # logical vocab 5, padded to 3 per TP rank
+    layout = Layout((Shard(0, "tp"), RangeShard("dp", (0, 6, 6), (3, 2))), (5, 2))
+    tp1 = {"tp": (1, 2), "dp": (0, 2)}
+    assert slice_logical(full, layout, tp1, (6,)).tolist() == [6, 7, 8, 9, 0, 0]
+    assert slice_logical(full, layout, {"tp": (1, 2), "dp": (1, 2)}, (0,)).numel() == 0
+    assert logical_mask(layout, tp1, (6,)).tolist() == [True] * 4 + [False] * 2
+    pieces = [({"tp": (t, 2), "dp": (d, 2)}, slice_logical(full, layout, {"tp": (t, 2), "dp": (d, 2)},
+                                                            ((6,) if d == 0 else (0,))))
+              for t in range(2) for d in range(2)]
+    assert torch.equal(merge_shards(pieces, layout).tensor, full)
+    with pytest.raises(PlacementError, match="its range"):
+        merge_shards([(c, torch.zeros(1)) for c, _ in pieces], layout)
+    with pytest.raises(ValueError, match="innermost"):
+        Layout((RangeShard("dp", (0, 6), (3, 2)), Shard(0, "tp")), (5, 2))
+    with pytest.raises(ValueError, match="rise from 0"):
+        RangeShard("dp", (0, 7, 6), (3, 2))
+
+
 def test_json_round_trip():
-    for p in (Shard(-1, "tp", 2), Shard(0, "cp", layout=ZIGZAG), Replicate("dp"), Partial("tp")):
+    for p in (Shard(-1, "tp", 2), Shard(0, "cp", layout=ZIGZAG), Replicate("dp"), Partial("tp"),
+              RangeShard("dp", (0, 2, 6), (3, 2))):
         assert placement_from_json(placement_to_json(p)) == p
     layout = Layout((Shard(0, "tp"),), (2, 3, 4), (1, 0, 2))
     assert Layout.from_json(layout.to_json()) == layout

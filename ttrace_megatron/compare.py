@@ -13,7 +13,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .errors import ConfigMismatchError, TraceError
-from .placement import (Coords, Layout, Partial, PlacementError, Replicate, Shard, check_coords, content_digest,
+from .placement import (SHARDING, Coords, Layout, Partial, PlacementError, Replicate, check_coords, content_digest,
                         logical_mask, merge_shards, slice_logical)
 from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for
 from .trace_store import RankTrace, Record, TensorKey, TraceReader
@@ -208,7 +208,7 @@ class ShardSums:
 
 
 def blank_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords) -> dict:
-    shard = {p.axis: tuple(coords[p.axis]) for p in layout.placements if isinstance(p, Shard)}
+    shard = {p.axis: tuple(coords[p.axis]) for p in layout.placements if isinstance(p, SHARDING)}
     # a digest only matters where replicas exist to compare it with
     replicated = any(isinstance(p, Replicate) for p in layout.placements)
     return dict(key=key, shard=shard, digest=content_digest(cand) if replicated else 0, diff_sq=0.0, ref_sq=0.0,

@@ -70,7 +70,42 @@ class Partial:
     axis: str
 
 
-Placement = Union[Shard, Replicate, Partial]
+@dataclasses.dataclass(frozen=True)
+class RangeShard:
+    """Rank ``r`` of ``axis`` holds elements ``[bounds[r], bounds[r + 1])`` of the tensor flattened.
+
+    ``shape`` is the shape of the tensor that is flattened (what the outer placements leave), so
+    the pieces can be put back. This is how a ZeRO-style optimizer owns its shard of a flat grad
+    buffer: ranges that ignore the tensor's dims, and a rank may own nothing. It must be the
+    innermost placement, and the rank stores its range as a 1-D tensor.
+    """
+
+    axis: str
+    bounds: Tuple[int, ...]
+    shape: Tuple[int, ...]
+
+    def __post_init__(self):
+        b = tuple(int(x) for x in self.bounds)
+        object.__setattr__(self, "bounds", b)
+        object.__setattr__(self, "shape", tuple(int(x) for x in self.shape))
+        if len(b) < 2 or b[0] != 0 or b[-1] != math.prod(self.shape) or any(x > y for x, y in zip(b, b[1:])):
+            raise ValueError(f"RangeShard bounds {b} must rise from 0 to {math.prod(self.shape)} (shape {self.shape})")
+
+    @property
+    def size(self) -> int:
+        return len(self.bounds) - 1
+
+    def piece(self, rank: int) -> Tuple[int, int]:
+        return self.bounds[rank], self.bounds[rank + 1]
+
+
+Placement = Union[Shard, Replicate, Partial, RangeShard]
+SHARDING = (Shard, RangeShard)  # placements whose ranks hold different parts of the tensor
+
+
+def _range_shard(layout: "Layout") -> Optional[RangeShard]:
+    last = layout.placements[-1] if layout.placements else None
+    return last if isinstance(last, RangeShard) else None
 
 # rank coordinates of one recorded tensor: axis name -> (rank along the axis, axis size)
 Coords = Mapping[str, Tuple[int, int]]
@@ -100,9 +135,14 @@ class Layout:
             if p.axis in seen:
                 raise ValueError(f"axis {p.axis!r} appears twice in {self.placements}")
             seen.add(p.axis)
-        for p in self.placements:
+        for i, p in enumerate(self.placements):
             if isinstance(p, Shard) and not -len(self.logical_shape) <= p.dim < len(self.logical_shape):
                 raise ValueError(f"{p} is out of range for a tensor of rank {len(self.logical_shape)}")
+            if isinstance(p, RangeShard) and i != len(self.placements) - 1:
+                raise ValueError(f"{p} must be the innermost (last) placement")
+            if isinstance(p, RangeShard) and len(p.shape) != len(self.logical_shape):
+                raise ValueError(f"{p} flattens a tensor of rank {len(p.shape)}, the logical tensor has rank "
+                                 f"{len(self.logical_shape)}")
         if self.permute is not None and sorted(self.permute) != list(range(len(self.logical_shape))):
             raise ValueError(f"permute {self.permute} is not a permutation of {len(self.logical_shape)} dims")
 
@@ -132,6 +172,8 @@ def placement_to_json(p: Placement) -> dict:
         return {"type": "replicate", "axis": p.axis}
     if isinstance(p, Partial):
         return {"type": "partial", "axis": p.axis}
+    if isinstance(p, RangeShard):
+        return {"type": "range_shard", "axis": p.axis, "bounds": list(p.bounds), "shape": list(p.shape)}
     raise TypeError(f"not a placement: {p!r}")
 
 
@@ -143,6 +185,8 @@ def placement_from_json(obj: dict) -> Placement:
         return Replicate(str(obj["axis"]))
     if kind == "partial":
         return Partial(str(obj["axis"]))
+    if kind == "range_shard":
+        return RangeShard(str(obj["axis"]), tuple(int(b) for b in obj["bounds"]), tuple(int(d) for d in obj["shape"]))
     raise ValueError(f"unknown placement {obj!r}")
 
 
@@ -216,6 +260,8 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
     if tuple(full.shape) != tuple(layout.logical_shape):
         raise PlacementError(f"logical tensor has shape {tuple(full.shape)}, layout says {layout.logical_shape}")
     local_shape = tuple(local_shape)
+    ranges = _range_shard(layout)
+    stored_shape = ranges.shape if ranges is not None else local_shape  # the rank's tensor before flattening
     t = full
     if layout.permute is not None:
         inverse = [0] * len(layout.permute)
@@ -231,11 +277,18 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
                 for q in layout.placements[i + 1:]
                 if isinstance(q, Shard) and q.dim % t.dim() == dim
             )
-            piece = local_shape[dim] * inner
+            piece = stored_shape[dim] * inner
             t = _pad_to(t, dim, piece * size)
             t = _split(dataclasses.replace(p, dim=dim), t, size, rank, piece)
         elif isinstance(p, Partial) and rank != 0:
             t = torch.zeros_like(t)
+        elif isinstance(p, RangeShard):
+            if p.size != size:
+                raise PlacementError(f"{p} has {p.size} ranges, axis {p.axis!r} has {size} ranks")
+            if tuple(t.shape) != p.shape:
+                raise PlacementError(f"{p} flattens shape {p.shape}, the outer placements leave {tuple(t.shape)}")
+            start, end = p.piece(rank)
+            t = t.reshape(-1)[start:end]
     if tuple(t.shape) != local_shape:
         raise PlacementError(f"slice gave shape {tuple(t.shape)}, the rank holds {local_shape}")
     return t.contiguous()
@@ -245,6 +298,12 @@ def logical_mask(layout: Layout, coords: Coords, local_shape: Sequence[int]) -> 
     """Which positions of the rank's piece belong to the logical tensor (False on padding, e.g. a
     vocabulary padded per TP size); None when the piece has no padding."""
     pieces = math.prod(_coord(coords, p.axis)[1] for p in layout.placements if isinstance(p, Shard))
+    ranges = _range_shard(layout)
+    if ranges is not None:
+        local_shape_before = ranges.shape
+        if math.prod(local_shape_before) * pieces == math.prod(layout.logical_shape):
+            return None
+        return slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, coords, local_shape)
     if math.prod(local_shape) * pieces == math.prod(layout.logical_shape):
         return None
     return slice_logical(torch.ones(layout.logical_shape, dtype=torch.bool), layout, coords, local_shape)
@@ -326,7 +385,9 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
             if ranks != list(range(sizes[p.axis])):
                 raise PlacementError(f"pieces along axis {p.axis!r} at {outer} are ranks {ranks}")
             tensors = [m[1] for m in members]
-            if isinstance(p, Shard):
+            if isinstance(p, RangeShard):
+                merged[outer] = _join_ranges(p, tensors)
+            elif isinstance(p, Shard):
                 merged[outer] = _join(dataclasses.replace(p, dim=p.dim % tensors[0].dim()), tensors)
             elif isinstance(p, Partial):
                 acc = torch.zeros(tensors[0].shape, dtype=torch.float64)
@@ -345,6 +406,15 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
     if layout.permute is not None:
         tensor = tensor.permute(layout.permute)
     return Merged(_trim(tensor, layout.logical_shape), mismatches)
+
+
+def _join_ranges(p: RangeShard, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
+    for rank, piece in enumerate(pieces):
+        start, end = p.piece(rank)
+        if piece.dim() != 1 or piece.numel() != end - start:
+            raise PlacementError(f"rank {rank} of axis {p.axis!r} holds shape {tuple(piece.shape)}, its range "
+                                 f"[{start}, {end}) has {end - start} elements")
+    return torch.cat(list(pieces)).reshape(p.shape)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:

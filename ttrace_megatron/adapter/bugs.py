@@ -175,6 +175,42 @@ def cross_entropy_mask_missing(chunks, pattern: str = "*") -> None:
     cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits = staticmethod(calculate_predicted_logits)
 
 
+def distopt_grad_shard_offset(chunks, pattern: str = "*") -> None:
+    """The distributed optimizer reads each parameter's owned range of the reduced grad buffer one
+    element off (a shard-offset bug, like a bucket offset applied twice): the grad reduction is
+    right, the step uses shifted grads."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
+        raise ValueError("bug injection: distopt_grad_shard_offset needs the distributed optimizer")
+
+    def copy_model_grads_to_main_grads(self):
+        pairs = ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
+                 (self.model_fp32_groups, self.shard_fp32_groups))
+        for model_groups, shard_groups in pairs:
+            for model_group, shard_group in zip(model_groups, shard_groups):
+                for model_param, shard_param in zip(model_group, shard_group):
+                    owned = self._get_model_param_range_map(model_param)["param"]
+                    shifted = model_param.main_grad.view(-1).roll(-1)  # the bug: one element off
+                    shard_param.grad = shifted[owned.start:owned.end].float()
+
+    DistributedOptimizer._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
+
+
+def tied_embedding_grads_not_synced(chunks, pattern: str = "*") -> None:
+    """With tied embeddings and PP > 1, finalize_model_grads skips the all-reduce of the word
+    embedding grads over the embedding group (first and last stage): each stage's copy steps on its
+    own share of the grad and the copies drift apart."""
+    import importlib
+
+    from megatron.core import parallel_state
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the module, not the function
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+        raise ValueError("bug injection: tied_embedding_grads_not_synced needs PP > 1")
+    finalize._allreduce_word_embedding_grads = lambda *args, **kwargs: None
+
+
 BUGS: Dict[str, Callable] = {
     "row_allreduce_dropped": row_allreduce_dropped,
     "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
@@ -185,6 +221,8 @@ BUGS: Dict[str, Callable] = {
     "gated_mlp_halves_swapped": gated_mlp_halves_swapped,
     "qkv_groups_reversed": qkv_groups_reversed,
     "cross_entropy_mask_missing": cross_entropy_mask_missing,
+    "distopt_grad_shard_offset": distopt_grad_shard_offset,
+    "tied_embedding_grads_not_synced": tied_embedding_grads_not_synced,
 }
 
 

@@ -65,7 +65,7 @@ def validate_recipe(recipe: Recipe) -> None:
                           f"({recipe.data.micro_batch_size} × {dp})")
     if recipe.dtype == "fp8":
         raise RecipeError(f"{where}: dtype fp8 is not supported yet (FP8 emulation is issue #3)")
-    unsupported = {"pp": "pipeline parallelism", "cp": "context parallelism", "ep": "expert parallelism"}
+    unsupported = {"cp": "context parallelism", "ep": "expert parallelism"}
     for axis, what in unsupported.items():
         if sizes[axis] > 1:
             raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
@@ -73,9 +73,6 @@ def validate_recipe(recipe: Recipe) -> None:
     if groups < sizes["tp"]:
         raise RecipeError(f"{where}: model: num_query_groups {groups} < tensor_model_parallel_size {sizes['tp']} "
                           f"(replicated key/value heads) is not supported by this version of ttrace")
-    if recipe.optimizer.get("use_distributed_optimizer"):
-        raise RecipeError(f"{where}: optimizer: the distributed optimizer is not supported by this version of ttrace "
-                          f"(its main grads are valid only in each rank's shard)")
     if recipe.model.get("num_moe_experts"):
         raise RecipeError(f"{where}: model: MoE (num_moe_experts) is not supported by this version of ttrace")
 

@@ -168,13 +168,9 @@ def _parallel_sizes() -> Dict[str, int]:
 
 def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, options: TraceOptions) -> None:
     """Modes whose placements are not inferred yet: refuse before training starts, not mid-run."""
-    problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("pp", "cp", "ep") and v > 1]
-    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
-    if any(type(o).__name__ == "DistributedOptimizer" for o in inner) or any(
-            getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
-        problems.append("the distributed optimizer (main_grad holds only this rank's shard ranges)")
+    problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("cp", "ep") and v > 1]
     if len(chunks) != 1:
-        problems.append(f"{len(chunks)} virtual-pipeline chunks")
+        problems.append(f"virtual pipelining ({len(chunks)} model chunks)")
     if getattr(config, "num_moe_experts", None):
         problems.append("MoE")
     if getattr(config, "fp8", None):
@@ -188,7 +184,8 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, 
         problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
     if problems:
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
-                          + ". Supported: TP, SP and DP with the local layer spec.")
+                          + ". Supported: TP, SP, PP (without virtual stages), DP and the distributed optimizer, "
+                          "with the local layer spec.")
 
 
 def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: Optional[int] = None,
@@ -211,7 +208,8 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
     return ModelFacts(num_layers=config.num_layers, vocab_size=logical_vocab_size,
                       sequence_parallel=config.sequence_parallel, gated_linear_unit=config.gated_linear_unit,
                       tp_size=ps.get_tensor_model_parallel_world_size(), hidden_size=config.hidden_size,
-                      tokens_per_microbatch=tokens_per_microbatch, tokens_per_iteration=tokens_per_iteration)
+                      tokens_per_microbatch=tokens_per_microbatch, tokens_per_iteration=tokens_per_iteration,
+                      pp_size=ps.get_pipeline_model_parallel_world_size())
 
 
 # fields of TransformerConfig that define the computation (parallel layout and performance knobs
@@ -273,7 +271,8 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
-    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, sizes["dp"])}
+    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, sizes["dp"]),
+              layouts.PP: (ps.get_pipeline_model_parallel_rank(), sizes["pp"])}
     role = options.role if options.role != "auto" else (REFERENCE if world == 1 else CANDIDATE)
     if options.replay:
         role = REPLAY
@@ -298,7 +297,8 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
 
         sinks.append(OnlineComparer(options.reference, options.dir, rank, coords))
     record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
-    recorder = Recorder(sinks, chunks, facts, rank, dp_rank, sizes["dp"], record_filter).attach()
+    recorder = Recorder(sinks, chunks, facts, rank, dp_rank, sizes["dp"], record_filter,
+                        main_grad_ranges=layouts.distributed_optimizer_ranges(chunks, optimizer, dp_rank)).attach()
     recorder.wrap_optimizer(optimizer)
     replayer = None
     if options.replay:

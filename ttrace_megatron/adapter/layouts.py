@@ -18,10 +18,11 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ..placement import Layout, Partial, Placement, Replicate, Shard
+from ..placement import Layout, Partial, Placement, RangeShard, Replicate, Shard
 
 TP = "tp"
 DP = "dp"
+PP = "pp"
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -42,6 +43,7 @@ class ModelFacts:
     hidden_size: int = 0
     tokens_per_microbatch: int = 0  # micro_batch_size × seq_length
     tokens_per_iteration: int = 0  # global_batch_size × seq_length
+    pp_size: int = 1
 
 
 def layer_depth(canonical_name: str, num_layers: int) -> int:
@@ -75,13 +77,16 @@ def _check_attr(param: torch.Tensor, name: str, expect_parallel: bool, dim: int,
 
 
 def param_layout(module_name: str, param_name: str, module: torch.nn.Module, param: torch.Tensor,
-                 facts: ModelFacts, *, with_dp: bool = True, partial_sp_grad: bool = False) -> Layout:
+                 facts: ModelFacts, *, with_dp: bool = True, partial_sp_grad: bool = False,
+                 dp_ranges: Optional[Tuple[int, ...]] = None) -> Layout:
     """Layout of a parameter (or of its grad / main_grad: same shape, same split).
 
     ``partial_sp_grad``: the layout of a per-microbatch grad, before ``finalize_model_grads``. The
     grads of replicated parameters that see only this rank's sequence shard (tagged
     ``sequence_parallel``) are then partial sums over TP.
     ``with_dp``: parameters, main grads and updated parameters are replicas over DP.
+    ``dp_ranges``: instead, each DP rank holds a flat range of the parameter (the distributed
+    optimizer's main grads, see :func:`distributed_optimizer_ranges`).
     """
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding)
@@ -114,9 +119,63 @@ def param_layout(module_name: str, param_name: str, module: torch.nn.Module, par
         _check_attr(param, full_name, False, -1, 1)
         sp_partial = partial_sp_grad and facts.sequence_parallel and sees_sequence_shard(module, param_name)
         placements = (Partial(TP) if sp_partial else Replicate(TP),)
-    if with_dp:
+    if dp_ranges is not None:
+        placements = placements + (RangeShard(DP, dp_ranges, local),)
+    elif with_dp:
         placements = (Replicate(DP),) + placements
+    if is_tied_across_stages(param, facts):
+        # the first stage's embedding and the last stage's output layer hold one parameter: its
+        # per-microbatch grads are each stage's share of the sum, its main grad and value replicas
+        placements = ((Partial(PP) if partial_sp_grad else Replicate(PP)),) + placements
     return Layout(placements, tuple(logical))
+
+
+def is_tied_across_stages(param: torch.Tensor, facts: ModelFacts) -> bool:
+    """Tied word embeddings with PP > 1: megatron tags both stages' copies ``shared_embedding``."""
+    return facts.pp_size > 1 and bool(getattr(param, "shared_embedding", False))
+
+
+def distributed_optimizer_ranges(chunks, optimizer, dp_rank: int) -> Dict[torch.nn.Parameter, Tuple[int, ...]]:
+    """Under the distributed optimizer: for each parameter, the flat ranges of it that each DP rank owns.
+
+    After the reduce-scatter only the owned range of ``param.main_grad`` holds the reduced grad.
+    megatron splits every bucket of the grad buffer into DP-size equal chunks, ignoring parameter
+    boundaries (``DistributedOptimizer._build_model_gbuf_range``); every rank's range follows from
+    the buffer's ``param_index_map`` and bucket offsets, so all ranks record the same placement.
+    This rank's range is cross-checked against the optimizer's own map. Empty without the
+    distributed optimizer.
+    """
+    inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    dist_opts = [o for o in inner if hasattr(o, "_get_model_param_range_map")]
+    if not dist_opts:
+        return {}
+    ranges: Dict[torch.nn.Parameter, Tuple[int, ...]] = {}
+    for chunk in chunks:
+        buffers = list(getattr(chunk, "buffers", None) or []) + list(getattr(chunk, "expert_parallel_buffers", None) or [])
+        for buffer in buffers:
+            if not hasattr(buffer, "param_index_map"):
+                continue
+            n = buffer.data_parallel_group.size()
+            for param, (start, end, bucket_id) in buffer.param_index_map.items():
+                bucket = buffer.buckets[bucket_id]
+                bucket_size = bucket.grad_data.numel()
+                per_rank = bucket_size // n
+                bounds = [0]
+                for r in range(n):
+                    rank_end = bucket.offset + min(bucket_size, (r + 1) * per_rank)
+                    bounds.append(min(max(rank_end - start, 0), end - start))
+                ranges[param] = tuple(bounds)
+    for opt in dist_opts:
+        for param, bounds in ranges.items():
+            try:
+                own = opt._get_model_param_range_map(param)["param"]
+                mine = (own.start, own.end)
+            except KeyError:
+                mine = None  # this rank owns none of it, or the param belongs to another sub-optimizer
+            if mine is not None and mine != (bounds[dp_rank], bounds[dp_rank + 1]):
+                raise LayoutInferenceError(f"distributed optimizer range {mine} of a {tuple(param.shape)} parameter "
+                                           f"differs from the grad buffer's {bounds} at DP rank {dp_rank}")
+    return ranges
 
 
 def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:
@@ -204,6 +263,11 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], tensor
     if module_name in ("loss", "output_layer"):
         return facts.vocab_size
     return facts.hidden_size
+
+
+def stage_replicated_layout(shape: Sequence[int], facts: ModelFacts) -> Layout:
+    """A value every rank computes, the same on all of them (the grad norm)."""
+    return replicated_layout(shape, (PP, DP, TP) if facts.pp_size > 1 else (DP, TP))
 
 
 def replicated_layout(shape: Sequence[int], axes: Sequence[str] = (TP,)) -> Layout:

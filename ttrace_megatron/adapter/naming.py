@@ -37,11 +37,22 @@ def canonical_module_names(chunk: torch.nn.Module) -> Dict[torch.nn.Module, str]
     return names
 
 
+TIED_EMBEDDING = "embedding.word_embeddings"
+
+
 def canonical_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]]:
-    """(module name, param name, module, param) for every parameter, in canonical names."""
+    """(module name, param name, module, param) for every parameter, in canonical names.
+
+    With tied embeddings and PP > 1 the last stage holds its own copy of the word embeddings as
+    ``output_layer.weight`` (megatron tags both copies ``shared_embedding``); a single-stage model
+    has only ``embedding.word_embeddings.weight``. The copy is named after the embedding, so the
+    two stages' copies are replicas of one logical parameter.
+    """
     names = canonical_module_names(chunk)
     for module, mname in names.items():
         for pname, param in module.named_parameters(recurse=False):
+            if mname == "output_layer" and pname == "weight" and getattr(param, "shared_embedding", False):
+                mname = TIED_EMBEDDING
             yield mname, pname, module, param
 
 

@@ -50,7 +50,8 @@ class RecordFilter:
 
 class Recorder:
     def __init__(self, sinks: Sequence, chunks: List[torch.nn.Module], facts: layouts.ModelFacts,
-                 rank: int, dp_rank: int, dp_size: int, record_filter: RecordFilter = RecordFilter()):
+                 rank: int, dp_rank: int, dp_size: int, record_filter: RecordFilter = RecordFilter(),
+                 main_grad_ranges: Optional[dict] = None):
         self.sinks = list(sinks)
         self.chunks = chunks
         self.facts = facts
@@ -58,9 +59,11 @@ class Recorder:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.filter = record_filter
+        # distributed optimizer: param -> the flat ranges of its main_grad each DP rank owns
+        self.main_grad_ranges = main_grad_ranges or {}
         self.iteration = 0
         self.in_iteration = False
-        self._local_microbatch = 0
+        self._local_microbatch = [0] * len(chunks)
         self.microbatch = -1  # global id of the microbatch whose forward runs now
         self.backward_microbatch = -1
         self._handles = []
@@ -85,7 +88,7 @@ class Recorder:
     def begin_iteration(self, iteration: int) -> None:
         self.iteration = iteration
         self.in_iteration = True
-        self._local_microbatch = 0
+        self._local_microbatch = [0] * len(self.chunks)
 
     def begin_microbatch(self, local_microbatch: int) -> None:
         """Megatron's data order: DP rank r's j-th microbatch is global microbatch j·dp + r.
@@ -120,8 +123,9 @@ class Recorder:
                                                           VocabParallelEmbedding)
 
         recorded = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
-        for chunk in self.chunks:
-            self._handles.append(chunk.register_forward_pre_hook(self._count_microbatch))
+        for index, chunk in enumerate(self.chunks):
+            self._handles.append(chunk.register_forward_pre_hook(self._count_microbatch(index)))
+            self._handles.append(chunk.register_forward_hook(self._mark_backward_microbatch))
             self._handles.append(unwrap(chunk).register_forward_hook(self._loss_hook, with_kwargs=True))
             for module, name in canonical_module_names(chunk).items():
                 if isinstance(module, recorded):
@@ -149,14 +153,33 @@ class Recorder:
         """
         return float(self.dp_size) if phase == "backward" else 1.0
 
-    def _count_microbatch(self, module, args):
-        if self.in_iteration:
-            self.begin_microbatch(self._local_microbatch)
-            self._local_microbatch += 1
+    def _count_microbatch(self, index: int):
+        """Each chunk runs its microbatches in data order, under every schedule (with virtual
+        pipelining too, per chunk)."""
+        def hook(module, args):
+            if self.in_iteration:
+                self.begin_microbatch(self._local_microbatch[index])
+                self._local_microbatch[index] += 1
+        return hook
+
+    def _mark_backward_microbatch(self, module, args, output):
+        """Pipeline schedules run the backward of microbatch j after later forwards (1F1B): the
+        grad of a chunk's output is the first thing each microbatch's backward computes on this
+        stage, so it says which microbatch the parameter grads that follow belong to."""
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if self.in_iteration and isinstance(out, torch.Tensor) and out.requires_grad:
+            mb = self.microbatch
+
+            def hook(grad):
+                self.backward_microbatch = mb
+
+            out.register_hook(hook)
+        return None
 
     def _loss_hook(self, module, args, kwargs, output):
-        """GPTModel returns the per-token loss [b, s] when it is given labels."""
-        if kwargs.get("labels") is not None and isinstance(output, torch.Tensor):
+        """GPTModel returns the per-token loss [b, s] when it is given labels (on the last stage)."""
+        if (kwargs.get("labels") is not None and isinstance(output, torch.Tensor)
+                and getattr(module, "post_process", True)):
             self.record_loss(output)
 
     def _layouts(self, name, module, inp, out):
@@ -222,18 +245,23 @@ class Recorder:
             self._add(TensorKey(self.iteration, mb, "loss", "forward", "per_token_loss"), per_token_loss, layout)
 
     def record_main_grads(self) -> None:
+        """The reduced grads. Under the distributed optimizer only this rank's range of each is
+        reduced (the rest of the buffer holds unreduced local grads), so only that range is recorded."""
         for mname, pname, module, param in self._params:
             main_grad = getattr(param, "main_grad", None)
             if main_grad is None or not param.requires_grad or not self._wants(mname, -1):
                 continue
-            layout = layouts.param_layout(mname, pname, module, param, self.facts)
+            bounds = self.main_grad_ranges.get(param)
+            layout = layouts.param_layout(mname, pname, module, param, self.facts, dp_ranges=bounds)
+            if bounds is not None:
+                main_grad = main_grad.view(-1)[bounds[self.dp_rank]:bounds[self.dp_rank + 1]]
             self._add(TensorKey(self.iteration, -1, mname, "main_grad", f"{pname}.main_grad"), main_grad, layout)
 
     def record_optimizer_step(self, grad_norm: Optional[float]) -> None:
         if not self.recording:
             return
         if grad_norm is not None and self._wants("optimizer", -1):
-            layout = layouts.replicated_layout((1,), (layouts.DP, layouts.TP))
+            layout = layouts.stage_replicated_layout((1,), self.facts)
             self._add(TensorKey(self.iteration, -1, "optimizer", "optimizer", "grad_norm"),
                       torch.tensor([float(grad_norm)], dtype=torch.float64), layout)
         for mname, pname, module, param in self._params:

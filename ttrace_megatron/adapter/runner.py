@@ -120,18 +120,22 @@ def _run(rank: int, spec: RunSpec) -> None:
 
     recipe = spec.get_recipe()
     sizes = cfg.parallel_sizes(spec.parallel)
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=sizes["tp"])
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=sizes["tp"],
+                                             pipeline_model_parallel_size=sizes["pp"])
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, dp_size)}
+    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, dp_size),
+              layouts.PP: (parallel_state.get_pipeline_model_parallel_rank(), sizes["pp"])}
 
     torch.manual_seed(recipe.data.seed)
     model_parallel_cuda_manual_seed(recipe.data.seed)
     config = cfg.transformer_config(recipe, spec.parallel)
     spec_module = get_gpt_layer_local_spec(normalization=config.normalization)
     model = GPTModel(config=config, transformer_layer_spec=spec_module, vocab_size=cfg.padded_vocab_size(recipe),
-                     max_sequence_length=recipe.data.seq_length, pre_process=True, post_process=True,
+                     max_sequence_length=recipe.data.seq_length,
+                     pre_process=parallel_state.is_pipeline_first_stage(),
+                     post_process=parallel_state.is_pipeline_last_stage(),
                      **cfg.gpt_model_kwargs(recipe))
     if not spec.cpu:
         model.cuda(torch.cuda.current_device())
@@ -144,14 +148,16 @@ def _run(rank: int, spec: RunSpec) -> None:
                                gated_linear_unit=config.gated_linear_unit, tp_size=sizes["tp"],
                                hidden_size=config.hidden_size,
                                tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
-                               tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length)
+                               tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length,
+                               pp_size=sizes["pp"])
     if spec.role == REFERENCE and rank == 0:
         save_seed_checkpoint([model], facts, coords, spec.seed_checkpoint)
     load_seed_checkpoint([model], facts, coords, spec.seed_checkpoint, rank)
 
     if config.bf16:
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=True)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=bool(recipe.optimizer.get("use_distributed_optimizer")))
     model = DistributedDataParallel(config, ddp_config, model)
     for bug in spec.inject if spec.role == CANDIDATE else []:
         bugs.inject([model], bug)  # before the optimizer copies the weights into its main params
