@@ -4,7 +4,7 @@ For each shipped recipe × dtype × seed, runs the reference and the clean candi
 largest error/tolerance ratio (must stay < 1: no false positive); for each injected bug, the
 first mismatch, whether it names the injected module and phase, and its error/tolerance ratio.
 
-    python benchmarks/margins.py [--seeds 3] > margins.md
+    python benchmarks/margins.py [--seeds 5] > margins.md
 """
 
 from __future__ import annotations
@@ -36,7 +36,11 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("gpt_tp2", "qkv_groups_reversed:decoder.layers.1.self_attention.linear_qkv",
      "decoder.layers.1.self_attention.linear_qkv", "forward"),
     ("gpt_tp2", "cross_entropy_mask_missing", "loss", "forward"),
+    ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
+    ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer"),
+    ("gpt_pp2_vpp", "vpp_batched_p2p_at_pp2", "decoder.layers.1.mlp.linear_fc2", "backward"),
 ]
+CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2", "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt")
 
 
 def main():
@@ -49,7 +53,7 @@ def main():
     from ttrace_megatron.recipe import recipe_from_dict
 
     parser = argparse.ArgumentParser()
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--seeds", type=int, default=5)
     args = parser.parse_args()
 
     def recipe(name, dtype, seed):
@@ -76,7 +80,7 @@ def main():
     print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio "
           "| replay: false culprits | replay: worst local ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for name in ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2"):
+    for name in CLEAN:
         for dtype in ("fp32", "bf16"):
             worst, fps, n, false_culprits, worst_local = None, 0, 0, 0, 0.0
             for seed in range(1, args.seeds + 1):

@@ -34,6 +34,7 @@ class TensorResult:
     shape: Tuple[int, ...]
     tolerance_source: str = ""
     reason: str = ""
+    arrival: bool = False  # what arrived at a module, not what a module computed (see arrives_at_module)
 
     @property
     def error_eps(self) -> float:
@@ -126,25 +127,28 @@ def _nonfinite_reason(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
     return nonfinite_message(na, nb, bool(na and nb and torch.equal(fa, fb)))
 
 
-def arrives_at_module(key: TensorKey) -> bool:
+def arrives_at_module(key: TensorKey, rec: Optional[Record] = None) -> bool:
     """What arrives at a module (its input, its output-grad), as opposed to what it computes.
 
     In a localization replay these are replaced by the reference's values before the module runs,
     so the trace holds what arrived (judged like an end-to-end tensor), and everything the module
-    computes from them is judged under the local bound.
+    computes from them is judged under the local bound. The recorder marks tensors computed from
+    values the replay cannot substitute (``Record.arrival``); they are judged like arrivals too.
     """
-    return (key.phase, key.tensor) in (("forward", "input"), ("backward", "grad_output"))
+    return (key.phase, key.tensor) in (("forward", "input"), ("backward", "grad_output")) or bool(
+        rec is not None and rec.arrival)
 
 
 def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config: ToleranceConfig,
            shape: Tuple[int, ...], error: float, reason: str = "") -> TensorResult:
     """The verdict on one logical tensor: a stated reason fails it, else error against tolerance."""
+    arrival = arrives_at_module(key, rec)
     tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config,
-                        propagate=not (tol_config.replay and not arrives_at_module(key)))
+                        propagate=not (tol_config.replay and not arrival))
     ok = not reason and error / tol.eps <= tol.tolerance_eps
     return TensorResult(key=key, verdict=PASS if ok else FAIL, error=error, eps=tol.eps,
                         tolerance_eps=tol.tolerance_eps, order=order, depth=rec.depth, shape=tuple(shape),
-                        tolerance_source=tol.source, reason=reason)
+                        tolerance_source=tol.source, reason=reason, arrival=arrival)
 
 
 def judge(key: TensorKey, cand: torch.Tensor, ref: torch.Tensor, rec: Record, num_layers: int, order: int,
@@ -364,7 +368,8 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
 # --------------------------------------------------------------------------------------------
 # localization: a replay trace (every module run on the reference's inputs) judged locally
 
-PHASE_LABELS = {("forward", "loss"): "forward (loss)", ("backward", "grad_input"): "backward (dgrad)"}
+PHASE_LABELS = {("forward", "loss"): "forward (loss)", ("backward", "grad_input"): "backward (dgrad)",
+                ("forward", "input"): "forward (arrival)", ("backward", "grad_output"): "backward (arrival)"}
 
 
 def phase_label(key: TensorKey) -> str:
@@ -427,10 +432,37 @@ def localize(reference_dir: str, replay_dir: str, *, tol_config: ToleranceConfig
     comparison = compare_traces(reference_dir, replay_dir, tol_config=dataclasses.replace(tol_config, replay=True))
     replayed = {r.key.iteration for r in comparison.results}
     comparison.missing_in_candidate = [k for k in comparison.missing_in_candidate if k.iteration in replayed]
-    culprits = sorted((r for r in comparison.failures if not arrives_at_module(r.key)), key=lambda r: r.order)
+    culprits = sorted((r for r in comparison.failures if not r.arrival and not _inputs_failed(r, comparison)),
+                      key=lambda r: r.order)
     if culprits and not culprits[0].reason:
         _describe(culprits[0], reference_dir, replay_dir)
+    arrivals = sorted((r for r in comparison.failures if r.arrival), key=lambda r: r.order)
+    if not culprits and arrivals:
+        # every recorded module is right given the reference's inputs, yet wrong values reach one:
+        # the fault lies in what connects the modules (an op ttrace does not hook, a p2p transfer).
+        # Name the first module input or output-grad that arrives wrong.
+        at_modules = [r for r in arrivals if arrives_at_module(r.key)]
+        first = (at_modules or arrivals)[0]
+        where = (f"before {first.key.module} (between it and the module whose output feeds it)"
+                 if first.key.phase == "forward" else
+                 f"after {first.key.module} (between its output and the module whose grad flows back to it)")
+        first.reason = (f"every module passes given the reference's inputs, but this {first.key.tensor} arrives "
+                        f"{first.ratio:.3g}× over tolerance: the fault is {where}, in an op ttrace does not hook "
+                        f"or a communication such as a pipeline transfer" + (f"; {first.reason}" if first.reason else ""))
+        culprits = [first]
     return Localization(comparison, culprits)
+
+
+def _inputs_failed(result: TensorResult, comparison: Comparison) -> bool:
+    """A main grad is reduced from the per-microbatch grads of its parameter. When those already
+    fail (they were computed from values the replay does not substitute), the reduction is not
+    where the error came from."""
+    if result.key.phase != "main_grad" or not result.key.tensor.endswith(".main_grad"):
+        return False
+    grad = result.key.tensor[:-len(".main_grad")] + ".grad"
+    return any(r.verdict == FAIL and r.key.phase == "backward" and r.key.tensor == grad
+               and r.key.module == result.key.module and r.key.iteration == result.key.iteration
+               for r in comparison.results)
 
 
 def _describe(result: TensorResult, reference_dir: str, replay_dir: str) -> None:

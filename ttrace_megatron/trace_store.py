@@ -76,19 +76,26 @@ class Record:
     # the recorded value is scale × the logical value: per-microbatch grads carry the loss scale
     # 1/num_microbatches of *this* run, which differs between runs of different DP sizes
     scale: float = 1.0
+    # computed from values a localization replay does not substitute (the grad of a bias that a
+    # linear hands to its caller to add): judged like what arrives at a module, never as a
+    # module's own output
+    arrival: bool = False
 
     def to_json(self) -> dict:
-        return {"key": self.key.to_json(), "layout": self.layout.to_json(), "dtype": self.dtype,
-                "shape": list(self.shape), "seq": self.seq, "file": self.file, "name": self.name,
-                "depth": self.depth, "compute_dtype": self.compute_dtype, "reduction": self.reduction,
-                "scale": self.scale}
+        obj = {"key": self.key.to_json(), "layout": self.layout.to_json(), "dtype": self.dtype,
+               "shape": list(self.shape), "seq": self.seq, "file": self.file, "name": self.name,
+               "depth": self.depth, "compute_dtype": self.compute_dtype, "reduction": self.reduction,
+               "scale": self.scale}
+        if self.arrival:
+            obj["arrival"] = True
+        return obj
 
     @staticmethod
     def from_json(obj: dict) -> "Record":
         return Record(TensorKey.from_json(obj["key"]), Layout.from_json(obj["layout"]), str(obj["dtype"]),
                       tuple(int(s) for s in obj["shape"]), int(obj["seq"]), str(obj["file"]),
                       str(obj["name"]), int(obj.get("depth", 0)), str(obj.get("compute_dtype", "")),
-                      int(obj.get("reduction", 0)), float(obj.get("scale", 1.0)))
+                      int(obj.get("reduction", 0)), float(obj.get("scale", 1.0)), bool(obj.get("arrival", False)))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -172,13 +179,14 @@ class TraceWriter:
         return self.failed is None
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
-            compute_dtype: Optional[torch.dtype] = None, reduction: int = 0, scale: float = 1.0) -> None:
+            compute_dtype: Optional[torch.dtype] = None, reduction: int = 0, scale: float = 1.0,
+            arrival: bool = False) -> None:
         """Queue a copy of ``tensor`` (on CPU) for the next flush."""
         if not self.active:
             return
         name = f"t{self._seq:07d}"
         rec = Record(key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, "", name, depth,
-                     dtype_name(compute_dtype or tensor.dtype), reduction, scale)
+                     dtype_name(compute_dtype or tensor.dtype), reduction, scale, arrival)
         self._seq += 1
         copy = torch.empty(tensor.shape, dtype=tensor.dtype)  # one copy, contiguous, on the CPU
         copy.copy_(tensor.detach())

@@ -211,6 +211,19 @@ def tied_embedding_grads_not_synced(chunks, pattern: str = "*") -> None:
     finalize._allreduce_word_embedding_grads = lambda *args, **kwargs: None
 
 
+def vpp_batched_p2p_at_pp2(chunks, pattern: str = "*") -> None:
+    """Virtual pipelining at PP = 2 with batched p2p (``batch_p2p_comm=True``, no overlap): the
+    previous and the next stage are the same rank, the batched sends to it pair FIFO with the
+    receives, and an activation and a grad travelling in opposite directions are swapped. A real
+    megatron-core configuration bug (Megatron-LM issues #750, #1450), not a code edit."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    if len(chunks) < 2 or config.pipeline_model_parallel_size != 2:
+        raise ValueError("bug injection: vpp_batched_p2p_at_pp2 needs virtual pipelining with PP = 2")
+    config.batch_p2p_comm, config.overlap_p2p_comm = True, False
+
+
 BUGS: Dict[str, Callable] = {
     "row_allreduce_dropped": row_allreduce_dropped,
     "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
@@ -223,6 +236,7 @@ BUGS: Dict[str, Callable] = {
     "cross_entropy_mask_missing": cross_entropy_mask_missing,
     "distopt_grad_shard_offset": distopt_grad_shard_offset,
     "tied_embedding_grads_not_synced": tied_embedding_grads_not_synced,
+    "vpp_batched_p2p_at_pp2": vpp_batched_p2p_at_pp2,
 }
 
 

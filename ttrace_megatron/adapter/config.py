@@ -69,6 +69,8 @@ def validate_recipe(recipe: Recipe) -> None:
     for axis, what in unsupported.items():
         if sizes[axis] > 1:
             raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
+    if sizes["vpp"] > 1 and sizes["pp"] == 1:
+        raise RecipeError(f"{where}: parallel: virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
     groups = recipe.model.get("num_query_groups") or recipe.model.get("num_attention_heads", 1)
     if groups < sizes["tp"]:
         raise RecipeError(f"{where}: model: num_query_groups {groups} < tensor_model_parallel_size {sizes['tp']} "
@@ -83,6 +85,7 @@ def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
         "pp": int(parallel.get("pipeline_model_parallel_size", 1)),
         "cp": int(parallel.get("context_parallel_size", 1)),
         "ep": int(parallel.get("expert_model_parallel_size", 1)),
+        "vpp": int(parallel.get("virtual_pipeline_model_parallel_size") or 1),
     }
 
 

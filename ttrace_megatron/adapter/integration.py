@@ -169,8 +169,6 @@ def _parallel_sizes() -> Dict[str, int]:
 def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, options: TraceOptions) -> None:
     """Modes whose placements are not inferred yet: refuse before training starts, not mid-run."""
     problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("cp", "ep") and v > 1]
-    if len(chunks) != 1:
-        problems.append(f"virtual pipelining ({len(chunks)} model chunks)")
     if getattr(config, "num_moe_experts", None):
         problems.append("MoE")
     if getattr(config, "fp8", None):
@@ -184,7 +182,7 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, 
         problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
     if problems:
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
-                          + ". Supported: TP, SP, PP (without virtual stages), DP and the distributed optimizer, "
+                          + ". Supported: TP, SP, PP (with virtual stages), DP and the distributed optimizer, "
                           "with the local layer spec.")
 
 
@@ -198,8 +196,16 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
     from .naming import unwrap
 
     if logical_vocab_size is None:
-        embedding = next((m for m in unwrap(chunks[0]).modules() if isinstance(m, VocabParallelEmbedding)), None)
-        logical_vocab_size = int(getattr(embedding, "num_embeddings", 0))  # the padded vocabulary
+        # the padded vocabulary: from the embedding (first stage) or the output layer (last stage)
+        logical_vocab_size = 0
+        for chunk in chunks:
+            model = unwrap(chunk)
+            embedding = next((m for m in model.modules() if isinstance(m, VocabParallelEmbedding)), None)
+            output_layer = getattr(model, "output_layer", None) if getattr(model, "post_process", False) else None
+            if embedding is not None:
+                logical_vocab_size = int(embedding.num_embeddings)
+            elif output_layer is not None:
+                logical_vocab_size = int(output_layer.output_size)
     if tokens_per_microbatch is None or tokens_per_iteration is None:
         if args is None or not hasattr(args, "seq_length"):
             raise RecipeError("ttrace.attach needs tokens_per_microbatch and tokens_per_iteration outside Megatron-LM")

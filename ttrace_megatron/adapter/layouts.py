@@ -178,6 +178,23 @@ def distributed_optimizer_ranges(chunks, optimizer, dp_rank: int) -> Dict[torch.
     return ranges
 
 
+def grad_computed_outside(module: torch.nn.Module, param_name: str) -> bool:
+    """A parameter whose per-microbatch grad is not computed by a recorded module from the values
+    a localization replay substitutes (its input and output-grad).
+
+    That is every parameter of a module ttrace does not hook (norms, position embeddings: their
+    inputs are the run's own activations), and the bias of a linear built with ``skip_bias_add``,
+    which the linear returns for its caller to add (megatron's bias-dropout-add), so its grad
+    comes from the grad of that sum. Such grads are judged like arrivals in a replay.
+    """
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding)
+
+    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+        return True
+    return param_name == "bias" and bool(getattr(module, "skip_bias_add", False))
+
+
 def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:
     """Under SP, is this replicated parameter applied to the rank's sequence shard only?
 

@@ -136,13 +136,14 @@ class Recorder:
                 self._handles.append(param.register_hook(self._param_grad_hook(mname, pname, module, param)))
         return self
 
-    def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None):
+    def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None,
+             arrival: bool = False):
         depth = layouts.layer_depth(key.module, self.facts.num_layers)
         reduction = layouts.reduction_length(key.module, module, key.tensor, self.facts)
         scale = self.scale_for(key.phase)
         for sink in self.sinks:
             sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
-                     scale=scale)
+                     scale=scale, arrival=arrival)
 
     def scale_for(self, phase: str) -> float:
         """How much larger this run's tensors of ``phase`` are than a DP=1 run's.
@@ -233,7 +234,8 @@ class Recorder:
             if self._wants(mname, mb):
                 layout = layouts.param_layout(mname, pname, module, param, self.facts, with_dp=False,
                                               partial_sp_grad=True)
-                self._add(TensorKey(self.iteration, mb, mname, "backward", f"{pname}.grad"), grad, layout)
+                self._add(TensorKey(self.iteration, mb, mname, "backward", f"{pname}.grad"), grad, layout,
+                          arrival=layouts.grad_computed_outside(module, pname))
             return None
         return hook
 

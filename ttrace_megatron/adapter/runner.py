@@ -120,8 +120,10 @@ def _run(rank: int, spec: RunSpec) -> None:
 
     recipe = spec.get_recipe()
     sizes = cfg.parallel_sizes(spec.parallel)
+    vpp = sizes["vpp"]
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=sizes["tp"],
-                                             pipeline_model_parallel_size=sizes["pp"])
+                                             pipeline_model_parallel_size=sizes["pp"],
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
@@ -132,14 +134,19 @@ def _run(rank: int, spec: RunSpec) -> None:
     model_parallel_cuda_manual_seed(recipe.data.seed)
     config = cfg.transformer_config(recipe, spec.parallel)
     spec_module = get_gpt_layer_local_spec(normalization=config.normalization)
-    model = GPTModel(config=config, transformer_layer_spec=spec_module, vocab_size=cfg.padded_vocab_size(recipe),
-                     max_sequence_length=recipe.data.seq_length,
-                     pre_process=parallel_state.is_pipeline_first_stage(),
-                     post_process=parallel_state.is_pipeline_last_stage(),
-                     **cfg.gpt_model_kwargs(recipe))
-    if not spec.cpu:
-        model.cuda(torch.cuda.current_device())
-    for mname, pname, _, param in all_parameters([model]):
+    # one chunk per virtual stage, as megatron.training's get_model builds them
+    stages = [None] if vpp == 1 else list(range(vpp))
+    chunks = []
+    for vp_stage in stages:
+        chunk = GPTModel(config=config, transformer_layer_spec=spec_module, vocab_size=cfg.padded_vocab_size(recipe),
+                         max_sequence_length=recipe.data.seq_length,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         vp_stage=vp_stage, **cfg.gpt_model_kwargs(recipe))
+        if not spec.cpu:
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    for mname, pname, _, param in all_parameters(chunks):
         if any(fnmatch.fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
             param.requires_grad_(False)
 
@@ -151,17 +158,18 @@ def _run(rank: int, spec: RunSpec) -> None:
                                tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length,
                                pp_size=sizes["pp"])
     if spec.role == REFERENCE and rank == 0:
-        save_seed_checkpoint([model], facts, coords, spec.seed_checkpoint)
-    load_seed_checkpoint([model], facts, coords, spec.seed_checkpoint, rank)
+        save_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint)
+    load_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint, rank)
 
     if config.bf16:
-        model = Float16Module(config, model)
+        chunks = [Float16Module(config, c) for c in chunks]
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True, use_distributed_optimizer=bool(recipe.optimizer.get("use_distributed_optimizer")))
-    model = DistributedDataParallel(config, ddp_config, model)
+    # megatron.training: only the first chunk's buckets are the first to be reduced
+    model = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
     for bug in spec.inject if spec.role == CANDIDATE else []:
-        bugs.inject([model], bug)  # before the optimizer copies the weights into its main params
-    optimizer = get_megatron_optimizer(cfg.optimizer_config(recipe), [model])
+        bugs.inject(model, bug)  # before the optimizer copies the weights into its main params
+    optimizer = get_megatron_optimizer(cfg.optimizer_config(recipe), model)
 
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
@@ -170,7 +178,7 @@ def _run(rank: int, spec: RunSpec) -> None:
             enabled=True, dir=spec.trace_dir, iterations=spec.record_iterations, modules=tuple(spec.record_modules),
             ranks=spec.record_ranks, microbatches=spec.record_microbatches, reference=spec.online_reference,
             keep_tensors=spec.keep_tensors, role=spec.role, replay=spec.replay_reference)
-        integration.attach([model], optimizer, config, options=options, facts=facts, run_info={
+        integration.attach(model, optimizer, config, options=options, facts=facts, run_info={
             "recipe": recipe.to_json(), "parallel": spec.parallel, "model_config": _model_signature(recipe),
             "injected_bugs": spec.inject if spec.role == CANDIDATE else []})
 
@@ -203,10 +211,13 @@ def _run(rank: int, spec: RunSpec) -> None:
             attach_tracer()
         start = time.perf_counter()
         integration.begin_iteration(iteration)
-        model.zero_grad_buffer()
+        for chunk in model:
+            chunk.zero_grad_buffer()
         optimizer.zero_grad()
         batches = list(microbatches(recipe, iteration - 1, dp_rank, dp_size))
-        reduced = forward_backward(forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+        # every chunk's forward_step reads the next microbatch (only the first and last stage use it)
+        data = iter(batches) if len(model) == 1 else [iter(batches) for _ in model]
+        reduced = forward_backward(forward_step_func=forward_step, data_iterator=data, model=model,
                                    num_microbatches=len(batches), seq_length=seq, micro_batch_size=mbs,
                                    forward_only=False)
         optimizer.step()
@@ -236,7 +247,8 @@ def _dump_state(spec: RunSpec, rank: int, model, losses) -> None:
     """Losses and parameters after training, for the bitwise-neutrality check."""
     from safetensors.torch import save_file
 
-    state = {f"param/{n}": p.detach().cpu().contiguous() for n, p in model.named_parameters()}
+    state = {f"param/{i}/{n}": p.detach().cpu().contiguous()
+             for i, chunk in enumerate(model) for n, p in chunk.named_parameters()}
     state["losses"] = torch.tensor(losses, dtype=torch.float64)
     os.makedirs(spec.trace_dir, exist_ok=True)
     save_file(state, os.path.join(spec.trace_dir, f"state-rank{rank:05d}.safetensors"))
