@@ -39,8 +39,11 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
     ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer"),
     ("gpt_pp2_vpp", "vpp_batched_p2p_at_pp2", "decoder.layers.1.mlp.linear_fc2", "backward"),
+    ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.1.mlp.router", "backward"),
+    ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad"),
 ]
-CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2", "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt")
+CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2", "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt",
+         "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")
 
 
 def main():

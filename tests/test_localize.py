@@ -20,7 +20,8 @@ def _replay(runs, recipe, inject=()):
 
 @pytest.mark.parametrize("name,dtype", [("gpt_tp2", "fp32"), ("gpt_tp2", "bf16"), ("gpt_tp2_sp", "bf16"),
                                         ("gpt_tp4_sp", "fp32"), ("gpt_tp2_sp_dp2", "fp32"), ("gpt_pp2", "bf16"),
-                                        ("gpt_pp2_vpp", "fp32"), ("gpt_dp2_distopt", "bf16")])
+                                        ("gpt_pp2_vpp", "fp32"), ("gpt_dp2_distopt", "bf16"),
+                                        ("moe_tp2_sp_ep2", "fp32"), ("moe_ep2", "fp32")])
 def test_clean_replay_has_no_culprit(runs, name, dtype):
     loc = _replay(runs, load(name, dtype=dtype))
     assert loc.comparison.verdict == "pass" and not loc.culprits, loc.culprit
@@ -50,6 +51,10 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     ("gpt_pp2", "fp32", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction",
      "weight.main_grad"),
     ("gpt_dp2_distopt", "fp32", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer", "weight"),
+    ("moe_tp2_sp_ep2", "fp32", "moe_aux_loss_scaled_by_tp", "decoder.layers.1.mlp.router", "backward (wgrad)",
+     "weight.grad"),
+    ("moe_ep2", "fp32", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1",
+     "grad reduction", "weight.main_grad"),
     # no module is wrong on its own: the grad that crosses the pipeline boundary after layer 1 is
     ("gpt_pp2_vpp", "fp32", "vpp_batched_p2p_at_pp2", "decoder.layers.1.mlp.linear_fc2", "backward (arrival)",
      "grad_output"),

@@ -359,10 +359,21 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                                           replica_max_abs_diff))
         if progress:
             progress(i + 1, len(common))
-    missing_in_candidate = sorted(set(ref_groups) - set(cand_groups), key=lambda k: order[k])
+    absent = sorted(set(ref_groups) - set(cand_groups), key=lambda k: order[k])
+    skipped = [k for k in absent if not_recorded_by(cand.run, k)]
+    missing_in_candidate = [k for k in absent if not not_recorded_by(cand.run, k)]
     missing_in_reference = sorted(set(cand_groups) - set(ref_groups), key=str)
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
-                      ref.run, cand.run)
+                      ref.run, cand.run, skipped=skipped)
+
+
+def not_recorded_by(run: dict, key: TensorKey) -> bool:
+    """Tensors a run declares it cannot record in its layout (``run.json`` ``not_recorded``: module
+    patterns whose per-microbatch tensors have no counterpart there): skipped, not missing."""
+    import fnmatch
+
+    return key.microbatch >= 0 and any(fnmatch.fnmatchcase(key.module, rule["modules"])
+                                       for rule in run.get("not_recorded", []))
 
 
 # --------------------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ def headline(report: dict) -> str:
         skipped = report["summary"].get("skipped", 0)
         return (f"equivalent within floating-point round-off: {report['summary']['compared']} logical tensors "
                 f"compared, none above its tolerance"
-                + (f" ({skipped} per-rank partial sums not judgeable online)" if skipped else ""))
+                + (f" ({skipped} skipped: per-rank partial sums online, or per-microbatch tensors the candidate's "
+                   f"layout has no counterpart for)" if skipped else ""))
     fm = report["first_mismatch"]
     if fm is None:
         s = report["summary"]

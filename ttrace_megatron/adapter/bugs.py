@@ -224,6 +224,34 @@ def vpp_batched_p2p_at_pp2(chunks, pattern: str = "*") -> None:
     config.batch_p2p_comm, config.overlap_p2p_comm = True, False
 
 
+def expert_grads_scaled_by_edp(chunks, pattern: str = "*") -> None:
+    """Expert grads are averaged over the expert-DP group instead of the whole DP group: with
+    EP over DP ranks an expert sees the tokens of dp/edp ranks, so its grad must still be scaled by
+    1/dp (megatron pre-scales expert buckets by edp/dp); this scales it by 1/edp."""
+    found = 0
+    for chunk in chunks:
+        for buffer in getattr(chunk, "expert_parallel_buffers", None) or []:
+            factor = 1.0 / buffer.data_parallel_group.size()
+            if buffer.gradient_scaling_factor != factor:
+                buffer.gradient_scaling_factor = factor
+                for bucket in buffer.buckets:
+                    bucket.gradient_scaling_factor = factor
+                found += 1
+    if not found:
+        raise ValueError("bug injection: expert_grads_scaled_by_edp needs expert parallelism over DP ranks (EDP < DP)")
+
+
+def moe_aux_loss_scaled_by_tp(chunks, pattern: str = "*") -> None:
+    """The router's load-balancing loss is summed over the TP ranks instead of averaged: its
+    coefficient is effectively TP times too large, so the router's weight grads are wrong."""
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    if not config.num_moe_experts or config.tensor_model_parallel_size == 1:
+        raise ValueError("bug injection: moe_aux_loss_scaled_by_tp needs MoE with TP > 1")
+    config.moe_aux_loss_coeff *= config.tensor_model_parallel_size
+
+
 BUGS: Dict[str, Callable] = {
     "row_allreduce_dropped": row_allreduce_dropped,
     "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
@@ -237,6 +265,8 @@ BUGS: Dict[str, Callable] = {
     "distopt_grad_shard_offset": distopt_grad_shard_offset,
     "tied_embedding_grads_not_synced": tied_embedding_grads_not_synced,
     "vpp_batched_p2p_at_pp2": vpp_batched_p2p_at_pp2,
+    "expert_grads_scaled_by_edp": expert_grads_scaled_by_edp,
+    "moe_aux_loss_scaled_by_tp": moe_aux_loss_scaled_by_tp,
 }
 
 

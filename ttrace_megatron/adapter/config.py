@@ -65,7 +65,7 @@ def validate_recipe(recipe: Recipe) -> None:
                           f"({recipe.data.micro_batch_size} × {dp})")
     if recipe.dtype == "fp8":
         raise RecipeError(f"{where}: dtype fp8 is not supported yet (FP8 emulation is issue #3)")
-    unsupported = {"cp": "context parallelism", "ep": "expert parallelism"}
+    unsupported = {"cp": "context parallelism"}
     for axis, what in unsupported.items():
         if sizes[axis] > 1:
             raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
@@ -75,8 +75,6 @@ def validate_recipe(recipe: Recipe) -> None:
     if groups < sizes["tp"]:
         raise RecipeError(f"{where}: model: num_query_groups {groups} < tensor_model_parallel_size {sizes['tp']} "
                           f"(replicated key/value heads) is not supported by this version of ttrace")
-    if recipe.model.get("num_moe_experts"):
-        raise RecipeError(f"{where}: model: MoE (num_moe_experts) is not supported by this version of ttrace")
 
 
 def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
@@ -86,6 +84,7 @@ def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
         "cp": int(parallel.get("context_parallel_size", 1)),
         "ep": int(parallel.get("expert_model_parallel_size", 1)),
         "vpp": int(parallel.get("virtual_pipeline_model_parallel_size") or 1),
+        "etp": int(parallel.get("expert_tensor_parallel_size") or 1),
     }
 
 

@@ -26,6 +26,10 @@ SHIMS = (
     "Tensor.type() (no arguments) -> 'torch.cuda.<T>Tensor' string, for optimizer type checks",
     "torch.cuda.Stream / Event / stream / current_stream / default_stream / synchronize -> no-ops",
     "model-parallel RNG tracker keeps CPU generator states",
+    "megatron.core.transformer.moe.moe_utils.te_general_gemm -> None when TransformerEngine is absent "
+    "(the router's gating GEMM then falls back to torch, as megatron intends)",
+    "moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) converts CPU tensors too (megatron converts only "
+    "CUDA ones; gloo's all_to_all_single takes split sizes as sequences, not tensors)",
     "WrappedTorchNorm accepts sequence_parallel (as apex's FusedLayerNorm does) and tags its "
     "params sequence_parallel=True so finalize_model_grads all-reduces their grads over TP",
 )
@@ -139,6 +143,28 @@ def _install_sequence_parallel_norm():
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+def _install_moe_without_te():
+    """megatron-core 0.16.1 imports ``te_general_gemm`` from TE inside a try block and leaves the
+    name undefined when TE is missing; the router's gating then raises NameError instead of taking
+    its torch path (``if te_general_gemm is not None``)."""
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+    from megatron.core.transformer.moe import token_dispatcher
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+
+
 def install() -> None:
     """Apply every shim to this process. Idempotent."""
     global _installed
@@ -156,5 +182,6 @@ def install() -> None:
     torch.cuda.empty_cache = lambda: None
     _install_rng_tracker()
     _install_sequence_parallel_norm()
+    _install_moe_without_te()
     _CudaToCpuMode().__enter__()
     _installed = True

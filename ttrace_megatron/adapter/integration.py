@@ -168,9 +168,7 @@ def _parallel_sizes() -> Dict[str, int]:
 
 def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, options: TraceOptions) -> None:
     """Modes whose placements are not inferred yet: refuse before training starts, not mid-run."""
-    problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("cp", "ep") and v > 1]
-    if getattr(config, "num_moe_experts", None):
-        problems.append("MoE")
+    problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("cp",) and v > 1]
     if getattr(config, "fp8", None):
         problems.append("FP8")
     if getattr(config, "recompute_granularity", None) == "full":
@@ -215,7 +213,10 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
                       sequence_parallel=config.sequence_parallel, gated_linear_unit=config.gated_linear_unit,
                       tp_size=ps.get_tensor_model_parallel_world_size(), hidden_size=config.hidden_size,
                       tokens_per_microbatch=tokens_per_microbatch, tokens_per_iteration=tokens_per_iteration,
-                      pp_size=ps.get_pipeline_model_parallel_world_size())
+                      pp_size=ps.get_pipeline_model_parallel_world_size(),
+                      experts_mix_microbatches=(ps.get_expert_model_parallel_world_size()
+                                                * ps.get_expert_tensor_parallel_world_size()
+                                                > ps.get_tensor_model_parallel_world_size()))
 
 
 # fields of TransformerConfig that define the computation (parallel layout and performance knobs
@@ -276,9 +277,8 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    tp_rank, dp_rank = ps.get_tensor_model_parallel_rank(), ps.get_data_parallel_rank()
-    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, sizes["dp"]),
-              layouts.PP: (ps.get_pipeline_model_parallel_rank(), sizes["pp"])}
+    dp_rank = ps.get_data_parallel_rank()
+    coords = layouts.rank_coordinates()
     role = options.role if options.role != "auto" else (REFERENCE if world == 1 else CANDIDATE)
     if options.replay:
         role = REPLAY
@@ -289,6 +289,10 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
                 "compute_dtype": str(config.params_dtype).replace("torch.", ""), "versions": library_versions(),
                 "online_reference": os.path.abspath(options.reference) if options.reference else None,
                 "replay_reference": os.path.abspath(options.replay) if options.replay else None}
+        if facts.experts_mix_microbatches:
+            info["not_recorded"] = [{"modules": "*.local_experts.*", "why": (
+                "expert parallelism over data-parallel ranks: an expert's tokens come from several "
+                "microbatches, so only its main grads and parameters are compared")}]
         info.update(run_info or {})
         write_run_info(options.dir, info)
 
@@ -304,7 +308,7 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
         sinks.append(OnlineComparer(options.reference, options.dir, rank, coords))
     record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
     recorder = Recorder(sinks, chunks, facts, rank, dp_rank, sizes["dp"], record_filter,
-                        main_grad_ranges=layouts.distributed_optimizer_ranges(chunks, optimizer, dp_rank)).attach()
+                        main_grad_ranges=layouts.distributed_optimizer_ranges(chunks, optimizer)).attach()
     recorder.wrap_optimizer(optimizer)
     replayer = None
     if options.replay:

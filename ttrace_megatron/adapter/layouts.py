@@ -23,6 +23,8 @@ from ..placement import Layout, Partial, Placement, RangeShard, Replicate, Shard
 TP = "tp"
 DP = "dp"
 PP = "pp"
+ETP = "etp"  # expert tensor parallel: how MoE experts' linears are split
+EDP = "edp"  # expert data parallel: the replicas of an expert's parameters
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
 
@@ -44,6 +46,20 @@ class ModelFacts:
     tokens_per_microbatch: int = 0  # micro_batch_size × seq_length
     tokens_per_iteration: int = 0  # global_batch_size × seq_length
     pp_size: int = 1
+    # the tokens an expert sees on one rank come from several DP ranks' microbatches (EP·ETP > TP):
+    # its per-microbatch tensors have no counterpart in the reference, only its main grads do
+    experts_mix_microbatches: bool = False
+
+
+def rank_coordinates() -> Dict[str, Tuple[int, int]]:
+    """This rank's (rank, size) along every axis a placement may name, from megatron's groups."""
+    from megatron.core import parallel_state as ps
+
+    return {TP: (ps.get_tensor_model_parallel_rank(), ps.get_tensor_model_parallel_world_size()),
+            DP: (ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()),
+            PP: (ps.get_pipeline_model_parallel_rank(), ps.get_pipeline_model_parallel_world_size()),
+            ETP: (ps.get_expert_tensor_parallel_rank(), ps.get_expert_tensor_parallel_world_size()),
+            EDP: (ps.get_expert_data_parallel_rank(), ps.get_expert_data_parallel_world_size())}
 
 
 def layer_depth(canonical_name: str, num_layers: int) -> int:
@@ -92,7 +108,7 @@ def param_layout(module_name: str, param_name: str, module: torch.nn.Module, par
                                                       VocabParallelEmbedding)
 
     full_name = f"{module_name}.{param_name}" if module_name else param_name
-    tp = facts.tp_size
+    tp_axis, tp, dp_axis = tensor_parallel_axis(module, facts)
     local = tuple(param.shape)
     logical = list(local)
     placements: Tuple[Placement, ...]
@@ -114,15 +130,15 @@ def param_layout(module_name: str, param_name: str, module: torch.nn.Module, par
         logical[dim] = local[dim] * tp
         if _is_vocab_parallel(module_name) and dim == 0:
             logical[0] = facts.vocab_size
-        placements = (Shard(dim, TP, stride),)
+        placements = (Shard(dim, tp_axis, stride),)
     else:
         _check_attr(param, full_name, False, -1, 1)
         sp_partial = partial_sp_grad and facts.sequence_parallel and sees_sequence_shard(module, param_name)
-        placements = (Partial(TP) if sp_partial else Replicate(TP),)
+        placements = (Partial(tp_axis) if sp_partial else Replicate(tp_axis),)
     if dp_ranges is not None:
-        placements = placements + (RangeShard(DP, dp_ranges, local),)
+        placements = placements + (RangeShard(dp_axis, dp_ranges, local),)
     elif with_dp:
-        placements = (Replicate(DP),) + placements
+        placements = (Replicate(dp_axis),) + placements
     if is_tied_across_stages(param, facts):
         # the first stage's embedding and the last stage's output layer hold one parameter: its
         # per-microbatch grads are each stage's share of the sum, its main grad and value replicas
@@ -130,32 +146,45 @@ def param_layout(module_name: str, param_name: str, module: torch.nn.Module, par
     return Layout(placements, tuple(logical))
 
 
+def is_expert(module: Optional[torch.nn.Module]) -> bool:
+    """A linear inside an MoE expert (megatron's ``is_expert``): split over the expert TP group."""
+    return bool(getattr(module, "is_expert", False))
+
+
+def tensor_parallel_axis(module: Optional[torch.nn.Module], facts: ModelFacts) -> Tuple[str, int, str]:
+    """(TP axis, its size, DP axis) for a module: experts use the expert TP and expert DP groups."""
+    if is_expert(module):
+        return ETP, module.tp_group.size(), EDP
+    return TP, facts.tp_size, DP
+
+
 def is_tied_across_stages(param: torch.Tensor, facts: ModelFacts) -> bool:
     """Tied word embeddings with PP > 1: megatron tags both stages' copies ``shared_embedding``."""
     return facts.pp_size > 1 and bool(getattr(param, "shared_embedding", False))
 
 
-def distributed_optimizer_ranges(chunks, optimizer, dp_rank: int) -> Dict[torch.nn.Parameter, Tuple[int, ...]]:
-    """Under the distributed optimizer: for each parameter, the flat ranges of it that each DP rank owns.
+def distributed_optimizer_ranges(chunks, optimizer) -> Dict[torch.nn.Parameter, Tuple[Tuple[int, ...], int]]:
+    """Under the distributed optimizer: for each parameter, the flat ranges of it that each rank of
+    its DP group owns, and this rank's position in that group.
 
     After the reduce-scatter only the owned range of ``param.main_grad`` holds the reduced grad.
     megatron splits every bucket of the grad buffer into DP-size equal chunks, ignoring parameter
     boundaries (``DistributedOptimizer._build_model_gbuf_range``); every rank's range follows from
     the buffer's ``param_index_map`` and bucket offsets, so all ranks record the same placement.
-    This rank's range is cross-checked against the optimizer's own map. Empty without the
-    distributed optimizer.
+    Expert parameters live in buffers over the expert DP group. This rank's range is
+    cross-checked against the optimizer's own map. Empty without the distributed optimizer.
     """
     inner = getattr(optimizer, "chained_optimizers", None) or [optimizer]
     dist_opts = [o for o in inner if hasattr(o, "_get_model_param_range_map")]
     if not dist_opts:
         return {}
-    ranges: Dict[torch.nn.Parameter, Tuple[int, ...]] = {}
+    ranges: Dict[torch.nn.Parameter, Tuple[Tuple[int, ...], int]] = {}
     for chunk in chunks:
         buffers = list(getattr(chunk, "buffers", None) or []) + list(getattr(chunk, "expert_parallel_buffers", None) or [])
         for buffer in buffers:
             if not hasattr(buffer, "param_index_map"):
                 continue
-            n = buffer.data_parallel_group.size()
+            n, me = buffer.data_parallel_group.size(), buffer.data_parallel_group.rank()
             for param, (start, end, bucket_id) in buffer.param_index_map.items():
                 bucket = buffer.buckets[bucket_id]
                 bucket_size = bucket.grad_data.numel()
@@ -164,18 +193,27 @@ def distributed_optimizer_ranges(chunks, optimizer, dp_rank: int) -> Dict[torch.
                 for r in range(n):
                     rank_end = bucket.offset + min(bucket_size, (r + 1) * per_rank)
                     bounds.append(min(max(rank_end - start, 0), end - start))
-                ranges[param] = tuple(bounds)
+                ranges[param] = (tuple(bounds), me)
     for opt in dist_opts:
-        for param, bounds in ranges.items():
+        for param, (bounds, me) in ranges.items():
             try:
                 own = opt._get_model_param_range_map(param)["param"]
                 mine = (own.start, own.end)
             except KeyError:
                 mine = None  # this rank owns none of it, or the param belongs to another sub-optimizer
-            if mine is not None and mine != (bounds[dp_rank], bounds[dp_rank + 1]):
+            if mine is not None and mine != (bounds[me], bounds[me + 1]):
                 raise LayoutInferenceError(f"distributed optimizer range {mine} of a {tuple(param.shape)} parameter "
-                                           f"differs from the grad buffer's {bounds} at DP rank {dp_rank}")
+                                           f"differs from the grad buffer's {bounds} at DP rank {me}")
     return ranges
+
+
+def recorded_module_types() -> Tuple[type, ...]:
+    """The modules whose inputs, outputs and grads are recorded (and substituted in a replay)."""
+    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
+                                                      VocabParallelEmbedding)
+    from megatron.core.transformer.moe.router import Router
+
+    return (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Router)
 
 
 def grad_computed_outside(module: torch.nn.Module, param_name: str) -> bool:
@@ -187,10 +225,7 @@ def grad_computed_outside(module: torch.nn.Module, param_name: str) -> bool:
     which the linear returns for its caller to add (megatron's bias-dropout-add), so its grad
     comes from the grad of that sum. Such grads are judged like arrivals in a replay.
     """
-    from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                      VocabParallelEmbedding)
-
-    if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+    if not isinstance(module, recorded_module_types()):
         return True
     return param_name == "bias" and bool(getattr(module, "skip_bias_add", False))
 
@@ -207,7 +242,16 @@ def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:
 
     if isinstance(module, RowParallelLinear):
         return param_name == "bias" and module.sequence_parallel
-    return isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or "Norm" in type(module).__name__
+    return (isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or "Norm" in type(module).__name__
+            or is_router(module))
+
+
+def is_router(module: Optional[torch.nn.Module]) -> bool:
+    """The MoE router: a replicated gating weight applied to this rank's tokens (a sequence shard
+    under SP), returning per-token expert probabilities."""
+    from megatron.core.transformer.moe.router import Router
+
+    return isinstance(module, Router)
 
 
 def _scaled_logical(local: Sequence[int], placements: Sequence[Placement], sizes: Dict[str, int],
@@ -228,18 +272,29 @@ def activation_layouts(module_name: str, module: torch.nn.Module, facts: ModelFa
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding)
 
-    sizes = {TP: facts.tp_size}
+    tp_axis, tp, _ = tensor_parallel_axis(module, facts)
+    sizes = {tp_axis: tp}
     out_permute = None
-    seq_sharded = (Shard(0, TP),)
-    replicated = (Replicate(TP),)
+    seq_sharded = (Shard(0, tp_axis),)
+    replicated = (Replicate(tp_axis),)
     vocab = facts.vocab_size if _is_vocab_parallel(module_name) else None
-    if isinstance(module, ColumnParallelLinear):
+    if is_expert(module):
+        # an expert sees the tokens routed to it, the same on every expert-TP rank; its fc2 returns
+        # partial sums that the token dispatcher reduces
+        if isinstance(module, ColumnParallelLinear):
+            in_pl, out_pl = replicated, (Shard(-1, tp_axis, _column_stride(module_name, facts)),)
+        else:
+            in_pl, out_pl = (Shard(-1, tp_axis),), (Partial(tp_axis),)
+        vocab = None
+    elif isinstance(module, ColumnParallelLinear):
         in_pl = seq_sharded if module.sequence_parallel else replicated
         out_pl = replicated if module.gather_output else (Shard(-1, TP, _column_stride(module_name, facts)),)
     elif isinstance(module, RowParallelLinear):
         in_pl = (Shard(-1, TP),)
         out_pl = seq_sharded if module.sequence_parallel else replicated
         vocab = None
+    elif is_router(module):  # input [s, b, h] and probs [s·b, experts]: both split on tokens under SP
+        in_pl = out_pl = seq_sharded if facts.sequence_parallel else replicated
     elif isinstance(module, VocabParallelEmbedding):
         in_pl = replicated
         vocab = None
@@ -256,6 +311,21 @@ def activation_layouts(module_name: str, module: torch.nn.Module, facts: ModelFa
         logical = tuple(stored[d] for d in out_permute) if out_permute else stored
         out_layout = Layout(out_pl, logical, out_permute)
     return in_layout, out_layout
+
+
+def grad_layout(layout: Layout, module: Optional[torch.nn.Module]) -> Layout:
+    """The layout of the grad of an activation recorded with ``layout``.
+
+    The same, except around experts: their linears leave the expert-TP reductions to the token
+    dispatcher (``explicit_expert_comm``), so the grad w.r.t. an fc1 input that every expert-TP
+    rank holds whole is a partial sum, and the grad of fc2's partial output is whole on every rank.
+    """
+    if not is_expert(module):
+        return layout
+    swapped = tuple(Partial(p.axis) if isinstance(p, Replicate) and p.axis == ETP else
+                    Replicate(p.axis) if isinstance(p, Partial) and p.axis == ETP else p
+                    for p in layout.placements)
+    return dataclasses.replace(layout, placements=swapped)
 
 
 def reduction_length(module_name: str, module: Optional[torch.nn.Module], tensor: str, facts: ModelFacts) -> int:

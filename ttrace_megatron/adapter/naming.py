@@ -8,6 +8,7 @@ from typing import Dict, Iterator, List, Tuple
 import torch
 
 _LOCAL_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)(\.|$)")
+_EXPERT_RE = re.compile(r"^(.*\.local_experts\.\d+)(\.|$)")
 
 
 def unwrap(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -22,12 +23,22 @@ def canonical_module_names(chunk: torch.nn.Module) -> Dict[torch.nn.Module, str]
 
     ``decoder.layers.{i}`` uses the chunk-local index ``i``; the canonical name uses the layer's
     global number (``TransformerLayer.layer_number - 1``), which is the same whatever the
-    pipeline split.
+    pipeline split. Likewise ``experts.local_experts.{i}`` becomes the global expert id.
     """
     model = unwrap(chunk)
     names: Dict[torch.nn.Module, str] = {}
     layers = getattr(getattr(model, "decoder", None), "layers", None)
+    experts = {}  # "<...>.local_experts.<local>" -> "<...>.local_experts.<global>"
     for name, module in model.named_modules():
+        if hasattr(module, "local_experts") and hasattr(module, "ep_group"):
+            # expert parallelism: EP rank r holds experts r·n … r·n + n − 1 as local_experts.0 … n − 1
+            offset = module.ep_group.rank() * module.num_local_experts
+            for i in range(len(module.local_experts)):
+                experts[f"{name}.local_experts.{i}"] = f"{name}.local_experts.{offset + i}"
+    for name, module in model.named_modules():
+        m = _EXPERT_RE.match(name)
+        if m and m.group(1) in experts:
+            name = experts[m.group(1)] + name[m.end(1):]
         m = _LOCAL_LAYER_RE.match(name)
         if m and layers is not None:
             local = int(m.group(1))

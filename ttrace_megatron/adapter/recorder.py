@@ -59,7 +59,7 @@ class Recorder:
         self.dp_rank = dp_rank
         self.dp_size = dp_size
         self.filter = record_filter
-        # distributed optimizer: param -> the flat ranges of its main_grad each DP rank owns
+        # distributed optimizer: param -> (the flat ranges of its main_grad each DP rank owns, this rank)
         self.main_grad_ranges = main_grad_ranges or {}
         self.iteration = 0
         self.in_iteration = False
@@ -119,22 +119,23 @@ class Recorder:
 
     # ---- module hooks
     def attach(self) -> "Recorder":
-        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                          VocabParallelEmbedding)
-
-        recorded = (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)
+        recorded = layouts.recorded_module_types()
         for index, chunk in enumerate(self.chunks):
             self._handles.append(chunk.register_forward_pre_hook(self._count_microbatch(index)))
             self._handles.append(chunk.register_forward_hook(self._mark_backward_microbatch))
             self._handles.append(unwrap(chunk).register_forward_hook(self._loss_hook, with_kwargs=True))
             for module, name in canonical_module_names(chunk).items():
-                if isinstance(module, recorded):
+                if isinstance(module, recorded) and not self._skip_per_microbatch(module):
                     self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
                     self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
         for mname, pname, module, param in self._params:
-            if param.requires_grad:
+            if param.requires_grad and not self._skip_per_microbatch(module):
                 self._handles.append(param.register_hook(self._param_grad_hook(mname, pname, module, param)))
         return self
+
+    def _skip_per_microbatch(self, module) -> bool:
+        """Experts whose tokens mix several DP ranks' microbatches: only main grads and parameters."""
+        return self.facts.experts_mix_microbatches and layouts.is_expert(module)
 
     def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None,
              arrival: bool = False):
@@ -202,7 +203,8 @@ class Recorder:
 
             def grad_hook(grad):
                 self.backward_microbatch = mb
-                self._add(TensorKey(it, mb, name, "backward", "grad_input"), grad, in_layout, module)
+                self._add(TensorKey(it, mb, name, "backward", "grad_input"), grad,
+                          layouts.grad_layout(in_layout, module), module)
 
             private.register_hook(grad_hook)
             return (private,) + tuple(args[1:]), kwargs
@@ -222,7 +224,8 @@ class Recorder:
             if out.requires_grad:
                 def grad_hook(grad):
                     self.backward_microbatch = mb
-                    self._add(TensorKey(it, mb, name, "backward", "grad_output"), grad, out_layout, module)
+                    self._add(TensorKey(it, mb, name, "backward", "grad_output"), grad,
+                              layouts.grad_layout(out_layout, module), module)
 
                 out.register_hook(grad_hook)
             return None
@@ -253,10 +256,10 @@ class Recorder:
             main_grad = getattr(param, "main_grad", None)
             if main_grad is None or not param.requires_grad or not self._wants(mname, -1):
                 continue
-            bounds = self.main_grad_ranges.get(param)
+            bounds, me = self.main_grad_ranges.get(param, (None, 0))
             layout = layouts.param_layout(mname, pname, module, param, self.facts, dp_ranges=bounds)
             if bounds is not None:
-                main_grad = main_grad.view(-1)[bounds[self.dp_rank]:bounds[self.dp_rank + 1]]
+                main_grad = main_grad.view(-1)[bounds[me]:bounds[me + 1]]
             self._add(TensorKey(self.iteration, -1, mname, "main_grad", f"{pname}.main_grad"), main_grad, layout)
 
     def record_optimizer_step(self, grad_norm: Optional[float]) -> None:

@@ -76,12 +76,9 @@ class Replayer:
                     main_grad.copy_(value)
 
     def attach(self, chunks: List[torch.nn.Module]) -> "Replayer":
-        from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
-                                                          VocabParallelEmbedding)
-
         for chunk in chunks:
             for module, name in canonical_module_names(chunk).items():
-                if isinstance(module, (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding)):
+                if isinstance(module, layouts.recorded_module_types()) and not self.recorder._skip_per_microbatch(module):
                     self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
                     self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
         self.recorder.before_step.append(lambda: self.substitute_main_grads(chunks))
@@ -140,6 +137,7 @@ class Replayer:
             if not self._active() or not isinstance(out, torch.Tensor) or not out.requires_grad:
                 return None
             _, out_layout = layouts.activation_layouts(name, module, self.facts, tuple(args[0].shape), tuple(out.shape))
+            out_layout = layouts.grad_layout(out_layout, module)
             key = TensorKey(self.recorder.iteration, self.recorder.microbatch, name, "backward", "grad_output")
 
             def substitute_grad(grad):

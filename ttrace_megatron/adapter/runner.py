@@ -123,17 +123,18 @@ def _run(rank: int, spec: RunSpec) -> None:
     vpp = sizes["vpp"]
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=sizes["tp"],
                                              pipeline_model_parallel_size=sizes["pp"],
-                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
-    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+                                             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+                                             expert_model_parallel_size=sizes["ep"],
+                                             expert_tensor_parallel_size=sizes["etp"])
     dp_rank = parallel_state.get_data_parallel_rank()
     dp_size = parallel_state.get_data_parallel_world_size()
-    coords = {layouts.TP: (tp_rank, sizes["tp"]), layouts.DP: (dp_rank, dp_size),
-              layouts.PP: (parallel_state.get_pipeline_model_parallel_rank(), sizes["pp"])}
+    coords = layouts.rank_coordinates()
 
     torch.manual_seed(recipe.data.seed)
     model_parallel_cuda_manual_seed(recipe.data.seed)
     config = cfg.transformer_config(recipe, spec.parallel)
-    spec_module = get_gpt_layer_local_spec(normalization=config.normalization)
+    spec_module = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                           normalization=config.normalization)
     # one chunk per virtual stage, as megatron.training's get_model builds them
     stages = [None] if vpp == 1 else list(range(vpp))
     chunks = []
@@ -156,7 +157,7 @@ def _run(rank: int, spec: RunSpec) -> None:
                                hidden_size=config.hidden_size,
                                tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
                                tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length,
-                               pp_size=sizes["pp"])
+                               pp_size=sizes["pp"], experts_mix_microbatches=sizes["ep"] * sizes["etp"] > sizes["tp"])
     if spec.role == REFERENCE and rank == 0:
         save_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint)
     load_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint, rank)
