@@ -13,8 +13,10 @@ What is recorded, each with its placement (see :mod:`.layouts`):
 Tensors go to *sinks*: a :class:`~ttrace_megatron.trace_store.TraceWriter` (offline compare) and/or
 an :class:`~ttrace_megatron.online.OnlineComparer` (verdicts only). Nothing is recorded outside
 ``begin_iteration`` … ``end_iteration``, so evaluation passes between steps are ignored.
-Microbatches are counted by a forward pre-hook on each model chunk: without pipelining the
-schedule calls the model once per microbatch, in megatron's data order.
+Microbatches are counted by a forward pre-hook on each model chunk: every schedule (no pipelining,
+1F1B, interleaved) calls each chunk once per microbatch, in megatron's data order. Pipeline
+schedules run a microbatch's backward after later forwards, so a hook on each chunk's output grad
+marks which microbatch the parameter grads that follow belong to.
 
 Neutrality: hooks copy tensors and never write to the run's tensors. To capture the grad w.r.t.
 a module's own input (not the sum over all consumers of that tensor) the input is passed to the
