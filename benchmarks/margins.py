@@ -41,6 +41,7 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("gpt_pp2_vpp", "vpp_batched_p2p_at_pp2", "decoder.layers.1.mlp.linear_fc2", "backward"),
     ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.1.mlp.router", "backward"),
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad"),
+    ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward"),
 ]
 CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2", "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt",
          "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")

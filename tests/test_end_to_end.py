@@ -90,6 +90,7 @@ def test_moe_router_and_experts(runs, name):
     ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.1.mlp.router", "backward", "weight.grad"),
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad",
      "weight.main_grad"),
+    ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward", "output"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad", "weight.main_grad"),
     ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer", "weight"),
     # megatron-core's own silent bug class (Megatron-LM #750, #1450): batched p2p at PP=2 with VPP

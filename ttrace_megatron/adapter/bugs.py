@@ -252,6 +252,19 @@ def moe_aux_loss_scaled_by_tp(chunks, pattern: str = "*") -> None:
     config.moe_aux_loss_coeff *= config.tensor_model_parallel_size
 
 
+def expert_tp_partials_not_reduced(chunks, pattern: str = "*") -> None:
+    """With expert-TP, the alltoall dispatcher's combine forgets to sum the experts' partial outputs
+    over the expert-TP ranks: each rank keeps its own partial sum of its tokens."""
+    from megatron.core.transformer.moe import token_dispatcher
+
+    def split_without_sum(x, group=None, input_split_sizes=None, **kwargs):
+        rank, size = group.rank(), group.size()
+        sizes = input_split_sizes or [x.shape[0] // size] * size
+        return torch.split(x, sizes, dim=0)[rank].contiguous()
+
+    token_dispatcher.reduce_scatter_to_sequence_parallel_region = split_without_sum
+
+
 BUGS: Dict[str, Callable] = {
     "row_allreduce_dropped": row_allreduce_dropped,
     "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
@@ -267,6 +280,7 @@ BUGS: Dict[str, Callable] = {
     "vpp_batched_p2p_at_pp2": vpp_batched_p2p_at_pp2,
     "expert_grads_scaled_by_edp": expert_grads_scaled_by_edp,
     "moe_aux_loss_scaled_by_tp": moe_aux_loss_scaled_by_tp,
+    "expert_tp_partials_not_reduced": expert_tp_partials_not_reduced,
 }
 
 

@@ -211,9 +211,10 @@ def recorded_module_types() -> Tuple[type, ...]:
     """The modules whose inputs, outputs and grads are recorded (and substituted in a replay)."""
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding)
+    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.moe.router import Router
 
-    return (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Router)
+    return (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, Router, MoELayer)
 
 
 def grad_computed_outside(module: torch.nn.Module, param_name: str) -> bool:
@@ -244,6 +245,14 @@ def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:
         return param_name == "bias" and module.sequence_parallel
     return (isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or "Norm" in type(module).__name__
             or is_router(module))
+
+
+def is_moe_layer(module: Optional[torch.nn.Module]) -> bool:
+    """The whole MoE block (router, token dispatcher, experts, combine): recorded so that a fault in
+    the dispatcher, which has no module of its own, is localized to the MoE layer."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    return isinstance(module, MoELayer)
 
 
 def is_router(module: Optional[torch.nn.Module]) -> bool:
@@ -293,7 +302,9 @@ def activation_layouts(module_name: str, module: torch.nn.Module, facts: ModelFa
         in_pl = (Shard(-1, TP),)
         out_pl = seq_sharded if module.sequence_parallel else replicated
         vocab = None
-    elif is_router(module):  # input [s, b, h] and probs [s·b, experts]: both split on tokens under SP
+    elif is_router(module) or is_moe_layer(module):
+        # router: input [s, b, h], probs [s·b, experts]; MoE layer: [s, b, h] in and out (routing,
+        # dispatch, experts and combine as one module): all split on tokens under SP
         in_pl = out_pl = seq_sharded if facts.sequence_parallel else replicated
     elif isinstance(module, VocabParallelEmbedding):
         in_pl = replicated
