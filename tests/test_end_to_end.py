@@ -36,7 +36,7 @@ def test_clean_world_size_4_passes(runs, name):
         assert {r.key.microbatch for r in c.results} == {-1, 0, 1}
 
 
-@pytest.mark.parametrize("name", ["gpt_pp2", "gpt_pp2_vpp"])
+@pytest.mark.parametrize("name", ["gpt_pp2", "gpt_pp2_vpp", "gpt_tp2_sp_pp2"])
 def test_pipeline_parallel_with_tied_embeddings(runs, name):
     """PP=2 through the real 1F1B schedule, and with two virtual stages per rank through the
     interleaved one: every layer is compared under its global number, and the tied word
@@ -91,6 +91,8 @@ def test_moe_router_and_experts(runs, name):
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad",
      "weight.main_grad"),
     ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward", "output"),
+    ("gpt_tp2_sp_pp2", "row_allreduce_dropped:decoder.layers.3.mlp.linear_fc2", "decoder.layers.3.mlp.linear_fc2",
+     "forward", "output"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad", "weight.main_grad"),
     ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer", "weight"),
     # megatron-core's own silent bug class (Megatron-LM #750, #1450): batched p2p at PP=2 with VPP
