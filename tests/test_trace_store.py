@@ -98,6 +98,18 @@ def test_infinite_shape_in_manifest_is_named(tmp_path, field):
     assert e.value.rank == 0
 
 
+def test_rank_coordinates_larger_than_the_world_are_named(tmp_path):
+    """Found by hypothesis: a TP size of 2**32 in a manifest made merge allocate 256 GiB."""
+    make_trace(tmp_path)
+    path = tmp_path / "rank-00000" / "manifest.json"
+    m = json.loads(path.read_text())
+    m["coords"]["tp"][1] = 2 ** 32
+    path.write_text(json.dumps(m))
+    with pytest.raises(TraceError, match="do not fit a world of 2") as e:
+        TraceReader(str(tmp_path))
+    assert e.value.rank == 0 and e.value.path.endswith("rank-00000/manifest.json")
+
+
 def test_manifest_cannot_escape_the_trace_directory(tmp_path):
     make_trace(tmp_path)
     path = tmp_path / "rank-00000" / "manifest.json"

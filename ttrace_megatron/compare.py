@@ -6,6 +6,7 @@ Knows nothing about megatron: it reads traces, merges by placements, and applies
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import itertools
 import math
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -370,8 +371,6 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
 def not_recorded_by(run: dict, key: TensorKey) -> bool:
     """Tensors a run declares it cannot record in its layout (``run.json`` ``not_recorded``: module
     patterns whose per-microbatch tensors have no counterpart there): skipped, not missing."""
-    import fnmatch
-
     return key.microbatch >= 0 and any(fnmatch.fnmatchcase(key.module, rule["modules"])
                                        for rule in run.get("not_recorded", []))
 

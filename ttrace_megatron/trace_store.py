@@ -316,6 +316,13 @@ class TraceReader:
             raise
         except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise TraceError(f"malformed manifest ({type(e).__name__}: {e})", path=path, rank=rank) from None
+        world = int(self.run["world_size"])
+        for axis, (position, size) in coords.items():
+            # every axis groups some of the trace's ranks: a size beyond the world is a bad manifest
+            # (and would make merge allocate a tensor that many times larger)
+            if not 1 <= size <= world or not 0 <= position < size:
+                raise TraceError(f"rank coordinates {axis}={position} of {size} do not fit a world of {world}",
+                                 path=path, rank=rank)
         for rec in records:
             if rec.file not in files:
                 raise TraceError(f"record points at unlisted file {rec.file!r}", path=path, rank=rank,

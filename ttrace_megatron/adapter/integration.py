@@ -166,7 +166,7 @@ def _parallel_sizes() -> Dict[str, int]:
             "dp": ps.get_data_parallel_world_size()}
 
 
-def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, options: TraceOptions) -> None:
+def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: TraceOptions) -> None:
     """Modes whose placements are not inferred yet: refuse before training starts, not mid-run."""
     problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("cp",) and v > 1]
     if getattr(config, "fp8", None):
@@ -180,8 +180,8 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, optimizer, 
         problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
     if problems:
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
-                          + ". Supported: TP, SP, PP (with virtual stages), DP and the distributed optimizer, "
-                          "with the local layer spec.")
+                          + ". Supported: TP, SP, PP (with virtual stages), DP, the distributed optimizer and MoE "
+                          "(EP, expert TP), with the local layer spec.")
 
 
 def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: Optional[int] = None,
@@ -272,7 +272,7 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
         raise RuntimeError("ttrace.attach was called twice without ttrace.flush in between")
     chunks = list(model) if isinstance(model, (list, tuple)) else [model]
     sizes = _parallel_sizes()
-    _refuse_unsupported(config, sizes, chunks, optimizer, options)
+    _refuse_unsupported(config, sizes, chunks, options)
     facts = facts or model_facts(chunks, config, args)
 
     rank = dist.get_rank() if dist.is_initialized() else 0

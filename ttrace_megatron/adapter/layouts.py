@@ -93,13 +93,13 @@ def _check_attr(param: torch.Tensor, name: str, expect_parallel: bool, dim: int,
 
 
 def param_layout(module_name: str, param_name: str, module: torch.nn.Module, param: torch.Tensor,
-                 facts: ModelFacts, *, with_dp: bool = True, partial_sp_grad: bool = False,
+                 facts: ModelFacts, *, with_dp: bool = True, microbatch_grad: bool = False,
                  dp_ranges: Optional[Tuple[int, ...]] = None) -> Layout:
     """Layout of a parameter (or of its grad / main_grad: same shape, same split).
 
-    ``partial_sp_grad``: the layout of a per-microbatch grad, before ``finalize_model_grads``. The
-    grads of replicated parameters that see only this rank's sequence shard (tagged
-    ``sequence_parallel``) are then partial sums over TP.
+    ``microbatch_grad``: the layout of a per-microbatch grad, before ``finalize_model_grads``. The
+    grads of replicated parameters that see only this rank's sequence shard are then partial sums
+    over TP, and those of tied embeddings partial sums over the pipeline stages.
     ``with_dp``: parameters, main grads and updated parameters are replicas over DP.
     ``dp_ranges``: instead, each DP rank holds a flat range of the parameter (the distributed
     optimizer's main grads, see :func:`distributed_optimizer_ranges`).
@@ -133,7 +133,7 @@ def param_layout(module_name: str, param_name: str, module: torch.nn.Module, par
         placements = (Shard(dim, tp_axis, stride),)
     else:
         _check_attr(param, full_name, False, -1, 1)
-        sp_partial = partial_sp_grad and facts.sequence_parallel and sees_sequence_shard(module, param_name)
+        sp_partial = microbatch_grad and facts.sequence_parallel and sees_sequence_shard(module, param_name)
         placements = (Partial(tp_axis) if sp_partial else Replicate(tp_axis),)
     if dp_ranges is not None:
         placements = placements + (RangeShard(dp_axis, dp_ranges, local),)
@@ -142,7 +142,7 @@ def param_layout(module_name: str, param_name: str, module: torch.nn.Module, par
     if is_tied_across_stages(param, facts):
         # the first stage's embedding and the last stage's output layer hold one parameter: its
         # per-microbatch grads are each stage's share of the sum, its main grad and value replicas
-        placements = ((Partial(PP) if partial_sp_grad else Replicate(PP)),) + placements
+        placements = ((Partial(PP) if microbatch_grad else Replicate(PP)),) + placements
     return Layout(placements, tuple(logical))
 
 

@@ -171,7 +171,7 @@ class Recorder:
         grad of a chunk's output is the first thing each microbatch's backward computes on this
         stage, so it says which microbatch the parameter grads that follow belong to."""
         out = output[0] if isinstance(output, (tuple, list)) else output
-        if self.in_iteration and isinstance(out, torch.Tensor) and out.requires_grad:
+        if self.recording and isinstance(out, torch.Tensor) and out.requires_grad:
             mb = self.microbatch
 
             def hook(grad):
@@ -238,7 +238,7 @@ class Recorder:
             mb = self.backward_microbatch
             if self._wants(mname, mb):
                 layout = layouts.param_layout(mname, pname, module, param, self.facts, with_dp=False,
-                                              partial_sp_grad=True)
+                                              microbatch_grad=True)
                 self._add(TensorKey(self.iteration, mb, mname, "backward", f"{pname}.grad"), grad, layout,
                           arrival=layouts.grad_computed_outside(module, pname))
             return None
