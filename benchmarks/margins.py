@@ -39,12 +39,15 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
     ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer"),
     ("gpt_pp2_vpp", "vpp_batched_p2p_at_pp2", "decoder.layers.1.mlp.linear_fc2", "backward"),
-    ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.1.mlp.router", "backward"),
+    ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.0.mlp.router", "forward"),
+    ("gpt_dp2", "dp_grad_not_averaged", "embedding.word_embeddings", "main_grad"),
+    ("gpt_tp2_dp2", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2",
+     "forward"),
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad"),
     ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward"),
 ]
-CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_tp2_sp_dp2", "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt",
-         "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")
+CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_sp_dp2", "gpt_pp2", "gpt_pp2_vpp",
+         "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")
 
 
 def main():
@@ -67,29 +70,44 @@ def main():
         raw["data"]["seed"] = seed
         return recipe_from_dict(raw, source=path)
 
-    def pair(r, tmp, inject=()):
-        """End-to-end comparison, then the localization replay of iteration 1."""
+    def pair(r, tmp, inject=(), calibrate=False):
+        """End-to-end comparison as the recipe ships (with the perturbation estimate where it asks
+        for it), then the localization replay of iteration 1. ``calibrate``: also the perturbation
+        run, for every recipe, and the analytic-only comparison."""
         common = dict(recipe=r.to_json(), seed_checkpoint=os.path.join(tmp, "seed.safetensors"), master_port=0)
-        ref = os.path.join(tmp, "ref")
+        ref, cand, pert = (os.path.join(tmp, d) for d in ("ref", "cand", "pert"))
         launch(RunSpec(role=REFERENCE, trace_dir=ref, **common))
-        launch(RunSpec(role=CANDIDATE, trace_dir=os.path.join(tmp, "cand"), inject=list(inject), **common))
+        launch(RunSpec(role=CANDIDATE, trace_dir=cand, inject=list(inject), **common))
+        if calibrate or r.tolerance.perturbation:
+            launch(RunSpec(role=REFERENCE, trace_dir=pert, perturb_seed=1, **common))
         launch(RunSpec(role=CANDIDATE, trace_dir=os.path.join(tmp, "replay"), inject=list(inject), replay_reference=ref,
                        record_iterations=[1], **common))
-        return compare_traces(ref, os.path.join(tmp, "cand")), localize(ref, os.path.join(tmp, "replay"))
+        shipped = compare_traces(ref, cand, perturbed=pert if r.tolerance.perturbation else None)
+        extra = {}
+        if calibrate:
+            analytic = compare_traces(ref, cand)
+            observed = {x.key: x.error for x in compare_traces(ref, pert).results}
+            ratios = [x.error / observed[x.key] for x in analytic.results if observed.get(x.key, 0) > 0]
+            extra = dict(analytic_fps=len(analytic.failures), worst_over_observed=max(ratios))
+        return shipped, localize(ref, os.path.join(tmp, "replay")), extra
 
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(f"commit {commit}; machine: {os.cpu_count()} CPU cores, gloo, torch "
           f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}\n")
     print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio "
-          "| replay: false culprits | replay: worst local ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| replay: false culprits | replay: worst local ratio | analytic bound only: false positives "
+          "| worst clean error / perturbation-observed |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in CLEAN:
         for dtype in ("fp32", "bf16"):
             worst, fps, n, false_culprits, worst_local = None, 0, 0, 0, 0.0
+            analytic_fps, over_observed = 0, 0.0
             for seed in range(1, args.seeds + 1):
                 with tempfile.TemporaryDirectory() as tmp:
-                    c, loc = pair(recipe(name, dtype, seed), tmp)
+                    c, loc, extra = pair(recipe(name, dtype, seed), tmp, calibrate=True)
+                analytic_fps += extra["analytic_fps"]
+                over_observed = max(over_observed, extra["worst_over_observed"])
                 fps += len(c.failures)
                 n = len(c.results)
                 w = max(c.results, key=lambda r: r.ratio)
@@ -100,7 +118,7 @@ def main():
                                                     if r.tolerance_source.startswith("local")])
             print(f"| {name} | {dtype} | {args.seeds} | {n} | {fps} | {worst.error_eps:.3g} / {worst.tolerance_eps:.3g} "
                   f"({worst.key.module} {worst.key.phase} {worst.key.tensor}) | {worst.ratio:.2f} | {false_culprits} "
-                  f"| {worst_local:.2f} |")
+                  f"| {worst_local:.2f} | {analytic_fps} | {over_observed:.2f} |")
     print()
     print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance "
           "| replay culprit | culprit is the injected module | culprit error / local tolerance |")
@@ -108,7 +126,7 @@ def main():
     for name, bug, module, phase in BUGS:
         for dtype in ("fp32", "bf16"):
             with tempfile.TemporaryDirectory() as tmp:
-                c, loc = pair(recipe(name, dtype, 1), tmp, [bug])
+                c, loc, _ = pair(recipe(name, dtype, 1), tmp, [bug])
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"

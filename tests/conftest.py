@@ -41,6 +41,20 @@ class Runs:
             self._refs[key] = out
         return self._refs[key]
 
+    def perturbed(self, recipe, seed=1):
+        """The perturbation-estimate run of the recipe's reference (round-off-sized noise in every
+        module), next to the reference; its trace directory."""
+        from ttrace_megatron.adapter.launch import launch
+        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec
+
+        out = self.reference(recipe)
+        trace_dir = os.path.join(out, f"reference-perturbed-{seed}")
+        if not os.path.exists(trace_dir):
+            launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace_dir=trace_dir,
+                           seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0, perturb_seed=seed),
+                   timeout_s=300)
+        return trace_dir
+
     def candidate(self, recipe, inject=(), name="candidate", **spec_kwargs):
         from ttrace_megatron.adapter.launch import launch
         from ttrace_megatron.adapter.runner import CANDIDATE, RunSpec

@@ -11,7 +11,7 @@ from ttrace_megatron.tolerance import local_error, tolerance_for
 from conftest import RECIPES
 
 
-@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp"])
+@pytest.mark.parametrize("name", sorted(n[:-5] for n in os.listdir(RECIPES) if n.endswith(".yaml")))
 def test_shipped_recipes_validate(name):
     from ttrace_megatron.adapter.config import validate_recipe
 
@@ -66,3 +66,26 @@ def test_tolerance_grows_with_depth_and_is_in_eps():
     t2 = tolerance_for("backward", depth=1, num_layers=2, storage_dtype="bfloat16", reduction=64)
     assert t1.eps == 2 ** -7 and t2.tolerance_eps > t1.tolerance_eps
     assert "K=64" in t1.source
+
+
+def test_perturbation_estimate_only_raises_the_bound():
+    from ttrace_megatron.tolerance import ToleranceConfig, tolerance_for, with_perturbation
+
+    base = tolerance_for("forward", 1, 2, "bfloat16", 64)
+    cfg = ToleranceConfig()
+    quiet = with_perturbation(base, 0.1 * base.eps, cfg)  # the noise barely moved the tensor
+    assert quiet.tolerance_eps == base.tolerance_eps and "perturbation observed" in quiet.source
+    loud = with_perturbation(base, 10 * base.tolerance_eps * base.eps, cfg)
+    assert loud.tolerance_eps == cfg.perturbation_k * 10 * base.tolerance_eps
+    assert loud.source.startswith("perturbation k_p·observed")
+    unusable = with_perturbation(base, float("inf"), cfg)  # the noise changed the tensor's shape
+    assert unusable.tolerance_eps == base.tolerance_eps and "not used" in unusable.source
+
+
+def test_recipe_tolerance_section():
+    assert recipe_from_dict(dict(DEFAULT_RECIPE, tolerance={"perturbation": True})).tolerance.perturbation
+    assert not recipe_from_dict(DEFAULT_RECIPE).tolerance.perturbation
+    with pytest.raises(RecipeError, match="perturbation"):
+        recipe_from_dict(dict(DEFAULT_RECIPE, tolerance={"perturbation": "yes"}))
+    with pytest.raises(RecipeError, match="unknown key 'k'"):
+        recipe_from_dict(dict(DEFAULT_RECIPE, tolerance={"k": 3}))

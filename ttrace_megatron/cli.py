@@ -23,11 +23,12 @@ from .errors import RecipeError, RunFailed, TraceError
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
-def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None):
+def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None,
+             perturbed: Optional[str] = None):
     """Compare with a progress bar, print the report, write JSON; returns the report (JSON form).
 
     A candidate that compared online (``--ttrace-reference``) holds verdict sums, not tensors:
-    they are combined instead.
+    they are combined instead (without the perturbation estimate, which needs the tensors).
     """
     from .compare import compare_traces
     from .online import combine_online, has_online_results
@@ -40,7 +41,8 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
                       transient=True) as progress:
             task = progress.add_task("compare", total=None)
             comparison = compare_traces(
-                ref_dir, cand_dir, progress=lambda done, total: progress.update(task, completed=done, total=total))
+                ref_dir, cand_dir, perturbed=perturbed,
+                progress=lambda done, total: progress.update(task, completed=done, total=total))
     report = to_json(comparison)
     render(report, console, num_layers=int(comparison.reference_run.get("num_layers", 0)))
     if json_path:
@@ -70,7 +72,14 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
                   + (f", injected bugs: {args.inject}" if args.inject else "")
                   + (", comparing online" if args.online else ""))
     launch(RunSpec(role=CANDIDATE, trace_dir=cand_dir, inject=list(args.inject), **online, **common))
-    report = _compare(ref_dir, cand_dir, console, None)
+    perturbed_dir = None
+    if (recipe.tolerance.perturbation or args.perturb) and not args.online:
+        perturbed_dir = os.path.join(out, "reference-perturbed")
+        shutil.rmtree(perturbed_dir, ignore_errors=True)
+        console.print(f"perturbation estimate: the reference again, round-off-sized noise in every module "
+                      f"→ {perturbed_dir}")
+        launch(RunSpec(role=REFERENCE, trace_dir=perturbed_dir, perturb_seed=1, **common))
+    report = _compare(ref_dir, cand_dir, console, None, perturbed_dir)
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
         replay_dir = os.path.join(out, "replay")
@@ -196,7 +205,7 @@ def write_junit(rows, path: str) -> None:
 
 
 def cmd_compare(args, console: Console) -> int:
-    report = _compare(args.reference, args.candidate, console, args.json)
+    report = _compare(args.reference, args.candidate, console, args.json, getattr(args, "perturbed", None))
     if getattr(args, "html", None):
         from .report import write_html
 
@@ -264,6 +273,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--online", action="store_true",
                      help="the candidate compares against the reference while it runs and writes verdicts only")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    run.add_argument("--perturb", action="store_true",
+                     help="the perturbation estimate: run the reference a second time with round-off-sized noise "
+                          "and bound each tensor by what it moved, too (a recipe's tolerance.perturbation)")
     run.add_argument("--iters", type=_int_list, help="record only these iterations (1-based), e.g. 1,3")
     run.add_argument("--modules", action="append", metavar="PATTERN",
                      help="record only modules matching this fnmatch pattern (repeatable), e.g. 'decoder.layers.1.*'")
@@ -274,6 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("candidate")
     cmp_.add_argument("--json", help="write the machine-readable report here")
     cmp_.add_argument("--html", help="write the self-contained HTML report here")
+    cmp_.add_argument("--perturbed", metavar="DIR",
+                      help="a perturbation run of the reference (--ttrace-perturb): each tolerance is at least "
+                           "k_p times how far it moved each tensor")
 
     loc = sub.add_parser("localize", help="judge a replay trace (--ttrace-replay) module by module under local bounds")
     loc.add_argument("reference")

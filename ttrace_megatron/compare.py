@@ -16,7 +16,7 @@ import torch
 from .errors import ConfigMismatchError, TraceError
 from .placement import (SHARDING, Coords, Layout, Partial, PlacementError, Replicate, check_coords, content_digest,
                         logical_mask, merge_shards, slice_logical)
-from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for
+from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
 from .trace_store import RankTrace, Record, TensorKey, TraceReader
 
 PASS = "pass"
@@ -141,11 +141,16 @@ def arrives_at_module(key: TensorKey, rec: Optional[Record] = None) -> bool:
 
 
 def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config: ToleranceConfig,
-           shape: Tuple[int, ...], error: float, reason: str = "") -> TensorResult:
-    """The verdict on one logical tensor: a stated reason fails it, else error against tolerance."""
+           shape: Tuple[int, ...], error: float, reason: str = "", observed: Optional[float] = None) -> TensorResult:
+    """The verdict on one logical tensor: a stated reason fails it, else error against tolerance.
+
+    ``observed``: the perturbation estimate's relative error for this tensor, if one was run.
+    """
     arrival = arrives_at_module(key, rec)
     tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config,
                         propagate=not (tol_config.replay and not arrival))
+    if observed is not None:
+        tol = with_perturbation(tol, observed, tol_config)
     ok = not reason and error / tol.eps <= tol.tolerance_eps
     return TensorResult(key=key, verdict=PASS if ok else FAIL, error=error, eps=tol.eps,
                         tolerance_eps=tol.tolerance_eps, order=order, depth=rec.depth, shape=tuple(shape),
@@ -153,18 +158,20 @@ def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config:
 
 
 def judge(key: TensorKey, cand: torch.Tensor, ref: torch.Tensor, rec: Record, num_layers: int, order: int,
-          tol_config: ToleranceConfig, replica_note: str = "") -> TensorResult:
+          tol_config: ToleranceConfig, replica_note: str = "", observed: Optional[float] = None) -> TensorResult:
     args = (key, rec, num_layers, order, tol_config, tuple(ref.shape))
+    kw = dict(observed=observed)
     if tuple(cand.shape) != tuple(ref.shape):
-        return decide(*args, math.inf, f"shape {tuple(cand.shape)} differs from the reference's {tuple(ref.shape)}")
+        return decide(*args, math.inf, f"shape {tuple(cand.shape)} differs from the reference's {tuple(ref.shape)}",
+                      **kw)
     err, ref_norm = relative_error(cand, ref)
     # finite norms on both sides mean no NaN/Inf anywhere: the element-wise scan is skipped
     nonfinite = None if math.isfinite(err) and math.isfinite(ref_norm) else _nonfinite_reason(cand, ref)
     if nonfinite:
         finite = torch.isfinite(cand) & torch.isfinite(ref)
         err = relative_error(cand[finite], ref[finite])[0] if bool(finite.any()) else math.nan
-        return decide(*args, err, nonfinite)
-    return decide(*args, err, replica_note)
+        return decide(*args, err, nonfinite, **kw)
+    return decide(*args, err, replica_note, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -259,13 +266,14 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
 
 def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Record, num_layers: int, order: int,
                    tol_config: ToleranceConfig, where: str, notes: Sequence[str] = (),
-                   replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None) -> TensorResult:
+                   replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None,
+                   observed: Optional[float] = None) -> TensorResult:
     """The verdict on one logical tensor from its pieces' sums (``entries``: (rank, sums))."""
     shape = entries[0][1].logical_shape
     args = (key, rec, num_layers, order, tol_config, shape)
     shaped = [e for _, e in entries if e.status == "shape"]
     if shaped:
-        return decide(*args, math.inf, shaped[0].detail)
+        return decide(*args, math.inf, shaped[0].detail, observed=observed)
     positions: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
     for rank, e in entries:
         positions.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
@@ -298,7 +306,7 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     else:
         error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
     nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
-    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes))
+    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes), observed=observed)
 
 
 def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
@@ -316,11 +324,34 @@ def reference_order(groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]) -> 
     return {key: min(rec.seq + rt.rank * 10**9 for rt, rec in pieces) for key, pieces in groups.items()}
 
 
+def perturbation_observed(perturbed: TraceReader, groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]],
+                          key: TensorKey, ref_tensor: torch.Tensor) -> Optional[float]:
+    """How far the perturbation run moved ``key`` from the reference (relative error): None when the
+    perturbation run did not record it, inf when the noise changed its shape."""
+    pieces = groups.get(key)
+    if pieces is None:
+        return None
+    moved = logical_tensor(perturbed, pieces).tensor
+    if tuple(moved.shape) != tuple(ref_tensor.shape):
+        return math.inf
+    return relative_error(moved, ref_tensor)[0]
+
+
 def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig(),
-                   progress: Optional[Callable[[int, int], None]] = None) -> Comparison:
+                   progress: Optional[Callable[[int, int], None]] = None,
+                   perturbed: Optional[str] = None) -> Comparison:
+    """``perturbed``: the trace of a perturbation-estimate run of the reference (``adapter.perturb``):
+    each tensor's tolerance is then at least k_p times how far that run moved it."""
     ref = TraceReader(reference_dir)
     cand = TraceReader(candidate_dir)
     check_compatible(ref.run, cand.run, cand.dir)
+    pert = TraceReader(perturbed) if perturbed else None
+    if pert is not None:
+        check_compatible(ref.run, pert.run, pert.dir)
+        if not pert.run.get("perturbation_seed"):
+            raise ConfigMismatchError("this trace is not a perturbation run (run.json has no perturbation_seed)",
+                                      path=pert.dir)
+    pert_groups = group_records(pert) if pert is not None else {}
     num_layers = int(ref.run.get("num_layers", 0))
     ref_groups = group_records(ref)
     cand_groups = group_records(cand)
@@ -332,6 +363,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         ref_merged = logical_tensor(ref, ref_groups[key])
         notes = [f"reference replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})"
                  for m in ref_merged.replica_mismatches]
+        observed = perturbation_observed(pert, pert_groups, key, ref_merged.tensor) if pert is not None else None
         pieces = cand_groups[key]
         layout = _common_layout(pieces)
         if any(isinstance(p, Partial) for p in layout.placements):
@@ -340,7 +372,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
             notes += [f"candidate replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})"
                       for m in cand_merged.replica_mismatches]
             results.append(judge(key, cand_merged.tensor, ref_merged.tensor, rec, num_layers, order[key], tol_config,
-                                 "; ".join(notes)))
+                                 "; ".join(notes), observed))
         else:
             # shard by shard: never more than the reference, one candidate piece and its slice in memory
             for rt, r in pieces:
@@ -357,7 +389,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                 return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
 
             results.append(combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
-                                          replica_max_abs_diff))
+                                          replica_max_abs_diff, observed))
         if progress:
             progress(i + 1, len(common))
     absent = sorted(set(ref_groups) - set(cand_groups), key=lambda k: order[k])

@@ -18,7 +18,8 @@ import yaml
 from .errors import RecipeError
 
 DTYPES = ("fp32", "bf16", "fp8")
-TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "optimizer", "data", "train", "dtype")
+TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "optimizer", "data", "train", "dtype",
+                  "tolerance")
 
 
 @dataclasses.dataclass
@@ -37,6 +38,13 @@ class TrainConfig:
 
 
 @dataclasses.dataclass
+class ToleranceOptions:
+    # run the reference a second time with round-off-sized noise and bound each tensor by what the
+    # noise moves it, too (adapter.perturb): for recipes whose round-off is amplified (Adam's first steps)
+    perturbation: bool = False
+
+
+@dataclasses.dataclass
 class Recipe:
     name: str
     model: Dict[str, Any]
@@ -48,11 +56,13 @@ class Recipe:
     dtype: str = "fp32"
     description: str = ""
     source: str = "<embedded>"
+    tolerance: ToleranceOptions = dataclasses.field(default_factory=ToleranceOptions)
 
     def to_json(self) -> dict:
         return {"name": self.name, "model": self.model, "parallel": self.parallel, "world_size": self.world_size,
                 "optimizer": self.optimizer, "data": dataclasses.asdict(self.data),
-                "train": dataclasses.asdict(self.train), "dtype": self.dtype}
+                "train": dataclasses.asdict(self.train), "dtype": self.dtype,
+                "tolerance": dataclasses.asdict(self.tolerance)}
 
 
 def _section(raw: dict, cls, where: str):
@@ -89,6 +99,9 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
         raise RecipeError(f"{source}: world_size must be a positive integer, got {world!r}")
     data = _section(raw.get("data"), DataConfig, f"{source}: data")
     train = _section(raw.get("train"), TrainConfig, f"{source}: train")
+    tolerance = _section(raw.get("tolerance"), ToleranceOptions, f"{source}: tolerance")
+    if not isinstance(tolerance.perturbation, bool):
+        raise RecipeError(f"{source}: tolerance: 'perturbation' must be true or false")
     if train.iterations < 1:
         raise RecipeError(f"{source}: train: 'iterations' must be at least 1")
     if not isinstance(train.frozen, list) or not all(isinstance(p, str) for p in train.frozen):
@@ -99,7 +112,7 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
     name = raw.get("name") or os.path.splitext(os.path.basename(source))[0]
     return Recipe(name=str(name), model=dict(raw.get("model") or {}), parallel=dict(raw.get("parallel") or {}),
                   world_size=world, optimizer=dict(raw.get("optimizer") or {}), data=data, train=train,
-                  dtype=dtype, description=str(raw.get("description", "")), source=source)
+                  dtype=dtype, description=str(raw.get("description", "")), source=source, tolerance=tolerance)
 
 
 def load_recipe(path: str) -> Recipe:

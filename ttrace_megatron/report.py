@@ -28,7 +28,7 @@ def _num(x: float):
 def _mismatch_json(r: TensorResult) -> dict:
     return {"module": r.key.module, "phase": r.key.phase, "tensor": r.key.tensor, "iteration": r.key.iteration,
             "microbatch": r.key.microbatch, "error_eps": _num(r.error_eps), "tolerance_eps": _num(r.tolerance_eps),
-            "reason": r.reason}
+            "reason": r.reason, "tolerance_source": r.tolerance_source}
 
 
 def to_json(c: Comparison) -> dict:
@@ -48,7 +48,7 @@ def to_json(c: Comparison) -> dict:
         "missing_in_reference": [str(k) for k in c.missing_in_reference],
         "skipped": [str(k) for k in c.skipped],
         "tensors": [dict(_mismatch_json(r), verdict=r.verdict, error=_num(r.error), eps=r.eps, depth=r.depth,
-                         order=r.order, shape=list(r.shape), tolerance_source=r.tolerance_source)
+                         order=r.order, shape=list(r.shape))
                     for r in c.results],
     }
 
@@ -76,6 +76,8 @@ def headline(report: dict) -> str:
     err_s = f"{err:.3g} ε" if isinstance(err, (int, float)) else f"{err} ε"
     text = (f"{fm['module']}, {fm['phase']}, {fm['tensor']} (iteration {fm['iteration']}{mb}) introduced an error "
             f"of {err_s} against a tolerance of {fm['tolerance_eps']:.3g} ε")
+    if str(fm.get("tolerance_source", "")).startswith("perturbation"):
+        text += " (set by the perturbation estimate)"
     if fm.get("reason"):
         text += f" — {fm['reason']}"
     return text

@@ -40,6 +40,7 @@ class ToleranceConfig:
     C: float = 1.03  # per-layer amplification of round-off (Megatron-LM: 1.01-1.05)
     accumulate: str = "float32"  # accumulation format of GEMMs and reductions
     replay: bool = False  # a localization replay: tensors computed from substituted inputs get the local bound
+    perturbation_k: float = 4.0  # with a perturbation run: tolerance ≥ k_p · (how far the noise moved the tensor)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,6 +84,26 @@ def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, r
     bound = config.k * config.C ** d * local / fmt.eps
     return Tolerance(fmt.eps, bound, d,
                      f"k·C^d·(√K·ε_acc+ε_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
+
+
+def with_perturbation(tol: Tolerance, observed: float, config: ToleranceConfig = ToleranceConfig()) -> Tolerance:
+    """The perturbation estimate (the TTrace paper's dynamic tolerance): ``max(analytic, k_p·observed)``.
+
+    ``observed`` is the relative error between the reference and a second reference run with
+    round-off-sized noise in every module (``adapter.perturb``): how far legitimate round-off moves
+    this tensor, amplification included, which the analytic bound cannot see (Adam's sign-like
+    first steps, saturated softmaxes). The empirical term only ever raises the bound: a tensor the
+    noise does not move keeps the analytic bound. A non-finite observation (the noise changed the
+    tensor's shape, e.g. a routing near-tie) is not used, and the source says so.
+    """
+    if not math.isfinite(observed):
+        return dataclasses.replace(tol, source=f"{tol.source}; perturbation: not finite, not used")
+    empirical = config.perturbation_k * observed / tol.eps
+    if empirical > tol.tolerance_eps:
+        return Tolerance(tol.eps, empirical, tol.depth,
+                         f"perturbation k_p·observed: k_p={config.perturbation_k:g} observed={observed / tol.eps:.3g}ε "
+                         f"(analytic {tol.tolerance_eps:.3g}ε: {tol.source})")
+    return dataclasses.replace(tol, source=f"{tol.source}; perturbation observed {observed / tol.eps:.3g}ε")
 
 
 def difference_norms(a, b, chunk: int = 1 << 16) -> Tuple[float, float]:

@@ -66,6 +66,7 @@ class TraceOptions:
     replay: Optional[str] = None  # localization replay: run every module on this reference's inputs
     role: str = "auto"  # reference | candidate | auto (reference when nothing is parallel)
     seed_checkpoint: Optional[str] = None  # logical initial weights: the reference writes, candidates load
+    perturb: int = 0  # > 0: the perturbation-estimate run, round-off-sized noise seeded by this (adapter.perturb)
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -81,6 +82,7 @@ class TraceOptions:
             replay=getattr(args, "ttrace_replay", None),
             role=getattr(args, "ttrace_role", None) or "auto",
             seed_checkpoint=getattr(args, "ttrace_seed_checkpoint", None),
+            perturb=int(getattr(args, "ttrace_perturb", 0) or 0),
         )
 
     @property
@@ -108,6 +110,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     group.add_argument("--ttrace-replay", metavar="DIR",
                        help="localization replay: every recorded module runs on this reference trace's inputs and "
                             "output-grads, so each is judged on its own (ttrace compare --local)")
+    group.add_argument("--ttrace-perturb", type=int, default=0, metavar="SEED",
+                       help="the perturbation estimate: run the reference again with round-off-sized noise in every "
+                            "recorded module (seeded by SEED > 0), into its own --ttrace-dir; ttrace compare "
+                            "--perturbed DIR then bounds each tensor by what this noise moves it")
     group.add_argument("--ttrace-role", choices=("auto", REFERENCE, CANDIDATE), default="auto",
                        help="label of this run (auto: reference when TP=PP=CP=EP=DP=1)")
     return parser
@@ -141,6 +147,7 @@ class Session:
     optimizer: Any
     rank: int
     replayer: Any = None  # adapter.replay.Replayer when --ttrace-replay
+    perturber: Any = None  # adapter.perturb.Perturber when --ttrace-perturb
 
 
 _SESSION: Optional[Session] = None
@@ -178,6 +185,9 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
     if options.replay and options.reference:
         problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
+    if options.perturb and (options.replay or options.reference):
+        problems.append("--ttrace-perturb with --ttrace-replay or --ttrace-reference (the perturbation run is a "
+                        "second reference run that writes its own trace)")
     if problems:
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
                           + ". Supported: TP, SP, PP (with virtual stages), DP, the distributed optimizer and MoE "
@@ -288,7 +298,8 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
                 "model_config": model_signature(config, facts, args), "num_layers": facts.num_layers,
                 "compute_dtype": str(config.params_dtype).replace("torch.", ""), "versions": library_versions(),
                 "online_reference": os.path.abspath(options.reference) if options.reference else None,
-                "replay_reference": os.path.abspath(options.replay) if options.replay else None}
+                "replay_reference": os.path.abspath(options.replay) if options.replay else None,
+                "perturbation_seed": options.perturb or None}
         if facts.experts_mix_microbatches:
             info["not_recorded"] = [{"modules": "*.local_experts.*", "why": (
                 "expert parallelism over data-parallel ranks: an expert's tokens come from several "
@@ -315,7 +326,12 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
         from .replay import Replayer
 
         replayer = Replayer(options.replay, recorder, coords, facts).attach(chunks)  # after the recorder's hooks
-    _SESSION = Session(options, recorder, optimizer, rank, replayer)
+    perturber = None
+    if options.perturb:
+        from .perturb import Perturber
+
+        perturber = Perturber(options.perturb, recorder).attach(chunks)
+    _SESSION = Session(options, recorder, optimizer, rank, replayer, perturber)
     return _SESSION
 
 
@@ -362,8 +378,9 @@ def flush() -> None:
     from .recorder import Recorder
 
     session.recorder.close()
-    if session.replayer is not None:
-        session.replayer.close()
+    for diagnostic in (session.replayer, session.perturber):
+        if diagnostic is not None:
+            diagnostic.close()
     Recorder.unwrap_optimizer(session.optimizer)
 
 

@@ -274,6 +274,15 @@ def _scaled_logical(local: Sequence[int], placements: Sequence[Placement], sizes
     return tuple(shape)
 
 
+def router_loss_layout(router_input_layout: Layout) -> Layout:
+    """A router's aux-loss value (load balancing, z-loss) as megatron attaches it to the graph: a sum
+    over this rank's tokens, so a partial sum over the axes that shard the tokens (TP under SP,
+    which megatron requires for MoE with TP), a replica over the others."""
+    sharded = {p.axis for p in router_input_layout.placements if isinstance(p, Shard)}
+    return Layout(tuple(Partial(p.axis) if p.axis in sharded else Replicate(p.axis)
+                        for p in router_input_layout.placements), (1,))
+
+
 def activation_layouts(module_name: str, module: torch.nn.Module, facts: ModelFacts,
                        input_shape: Sequence[int], output_shape: Optional[Sequence[int]]
                        ) -> Tuple[Layout, Optional[Layout]]:
@@ -356,8 +365,10 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], tensor
         return int(module.output_size)
     if tensor.endswith(".grad"):
         return facts.tokens_per_microbatch
-    if tensor.endswith(".main_grad") or tensor == "grad_norm" or tensor in ("weight", "bias"):
+    if tensor.endswith(".main_grad") or tensor in ("grad_norm", "clip_coefficient", "weight", "bias"):
         return facts.tokens_per_iteration
+    if tensor.endswith("_loss"):  # a router's aux losses: sums over the microbatch's tokens
+        return facts.tokens_per_microbatch
     if module_name in ("loss", "output_layer"):
         return facts.vocab_size
     return facts.hidden_size

@@ -8,7 +8,8 @@ What is recorded, each with its placement (see :mod:`.layouts`):
 * backward: the grads w.r.t. those inputs and outputs, and each parameter's grad per microbatch;
 * main_grad: ``param.main_grad`` when ``optimizer.step()`` starts (``finalize_model_grads`` has
   reduced them by then, whoever set ``config.finalize_model_grads_func``);
-* optimizer: the grad norm and the updated parameters after ``optimizer.step()``.
+* optimizer: the grad norm, the clip coefficient and the updated parameters after ``optimizer.step()``;
+* MoE routers: their aux losses (load balancing, z-loss) per microbatch (``_AuxLossTap``).
 
 Tensors go to *sinks*: a :class:`~ttrace_megatron.trace_store.TraceWriter` (offline compare) and/or
 an :class:`~ttrace_megatron.online.OnlineComparer` (verdicts only). Nothing is recorded outside
@@ -24,6 +25,8 @@ module through ``view_as``, an identity in forward and backward. No hook issues 
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import dataclasses
 import fnmatch
@@ -70,6 +73,7 @@ class Recorder:
         self.backward_microbatch = -1
         self._handles = []
         self.before_step: List = []  # called after main grads are recorded, before the optimizer steps
+        self.router: Optional[Tuple[str, torch.nn.Module, Layout]] = None  # the router whose forward runs now
         self._params: List[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]] = list(all_parameters(chunks))
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
@@ -133,6 +137,8 @@ class Recorder:
         for mname, pname, module, param in self._params:
             if param.requires_grad and not self._skip_per_microbatch(module):
                 self._handles.append(param.register_hook(self._param_grad_hook(mname, pname, module, param)))
+        if any(layouts.is_router(m) for chunk in self.chunks for m in chunk.modules()):
+            self._handles.append(_AuxLossTap(self))
         return self
 
     def _skip_per_microbatch(self, module) -> bool:
@@ -198,6 +204,8 @@ class Recorder:
             inp = args[0]
             it = self.iteration
             in_layout, _ = self._layouts(name, module, inp, None)
+            if layouts.is_router(module):
+                self.router = (name, module, in_layout)  # for the aux losses its forward logs (_AuxLossTap)
             self._add(TensorKey(it, mb, name, "forward", "input"), inp, in_layout, module)
             if not inp.requires_grad:
                 return None
@@ -264,13 +272,24 @@ class Recorder:
                 main_grad = main_grad.view(-1)[bounds[me]:bounds[me + 1]]
             self._add(TensorKey(self.iteration, -1, mname, "main_grad", f"{pname}.main_grad"), main_grad, layout)
 
-    def record_optimizer_step(self, grad_norm: Optional[float]) -> None:
+    def record_optimizer_step(self, grad_norm: Optional[float], clip_coefficient: Optional[float] = None) -> None:
+        """The step's scalars — grad norm and the clip coefficient it applied — and the updated
+        parameters. The scalars are the same on every rank of a stage (reduced over the
+        model-parallel group), so replicas.
+
+        The number of zeros in the grads (``--log-num-zeros-in-grad``) is not recorded: it is a
+        count, not a rounded value, and two correct runs differ in it (measured: by 1 to 3 of
+        ~6000 between the reference and TP2×DP2, and between the reference and its perturbation
+        run, as sums cancel to exactly 0 in one order and not the other). The grads it counts are
+        compared element by element as main grads."""
         if not self.recording:
             return
-        if grad_norm is not None and self._wants("optimizer", -1):
+        if self._wants("optimizer", -1):
             layout = layouts.stage_replicated_layout((1,), self.facts)
-            self._add(TensorKey(self.iteration, -1, "optimizer", "optimizer", "grad_norm"),
-                      torch.tensor([float(grad_norm)], dtype=torch.float64), layout)
+            for name, value in (("grad_norm", grad_norm), ("clip_coefficient", clip_coefficient)):
+                if value is not None:
+                    self._add(TensorKey(self.iteration, -1, "optimizer", "optimizer", name),
+                              torch.tensor([float(value)], dtype=torch.float64), layout)
         for mname, pname, module, param in self._params:
             if param.requires_grad and self._wants(mname, -1):
                 layout = layouts.param_layout(mname, pname, module, param, self.facts)
@@ -288,9 +307,11 @@ class Recorder:
             self.record_main_grads()
             for callback in self.before_step:
                 callback()
-            result = original(*args, **kwargs)
-            grad_norm = result[1] if isinstance(result, tuple) and len(result) >= 2 else None
-            self.record_optimizer_step(grad_norm)
+            with _observe_clipping() as clipping:
+                result = original(*args, **kwargs)
+            result_tuple = result if isinstance(result, tuple) else ()
+            grad_norm = result_tuple[1] if len(result_tuple) >= 2 else None
+            self.record_optimizer_step(grad_norm, clipping.coefficient)
             return result
 
         step.ttrace_original = original
@@ -301,3 +322,72 @@ class Recorder:
         original = getattr(optimizer.step, "ttrace_original", None)
         if original is not None:
             optimizer.step = original
+
+
+class _ClipObserver:
+    coefficient: Optional[float] = None
+
+
+@contextlib.contextmanager
+def _observe_clipping():
+    """While the optimizer steps, note the clip coefficient megatron applies (``max_norm /
+    (total_norm + 1e-6)``, capped at 1, as ``clip_grad_by_total_norm_fp32`` computes it) from the
+    arguments of its own calls. The original function runs unchanged. Without clipping the
+    coefficient stays None and is not recorded."""
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    observer = _ClipObserver()
+    original = optimizer_module.clip_grad_by_total_norm_fp32
+
+    def observed(parameters, max_norm, total_norm, *args, **kwargs):
+        if observer.coefficient is None:  # a ChainedOptimizer clips each part with the same total norm
+            observer.coefficient = min(1.0, float(max_norm) / (float(total_norm) + 1.0e-6))
+        return original(parameters, max_norm, total_norm, *args, **kwargs)
+
+    optimizer_module.clip_grad_by_total_norm_fp32 = observed
+    try:
+        yield observer
+    finally:
+        optimizer_module.clip_grad_by_total_norm_fp32 = original
+
+
+class _AuxLossTap:
+    """Records the MoE aux losses (load balancing, sequence and global load balancing, z-loss) of
+    each router forward, per microbatch, as the value megatron attaches to the graph.
+
+    The router hands each loss to ``save_to_aux_losses_tracker`` (for logging) divided by its
+    coefficient; the tap wraps that name in megatron's router module while attached (``remove``
+    restores it) and multiplies the coefficient back. The z-loss's coefficient is divided by the
+    TP×CP size, as the router does, so every recorded value is a sum over this rank's tokens
+    (:func:`layouts.router_loss_layout`). The original function always runs, unchanged.
+    """
+
+    def __init__(self, recorder: "Recorder"):
+        from megatron.core.transformer.moe import router as router_module
+
+        self.recorder = recorder
+        self.module = router_module
+        self.original = router_module.save_to_aux_losses_tracker
+        router_module.save_to_aux_losses_tracker = self
+
+    def __call__(self, name, loss, *args, **kwargs):
+        self.original(name, loss, *args, **kwargs)
+        rec = self.recorder
+        if rec.router is None or not isinstance(loss, torch.Tensor):
+            return
+        mname, router, in_layout = rec.router
+        if not rec._wants(mname, rec.microbatch):
+            return
+        if name == "z_loss":
+            coeff = router.config.moe_z_loss_coeff / router.tp_cp_group.size()
+        elif name in ("load_balancing_loss", "seq_load_balancing_loss"):
+            coeff = router.get_aux_loss_coeff(name.replace("load_balancing_loss", "aux_loss"))
+        else:
+            return  # global_load_balancing_loss averages token counts over DP and microbatches: no per-microbatch twin
+        value = (loss.detach().to(torch.float64) * coeff).reshape(1)
+        rec._add(TensorKey(rec.iteration, rec.microbatch, mname, "forward", name), value,
+                 layouts.router_loss_layout(in_layout), router)
+
+    def remove(self) -> None:
+        if self.module.save_to_aux_losses_tracker is self:
+            self.module.save_to_aux_losses_tracker = self.original

@@ -47,6 +47,7 @@ class RunSpec:
     dump_state: bool = False  # write losses and final parameters (bitwise-neutrality checks)
     timings: bool = False  # write per-iteration step and flush times (cost benchmarks)
     replay_reference: Optional[str] = None  # candidate: localization replay against this reference trace
+    perturb_seed: int = 0  # > 0: the perturbation-estimate run (adapter.perturb), normally of the reference
     alternate_idle: bool = False  # attach the tracer on even iterations only (interleaved overhead benchmark)
 
     def get_recipe(self) -> Recipe:
@@ -178,7 +179,7 @@ def _run(rank: int, spec: RunSpec) -> None:
         options = integration.TraceOptions(
             enabled=True, dir=spec.trace_dir, iterations=spec.record_iterations, modules=tuple(spec.record_modules),
             ranks=spec.record_ranks, microbatches=spec.record_microbatches, reference=spec.online_reference,
-            keep_tensors=spec.keep_tensors, role=spec.role, replay=spec.replay_reference)
+            keep_tensors=spec.keep_tensors, role=spec.role, replay=spec.replay_reference, perturb=spec.perturb_seed)
         integration.attach(model, optimizer, config, options=options, facts=facts, run_info={
             "recipe": recipe.to_json(), "parallel": spec.parallel, "model_config": _model_signature(recipe),
             "injected_bugs": spec.inject if spec.role == CANDIDATE else []})
