@@ -20,28 +20,36 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from ttrace_megatron.fp8 import quantize, scale_from_amax  # noqa: E402
 from ttrace_megatron.formats import number_format  # noqa: E402
-from ttrace_megatron.tolerance import local_error  # noqa: E402
+from ttrace_megatron.roundoff import OUTPUT_FORMAT, gemm_errors_vs_fp64, to_input_format  # noqa: E402
+from ttrace_megatron.tolerance import local_error, single_gemm_error  # noqa: E402
 
-
-def round_to_tf32(x: torch.Tensor) -> torch.Tensor:
-    """Round fp32 to 10 mantissa bits (nearest, ties away), as tensor cores read TF32 inputs."""
-    bits = x.float().contiguous().view(torch.int32)
-    return ((bits + 0x1000) & ~0x1FFF).view(torch.float32)
+OUTPUT = {fmt: {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[out]
+          for fmt, out in OUTPUT_FORMAT.items()}
 
 
 def to_format(x: torch.Tensor, fmt: str) -> torch.Tensor:
-    if fmt == "tf32":
-        return round_to_tf32(x)
-    if fmt in ("e4m3", "e5m2"):
-        s = scale_from_amax(float(x.abs().max()), fmt)
-        return quantize(x, s, fmt).float() / s
-    return x.to(getattr(torch, {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[fmt])).float()
+    values, scale = to_input_format(x, fmt)
+    return values / scale
 
 
-OUTPUT = {"fp32": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
-          "e4m3": torch.bfloat16, "e5m2": torch.bfloat16}
+def single_gemm_table(draws: int) -> None:
+    """One implementation against fp64, tensor-core order (sequential fp32 FMA along K)."""
+    g = torch.Generator().manual_seed(1)
+    print(f"\nOne GEMM against fp64, tensor-core order (sequential fp32 FMA along K), {draws} draws of "
+          f"[8, K] @ [K, 8]; bound `tolerance.single_gemm_error` = √K·u_acc + u_out\n")
+    print("| inputs | output | K | bound (ε_out) | observed p99.9 (ε_out) | observed max (ε_out) | draws within "
+          "| bound / max |")
+    print("|---|---|---|---|---|---|---|---|")
+    for fmt, out in OUTPUT_FORMAT.items():
+        eps = number_format(out).eps
+        for k in (16, 256, 4096):
+            errors = gemm_errors_vs_fp64(fmt, k, draws, g).sort().values
+            bound = single_gemm_error(k, out)
+            p999 = float(errors[int(0.999 * (len(errors) - 1))])
+            within = int((errors <= bound).sum())
+            print(f"| {fmt} | {out} | {k} | {bound / eps:.2f} | {p999 / eps:.3f} | {float(errors[-1]) / eps:.3f} "
+                  f"| {within}/{draws} | {bound / float(errors[-1]):.1f}× |")
 
 
 def main():
@@ -75,6 +83,7 @@ def main():
                 ratio = f"{bound / errs[-1]:.0f}×" if errs[-1] > 0 else "∞ (all equal)"
                 print(f"| {fmt} | {str(out).replace('torch.', '')} | {k} | {p} | {bound / eps:.1f} | {p999 / eps:.3f} "
                       f"| {errs[-1] / eps:.3f} | {ratio} |")
+    single_gemm_table(max(args.draws, 1000))
 
 
 if __name__ == "__main__":
