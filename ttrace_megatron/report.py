@@ -252,7 +252,12 @@ def to_html(report: dict) -> str:
                         f'{html.escape(c["phase"])}, {html.escape(c["tensor"])} (iteration {c["iteration"]}) fails on '
                         f'its own: {c["error_eps"]:.3g} ε against a local tolerance of {c["tolerance_eps"]:.3g} ε — '
                         f'{html.escape(c["explanation"])}</p></div>')
-    plots = "".join(f"<h3>{phase}</h3>{_svg_plot(tensors, phase, culprit)}" for phase in PHASES)
+    # later iterations carry the first error everywhere: plot the iteration where it appears
+    first = report.get("first_mismatch")
+    plotted = [t for t in tensors if first is None or t["iteration"] == first["iteration"]]
+    plot_title = ("Worst error / tolerance per layer" if first is None else
+                  f"Worst error / tolerance per layer, iteration {first['iteration']} (the first mismatch's)")
+    plots = "".join(f"<h3>{phase}</h3>{_svg_plot(plotted, phase, culprit)}" for phase in PHASES)
     return f"""<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><title>ttrace: {report["verdict"].upper()}</title>
 <style>
@@ -266,7 +271,7 @@ tr.fail td {{ background: #fdd; }}
 <h1>ttrace: {"PASS" if ok else "FAIL"}</h1>
 <div class="verdict">{html.escape(headline(report))}</div>
 {culprit_html}
-<h2>Worst error / tolerance per layer</h2>{plots}
+<h2>{html.escape(plot_title)}</h2>{plots}
 <h2>Every tensor ({len(tensors)}), in execution order</h2>
 <table><tr><th>iter</th><th>mb</th><th>module</th><th>phase</th><th>tensor</th><th>error ε</th><th>tol ε</th>
 <th>note</th></tr>{"".join(rows)}</table>
