@@ -46,8 +46,8 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad"),
     ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward"),
 ]
-CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_sp_dp2", "gpt_pp2", "gpt_pp2_vpp",
-         "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")
+CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_dp2_adam", "gpt_tp2_sp_dp2",
+         "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")
 
 
 def main():
@@ -61,7 +61,9 @@ def main():
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
+    parser.add_argument("--recipes", nargs="*", help="only these recipes (default: all)")
     args = parser.parse_args()
+    wanted = (lambda name: name in args.recipes) if args.recipes else (lambda name: True)
 
     def recipe(name, dtype, seed):
         path = os.path.join(REPO, "recipes", name + ".yaml")
@@ -99,7 +101,7 @@ def main():
           "| replay: false culprits | replay: worst local ratio | analytic bound only: false positives "
           "| worst clean error / perturbation-observed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for name in CLEAN:
+    for name in filter(wanted, CLEAN):
         for dtype in ("fp32", "bf16"):
             worst, fps, n, false_culprits, worst_local = None, 0, 0, 0, 0.0
             analytic_fps, over_observed = 0, 0.0
@@ -123,7 +125,7 @@ def main():
     print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance "
           "| replay culprit | culprit is the injected module | culprit error / local tolerance |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, bug, module, phase in BUGS:
+    for name, bug, module, phase in (b for b in BUGS if wanted(b[0])):
         for dtype in ("fp32", "bf16"):
             with tempfile.TemporaryDirectory() as tmp:
                 c, loc, _ = pair(recipe(name, dtype, 1), tmp, [bug])

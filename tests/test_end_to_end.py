@@ -27,13 +27,13 @@ def test_clean_recipe_passes(runs, name, dtype):
     assert 0 < worst.error_eps <= worst.tolerance_eps
 
 
-@pytest.mark.parametrize("name", ["gpt_tp4_sp", "gpt_tp2_sp_dp2"])
+@pytest.mark.parametrize("name", ["gpt_tp4_sp", "gpt_tp2_sp_dp2", "gpt_tp2_dp2"])
 def test_clean_world_size_4_passes(runs, name):
     ref, cand = runs.candidate(load(name))
     c = compare_traces(ref, cand)
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     if name.endswith("dp2"):  # both DP ranks' microbatches are there, merged with the reference's ids
-        assert {r.key.microbatch for r in c.results} == {-1, 0, 1}
+        assert {r.key.microbatch for r in c.results} == {-1, 0, 1} | ({2, 3} if name == "gpt_tp2_dp2" else set())
 
 
 @pytest.mark.parametrize("name", ["gpt_pp2", "gpt_pp2_vpp", "gpt_tp2_sp_pp2"])
@@ -70,9 +70,10 @@ def test_adam_under_tp_dp_needs_the_perturbation_estimate(runs, dtype):
     """TP2×DP2 with Adam and clipping: Adam's first update is about lr·sign(g), so a bias element
     whose grad is within round-off of zero moves by ±lr in a correct run. The analytic bound cannot
     know that and flags the updated parameters; the perturbation estimate (the reference run again
-    with round-off-sized noise) measures it, and the clean run passes. The clip coefficient megatron
-    applied is compared too."""
-    recipe = load("gpt_tp2_dp2", dtype=dtype)
+    with round-off-sized noise) measures it, and this clean run passes. The clip coefficient megatron
+    applied is compared too. Not every data seed passes (BENCHMARKS.md: one perturbation run does
+    not always flip the elements the candidate flips); this test pins the mechanism at seed 1234."""
+    recipe = load("gpt_tp2_dp2_adam", dtype=dtype)
     ref, cand = runs.candidate(recipe)
     analytic = compare_traces(ref, cand)
     assert analytic.verdict == "fail"
