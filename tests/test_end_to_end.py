@@ -262,3 +262,33 @@ def test_cli_runs_a_directory_of_recipes_with_junit(tmp_path):
     assert "num_layer" in cases["b_bad"].find("error").get("message")
     summary = json.loads((tmp_path / "s.json").read_text())
     assert [r["verdict"] for r in summary["recipes"]] == ["pass", "error"]
+
+
+def test_aux_losses_follow_selective_recording(runs):
+    """Recording one layer's modules: the aux losses of the other layer's router are not recorded,
+    and not under the recorded router's name either; the recorded ones equal the reference's."""
+    from ttrace_megatron.compare import group_records, logical_tensor
+    from ttrace_megatron.trace_store import TraceReader
+
+    recipe = load("moe_tp2_sp_ep2")
+    ref, cand = runs.candidate(recipe, name="layer0-only", record_modules=["decoder.layers.0.*"])
+    ref_reader, cand_reader = TraceReader(ref), TraceReader(cand)
+    ref_groups, cand_groups = group_records(ref_reader), group_records(cand_reader)
+    losses = {k: pieces for k, pieces in cand_groups.items() if k.tensor.endswith("_loss")}
+    assert losses and {k.module for k in losses} == {"decoder.layers.0.mlp.router"}
+    tp = 2
+    assert all(len(pieces) == tp for pieces in losses.values())  # one partial sum per TP rank of the DP group
+    for key, pieces in losses.items():
+        got = logical_tensor(cand_reader, pieces).tensor
+        want = logical_tensor(ref_reader, ref_groups[key]).tensor
+        assert torch.allclose(got, want, rtol=1e-5), key
+
+
+def test_loss_reduction_length_is_the_vocabulary():
+    """The per-token loss is a log-sum-exp over the vocabulary, not a router aux loss (a regression:
+    a name-suffix rule once gave it the token count)."""
+    from ttrace_megatron.adapter.layouts import ModelFacts, reduction_length
+
+    facts = ModelFacts(num_layers=2, vocab_size=256, sequence_parallel=False, gated_linear_unit=False, tp_size=1,
+                       hidden_size=64, tokens_per_microbatch=64, tokens_per_iteration=128)
+    assert reduction_length("loss", None, "per_token_loss", facts) == 256  # log-sum-exp over the vocabulary

@@ -367,7 +367,7 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], tensor
         return facts.tokens_per_microbatch
     if tensor.endswith(".main_grad") or tensor in ("grad_norm", "clip_coefficient", "weight", "bias"):
         return facts.tokens_per_iteration
-    if tensor.endswith("_loss"):  # a router's aux losses: sums over the microbatch's tokens
+    if is_router(module) and tensor.endswith("_loss"):  # aux losses: sums over the microbatch's tokens
         return facts.tokens_per_microbatch
     if module_name in ("loss", "output_layer"):
         return facts.vocab_size

@@ -27,7 +27,6 @@ module through ``view_as``, an identity in forward and backward. No hook issues 
 from __future__ import annotations
 
 import contextlib
-
 import dataclasses
 import fnmatch
 from typing import List, Optional, Sequence, Tuple
@@ -199,6 +198,8 @@ class Recorder:
     def _pre_hook(self, name: str):
         def hook(module, args, kwargs):
             mb = self.microbatch
+            if layouts.is_router(module):
+                self.router = None  # set below only if this router is recorded (_AuxLossTap)
             if not args or not isinstance(args[0], torch.Tensor) or not self._wants(name, mb):
                 return None
             inp = args[0]
