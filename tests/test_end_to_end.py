@@ -170,7 +170,8 @@ def test_bf16_bug_is_detected(runs):
 
 @pytest.mark.parametrize("name,dtype", [("gpt_tp2", "fp32"), ("gpt_tp2_sp", "fp32"), ("gpt_tp2_sp", "bf16"),
                                         ("gpt_tp4_sp", "fp32"), ("gpt_tp2_sp_dp2", "bf16"), ("gpt_pp2", "bf16"),
-                                        ("gpt_dp2_distopt", "bf16"), ("moe_tp2_sp_ep2", "bf16")])
+                                        ("gpt_dp2_distopt", "bf16"), ("moe_tp2_sp_ep2", "bf16"),
+                                        ("gpt_tp2_sp_fp8", "fp8")])
 def test_tracing_is_bitwise_neutral(runs, name, dtype):
     """Losses and updated parameters are bitwise identical with and without tracing."""
     recipe = load(name, dtype=dtype)

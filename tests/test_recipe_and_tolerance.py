@@ -85,6 +85,9 @@ def test_perturbation_estimate_only_raises_the_bound():
 def test_recipe_tolerance_section():
     assert recipe_from_dict(dict(DEFAULT_RECIPE, tolerance={"perturbation": True})).tolerance.perturbation
     assert not recipe_from_dict(DEFAULT_RECIPE).tolerance.perturbation
+    # FP8 quantization amplifies round-off beyond the analytic bound: the estimate is on unless refused
+    assert recipe_from_dict(dict(DEFAULT_RECIPE, dtype="fp8")).tolerance.perturbation
+    assert not recipe_from_dict(dict(DEFAULT_RECIPE, dtype="fp8", tolerance={"perturbation": False})).tolerance.perturbation
     with pytest.raises(RecipeError, match="perturbation"):
         recipe_from_dict(dict(DEFAULT_RECIPE, tolerance={"perturbation": "yes"}))
     with pytest.raises(RecipeError, match="unknown key 'k'"):

@@ -337,6 +337,18 @@ def perturbation_observed(perturbed: TraceReader, groups: Dict[TensorKey, List[T
     return relative_error(moved, ref_tensor)[0]
 
 
+def statistic_observed(perturbed: TraceReader, pert_groups, reference: TraceReader, ref_groups,
+                       key: TensorKey, rec: Record) -> float:
+    """How far the perturbation moved the tensor a statistic summarizes (an amax's operand), 0 if
+    either run lacks it. A max moves with one element, which the noise may leave alone where
+    round-off does not; the whole tensor's movement is the better estimate of how far it can go."""
+    source = dataclasses.replace(key, tensor=rec.statistic_of)
+    if source not in ref_groups or source not in pert_groups:
+        return 0.0
+    observed = perturbation_observed(perturbed, pert_groups, source, logical_tensor(reference, ref_groups[source]).tensor)
+    return observed if observed is not None and math.isfinite(observed) else 0.0
+
+
 def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig(),
                    progress: Optional[Callable[[int, int], None]] = None,
                    perturbed: Optional[str] = None) -> Comparison:
@@ -364,6 +376,8 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         notes = [f"reference replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})"
                  for m in ref_merged.replica_mismatches]
         observed = perturbation_observed(pert, pert_groups, key, ref_merged.tensor) if pert is not None else None
+        if observed is not None and rec.statistic_of:
+            observed = max(observed, statistic_observed(pert, pert_groups, ref, ref_groups, key, rec))
         pieces = cand_groups[key]
         layout = _common_layout(pieces)
         if any(isinstance(p, Partial) for p in layout.placements):

@@ -55,7 +55,8 @@ class OnlineComparer:
         return self.failed is None
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
-            compute_dtype=None, reduction: int = 0, scale: float = 1.0, arrival: bool = False) -> None:
+            compute_dtype=None, reduction: int = 0, scale: float = 1.0, arrival: bool = False,
+            statistic_of: str = "") -> None:
         if not self.active:
             return
         self.entries.append(self._judge_shard(key, tensor.detach(), layout, scale))

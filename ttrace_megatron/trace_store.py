@@ -80,6 +80,9 @@ class Record:
     # linear hands to its caller to add): judged like what arrives at a module, never as a
     # module's own output
     arrival: bool = False
+    # a statistic of another tensor of the same module, phase and microbatch (an FP8 GEMM's amax of
+    # its input): it moves with that tensor, so it is judged with that tensor's tolerance too
+    statistic_of: str = ""
 
     def to_json(self) -> dict:
         obj = {"key": self.key.to_json(), "layout": self.layout.to_json(), "dtype": self.dtype,
@@ -88,6 +91,8 @@ class Record:
                "scale": self.scale}
         if self.arrival:
             obj["arrival"] = True
+        if self.statistic_of:
+            obj["statistic_of"] = self.statistic_of
         return obj
 
     @staticmethod
@@ -95,7 +100,8 @@ class Record:
         return Record(TensorKey.from_json(obj["key"]), Layout.from_json(obj["layout"]), str(obj["dtype"]),
                       tuple(int(s) for s in obj["shape"]), int(obj["seq"]), str(obj["file"]),
                       str(obj["name"]), int(obj.get("depth", 0)), str(obj.get("compute_dtype", "")),
-                      int(obj.get("reduction", 0)), float(obj.get("scale", 1.0)), bool(obj.get("arrival", False)))
+                      int(obj.get("reduction", 0)), float(obj.get("scale", 1.0)), bool(obj.get("arrival", False)),
+                      str(obj.get("statistic_of", "")))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -180,13 +186,13 @@ class TraceWriter:
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
             compute_dtype: Optional[torch.dtype] = None, reduction: int = 0, scale: float = 1.0,
-            arrival: bool = False) -> None:
+            arrival: bool = False, statistic_of: str = "") -> None:
         """Queue a copy of ``tensor`` (on CPU) for the next flush."""
         if not self.active:
             return
         name = f"t{self._seq:07d}"
         rec = Record(key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, "", name, depth,
-                     dtype_name(compute_dtype or tensor.dtype), reduction, scale, arrival)
+                     dtype_name(compute_dtype or tensor.dtype), reduction, scale, arrival, statistic_of)
         self._seq += 1
         copy = torch.empty(tensor.shape, dtype=tensor.dtype)  # one copy, contiguous, on the CPU
         copy.copy_(tensor.detach())

@@ -271,6 +271,24 @@ def expert_tp_partials_not_reduced(chunks, pattern: str = "*") -> None:
     token_dispatcher.reduce_scatter_to_sequence_parallel_region = split_without_sum
 
 
+def fp8_amax_wrong_group(chunks, pattern: str = "*linear_qkv") -> None:
+    """FP8: a linear reduces the amax of its sequence-parallel input over the data-parallel group
+    instead of the tensor-parallel group that shards it, so TP ranks quantize their shards of one
+    logical tensor with different scales (Megatron-LM's amax-reduction-group class of bugs). Needs a
+    recipe with dtype fp8 (``fp8_emulation``)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    from . import layouts
+
+    for name, module in _modules(chunks, pattern, ColumnParallelLinear):
+        emulated = getattr(module, "_ttrace_fp8", None)
+        if emulated is None:
+            raise ValueError(f"bug injection: {name} does not run FP8 GEMMs (a recipe with dtype fp8 is needed)")
+        if not module.sequence_parallel:
+            raise ValueError(f"bug injection: {name} runs without sequence parallelism; its input is not sharded")
+        emulated.groups = dict(emulated.groups, input=[layouts.axis_group(layouts.DP)])
+
+
 BUGS: Dict[str, Callable] = {
     "row_allreduce_dropped": row_allreduce_dropped,
     "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
@@ -287,6 +305,7 @@ BUGS: Dict[str, Callable] = {
     "expert_grads_scaled_by_edp": expert_grads_scaled_by_edp,
     "moe_aux_loss_scaled_by_tp": moe_aux_loss_scaled_by_tp,
     "expert_tp_partials_not_reduced": expert_tp_partials_not_reduced,
+    "fp8_amax_wrong_group": fp8_amax_wrong_group,
 }
 
 

@@ -63,8 +63,6 @@ def validate_recipe(recipe: Recipe) -> None:
     if recipe.data.global_batch_size % (recipe.data.micro_batch_size * dp):
         raise RecipeError(f"{where}: data: global_batch_size must be a multiple of micro_batch_size × DP "
                           f"({recipe.data.micro_batch_size} × {dp})")
-    if recipe.dtype == "fp8":
-        raise RecipeError(f"{where}: dtype fp8 is not supported yet (FP8 emulation is issue #3)")
     unsupported = {"cp": "context parallelism"}
     for axis, what in unsupported.items():
         if sizes[axis] > 1:

@@ -348,6 +348,39 @@ def grad_layout(layout: Layout, module: Optional[torch.nn.Module]) -> Layout:
     return dataclasses.replace(layout, placements=swapped)
 
 
+def gemm_operand_placements(module_name: str, module: torch.nn.Module, facts: ModelFacts
+                            ) -> Dict[str, Tuple[Placement, ...]]:
+    """Placements of a linear's GEMM operands as its ``_forward_impl`` sees them: the input before
+    the sequence-parallel all-gather, the weight, and the grad of the GEMM's own output (before a
+    row-parallel reduction, where the output is a partial sum and its grad is whole on every rank).
+    An FP8 GEMM reduces each operand's amax over the axes that shard it (``fp8_emulation``)."""
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    tp_axis, _, _ = tensor_parallel_axis(module, facts)
+    in_layout, _ = activation_layouts(module_name, module, facts, (1, 1, 1), None)
+    weight = param_layout(module_name, "weight", module, module.weight, facts, with_dp=False)
+    if isinstance(module, ColumnParallelLinear):
+        grad_output = (Shard(-1, tp_axis, _column_stride(module_name, facts)),)
+    else:
+        grad_output = (Replicate(tp_axis),)
+    return {"input": in_layout.placements, "weight": weight.placements, "grad_output": grad_output}
+
+
+def sharded_axes(placements: Sequence[Placement]) -> Tuple[str, ...]:
+    """The axes over which a tensor with these placements is split (not replicated, not partial)."""
+    return tuple(p.axis for p in placements if isinstance(p, (Shard, RangeShard)))
+
+
+def axis_group(axis: str):
+    """megatron's process group of a placement axis."""
+    from megatron.core import parallel_state as ps
+
+    groups = {TP: ps.get_tensor_model_parallel_group, DP: ps.get_data_parallel_group,
+              PP: ps.get_pipeline_model_parallel_group, ETP: ps.get_expert_tensor_parallel_group,
+              EDP: ps.get_expert_data_parallel_group}
+    return groups[axis]()
+
+
 def reduction_length(module_name: str, module: Optional[torch.nn.Module], tensor: str, facts: ModelFacts) -> int:
     """K: the length of the reduction that produced a recorded tensor, for its tolerance.
 

@@ -133,6 +133,8 @@ class Recorder:
                 if isinstance(module, recorded) and not self._skip_per_microbatch(module):
                     self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
                     self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
+                if hasattr(module, "_ttrace_fp8"):
+                    self._handles.append(_FP8AmaxTap(self, name, module))
         for mname, pname, module, param in self._params:
             if param.requires_grad and not self._skip_per_microbatch(module):
                 self._handles.append(param.register_hook(self._param_grad_hook(mname, pname, module, param)))
@@ -145,13 +147,13 @@ class Recorder:
         return self.facts.experts_mix_microbatches and layouts.is_expert(module)
 
     def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None,
-             arrival: bool = False):
+             arrival: bool = False, statistic_of: str = ""):
         depth = layouts.layer_depth(key.module, self.facts.num_layers)
-        reduction = layouts.reduction_length(key.module, module, key.tensor, self.facts)
+        reduction = layouts.reduction_length(key.module, module, statistic_of or key.tensor, self.facts)
         scale = self.scale_for(key.phase)
         for sink in self.sinks:
             sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
-                     scale=scale, arrival=arrival)
+                     scale=scale, arrival=arrival, statistic_of=statistic_of)
 
     def scale_for(self, phase: str) -> float:
         """How much larger this run's tensors of ``phase`` are than a DP=1 run's.
@@ -392,3 +394,36 @@ class _AuxLossTap:
     def remove(self) -> None:
         if self.module.save_to_aux_losses_tracker is self:
             self.module.save_to_aux_losses_tracker = self.original
+
+
+class _FP8AmaxTap:
+    """Records the amax of each operand an emulated FP8 GEMM quantized (``fp8_emulation``): the
+    input's and weight's in forward, the output-grad's in backward, per microbatch.
+
+    The amax is that of the logical operand, so every TP rank must hold the same value: a replica
+    over the module's TP axis. A rank that reduced it over the wrong group shows as replicas that
+    differ, at the module and phase that quantized with it. Like every backward tensor, the
+    output-grad's amax is dp times a DP=1 run's and is scaled like one. An amax is a statistic of
+    its operand (``input``, ``weight``, ``grad_output``): it moves as far as that operand's
+    largest element, so compare judges it with the operand's tolerance too.
+    """
+
+    def __init__(self, recorder: "Recorder", name: str, module: torch.nn.Module):
+        self.recorder = recorder
+        self.name = name
+        self.module = module
+        self.emulated = module._ttrace_fp8
+        self.emulated.observer = self
+
+    def __call__(self, phase: str, tensor: str, amax: torch.Tensor) -> None:
+        rec = self.recorder
+        mb = rec.microbatch if phase == "forward" else rec.backward_microbatch
+        if not rec._wants(self.name, mb):
+            return
+        tp_axis, _, _ = layouts.tensor_parallel_axis(self.module, rec.facts)
+        rec._add(TensorKey(rec.iteration, mb, self.name, phase, tensor), amax.detach().clone(),
+                 layouts.replicated_layout((1,), (tp_axis,)), self.module, statistic_of=tensor[:-len("_amax")])
+
+    def remove(self) -> None:
+        if self.emulated.observer is self:
+            self.emulated.observer = None

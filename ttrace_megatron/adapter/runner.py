@@ -116,7 +116,7 @@ def _run(rank: int, spec: RunSpec) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
     from megatron.core.transformer.module import Float16Module
 
-    from . import bugs, integration
+    from . import bugs, fp8_emulation, integration
     from .seed_checkpoint import load_seed_checkpoint, save_seed_checkpoint
 
     recipe = spec.get_recipe()
@@ -159,6 +159,8 @@ def _run(rank: int, spec: RunSpec) -> None:
                                tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
                                tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length,
                                pp_size=sizes["pp"], experts_mix_microbatches=sizes["ep"] * sizes["etp"] > sizes["tp"])
+    if recipe.dtype == "fp8":  # TE's FP8 recipe (hybrid formats, current scaling), emulated on CPU
+        fp8_emulation.install(chunks, fp8_emulation.FP8Settings(), facts)
     if spec.role == REFERENCE and rank == 0:
         save_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint)
     load_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint, rank)
