@@ -70,6 +70,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
     parser.add_argument("--recipes", nargs="*", help="only these recipes (default: all)")
+    parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), help=f"only these dtypes (default: {DTYPES})")
     args = parser.parse_args()
     wanted = (lambda name: name in args.recipes) if args.recipes else (lambda name: True)
 
@@ -112,7 +113,7 @@ def main():
           "| worst clean error / perturbation-observed |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")
     for name in filter(wanted, CLEAN):
-        for dtype in DTYPES:
+        for dtype in (d for d in DTYPES if d in args.dtypes):
             worst, fps, n, false_culprits, worst_local = None, 0, 0, 0, 0.0
             analytic_fps, over_observed = 0, 0.0
             for seed in range(1, args.seeds + 1):
@@ -136,7 +137,7 @@ def main():
           "| replay culprit | culprit is the injected module | culprit error / local tolerance |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, bug, module, phase, *dtypes in (b for b in BUGS if wanted(b[0])):
-        for dtype in (dtypes[0] if dtypes else BUG_DTYPES):
+        for dtype in (d for d in (dtypes[0] if dtypes else BUG_DTYPES) if d in args.dtypes):
             with tempfile.TemporaryDirectory() as tmp:
                 c, loc, _ = pair(recipe(name, dtype, 1), tmp, [bug])
             fm = c.first_mismatch
