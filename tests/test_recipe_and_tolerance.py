@@ -92,3 +92,21 @@ def test_recipe_tolerance_section():
         recipe_from_dict(dict(DEFAULT_RECIPE, tolerance={"perturbation": "yes"}))
     with pytest.raises(RecipeError, match="unknown key 'k'"):
         recipe_from_dict(dict(DEFAULT_RECIPE, tolerance={"k": 3}))
+
+
+def test_difference_norms_reads_views_without_copying_them_whole():
+    """The reference sliced to a rank's shard along its last dim is a strided view; the norms are
+    computed piecewise from it and equal those of dense copies."""
+    import torch
+
+    from ttrace_megatron.tolerance import difference_norms
+
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(64, 3, 96, generator=g)
+    cand = full[..., 48:].contiguous() + 1e-3 * torch.randn(64, 3, 48, generator=g)
+    view = full[..., 48:]
+    assert not view.is_contiguous()
+    for chunk in (7, 100, 1 << 16):
+        got = difference_norms(cand, view, chunk=chunk)
+        want = (float((cand.double() - view.double()).norm()), float(view.double().norm()))
+        assert got == pytest.approx(want, rel=1e-5)

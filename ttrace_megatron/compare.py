@@ -242,7 +242,7 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
                                                                f"from the reference's {tuple(ref_full.shape)}"))
     local = tuple(cand.shape)
     try:
-        ref_piece = slice_logical(ref_full, layout, coords, local)
+        ref_piece = slice_logical(ref_full, layout, coords, local, contiguous=False)
     except PlacementError as e:
         return ShardSums(**dict(base, status="shape", detail=f"the candidate's piece {local} does not fit the "
                                                                f"reference's logical shape: {e}"))

@@ -213,6 +213,8 @@ def _join(shard: Shard, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     n = len(pieces)
     k = _blocks_per_piece(shard)
     dim = shard.dim
+    if n == 1 and k == 1:
+        return pieces[0]  # one rank holds it all (a single-device reference): no copy
     if k == 1:
         return torch.cat(list(pieces), dim=dim)
     blocks = []
@@ -250,12 +252,14 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 # slice: logical -> this rank's shard
 
 
-def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shape: Sequence[int]) -> torch.Tensor:
+def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shape: Sequence[int],
+                  *, contiguous: bool = True) -> torch.Tensor:
     """The piece of the logical tensor ``full`` that the rank at ``coords`` holds.
 
     ``local_shape`` is the shape of the rank's tensor; it determines padding (a vocab padded to a
     multiple of 128·tp). A :class:`Partial` gives the whole value to rank 0 and zeros elsewhere,
-    which is one valid decomposition of the sum.
+    which is one valid decomposition of the sum. ``contiguous=False`` may return a view of
+    ``full`` (no copy), for a caller that only reads it.
     """
     if tuple(full.shape) != tuple(layout.logical_shape):
         raise PlacementError(f"logical tensor has shape {tuple(full.shape)}, layout says {layout.logical_shape}")
@@ -291,7 +295,7 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
             t = t.reshape(-1)[start:end]
     if tuple(t.shape) != local_shape:
         raise PlacementError(f"slice gave shape {tuple(t.shape)}, the rank holds {local_shape}")
-    return t.contiguous()
+    return t.contiguous() if contiguous else t
 
 
 def logical_mask(layout: Layout, coords: Coords, local_shape: Sequence[int]) -> Optional[torch.Tensor]:
@@ -396,7 +400,7 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
                 merged[outer] = acc.to(_accumulation_dtype(tensors[0].dtype))
             else:
                 first = tensors[0]
-                differing = [r for r, t in zip(ranks, tensors) if not _bitwise_equal(first, t)]
+                differing = [r for r, t in zip(ranks[1:], tensors[1:]) if not _bitwise_equal(first, t)]
                 if differing:
                     diff = max(_max_abs_diff(first, t) for t in tensors[1:])
                     mismatches.append(ReplicaMismatch(p.axis, tuple(ranks), diff))
@@ -422,7 +426,13 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
-    # a fresh dense copy: views of size-1 dims can keep strides that forbid a dtype view
+    """The tensor's bytes: a view when it is contiguous (no copy of a large tensor), else a dense
+    copy (views of size-1 dims can keep strides that forbid a dtype view)."""
+    if t.is_contiguous():
+        try:
+            return t.reshape(-1).view(torch.uint8)
+        except RuntimeError:
+            pass
     flat = torch.empty(t.numel(), dtype=t.dtype)
     flat.copy_(t.reshape(-1))
     return flat.view(torch.uint8)
