@@ -29,11 +29,11 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from ..fp8 import fp8_dtype, quantize, scale_from_amax
+from ..fp8 import quantize, scale_from_amax
 from . import layouts
 
 FP8_MODULES = "decoder.layers.*"  # TE's FP8 covers the transformer layers' linears only
@@ -133,17 +133,6 @@ class EmulatedFP8Linear:
             out = _QuantizeGradOutput.apply(out, self)
         return out.to(input.dtype)  # TE writes the GEMM's output in the activation dtype (bf16)
 
-    def remove(self) -> None:
-        self.module._forward_impl = self.original
-        del self.module._ttrace_fp8
-
-
-def emulated_linears(chunks) -> List[Tuple[str, EmulatedFP8Linear]]:
-    from .naming import canonical_module_names
-
-    return [(name, module._ttrace_fp8) for chunk in chunks
-            for module, name in canonical_module_names(chunk).items() if hasattr(module, "_ttrace_fp8")]
-
 
 def install(chunks, settings: FP8Settings, facts: layouts.ModelFacts) -> List[EmulatedFP8Linear]:
     """Run every decoder-layer linear of ``chunks`` as an emulated FP8 GEMM (before DDP wraps them)."""
@@ -162,7 +151,3 @@ def install(chunks, settings: FP8Settings, facts: layouts.ModelFacts) -> List[Em
                 installed.append(EmulatedFP8Linear(module, settings, groups))
     return installed
 
-
-def operand_dtype(phase: str, settings: FP8Settings) -> torch.dtype:
-    """The FP8 format the tensors of a phase went through (the tolerance's input-quantization term)."""
-    return fp8_dtype(settings.forward_format if phase == "forward" else settings.backward_format)
