@@ -19,6 +19,7 @@ import json
 import os
 import re
 import struct
+import threading
 import zlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
@@ -26,6 +27,7 @@ import torch
 
 from .errors import TraceError
 from .placement import Layout
+from .stream_writer import SAFETENSORS_DTYPES, BackgroundWriter, StreamingFile
 
 FORMAT_VERSION = 1
 RUN_FILE = "run.json"
@@ -108,47 +110,15 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def atomic_write_json(path: str, obj: dict) -> None:
+def atomic_write_json(path: str, obj: dict, *, compact: bool = False) -> None:
+    """Write, fsync, rename. ``compact``: no indentation, which lets json use its C encoder
+    (a manifest is rewritten after every data file, from the writer thread)."""
     tmp = path + ".tmp"
     with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1)
+        json.dump(obj, f, indent=None if compact else 1, separators=(",", ":") if compact else None)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-
-
-_SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-                       torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
-                       torch.float8_e5m2: "F8_E5M2"}
-
-
-def write_safetensors(path: str, tensors: Dict[str, torch.Tensor]) -> Tuple[int, int]:
-    """Write ``tensors`` (contiguous, on CPU) in the safetensors format, straight from their memory.
-
-    ``safetensors.torch.save`` builds the whole file in memory first (several copies of every
-    byte); here each tensor's bytes go to the file once, and the CRC32 is computed on the way.
-    Returns (bytes written, CRC32 of the file).
-    """
-    header, offset = {}, 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        header[name] = {"dtype": _SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + n]}
-        offset += n
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
-    head = struct.pack("<Q", len(blob)) + blob
-    crc = zlib.crc32(head)
-    with open(path, "wb") as f:
-        f.write(head)
-        for t in tensors.values():
-            if t.numel():
-                data = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                crc = zlib.crc32(data, crc)
-                f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    return len(head) + offset, crc
 
 
 def write_run_info(trace_dir: str, info: dict) -> None:
@@ -157,20 +127,29 @@ def write_run_info(trace_dir: str, info: dict) -> None:
 
 
 class TraceWriter:
-    """Writes one rank's trace. Tensors are buffered per iteration and written at :meth:`flush`.
+    """Writes one rank's trace, one safetensors file per recorded iteration (or several parts).
+
+    Tensors are copied into staging buffers as they are recorded and written by a background
+    thread while training goes on (:mod:`.stream_writer`); a data file is listed in the manifest
+    once it is whole and fsync'd. :meth:`close` waits for the writes and marks the trace complete.
 
     A failure to write (a full or unwritable disk) never stops training: recording stops, a
     warning is printed once, and the manifest says why the trace is incomplete.
     """
 
-    def __init__(self, trace_dir: str, rank: int, coords: Dict[str, Tuple[int, int]]):
+    def __init__(self, trace_dir: str, rank: int, coords: Dict[str, Tuple[int, int]], *, direct_io: bool = True):
         self.rank = rank
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
         self.coords = {k: [int(v[0]), int(v[1])] for k, v in coords.items()}
-        self.records: List[Record] = []
+        self.direct_io = direct_io
+        self.records: List[Record] = []  # of the files written whole; guarded by _lock
         self.files: Dict[str, dict] = {}
-        self._pending: Dict[str, torch.Tensor] = {}
-        self._pending_records: List[Record] = []
+        self._lock = threading.RLock()  # the writer thread lists files and may fail too
+        self._writer: Optional[BackgroundWriter] = None  # started by the first tensor recorded
+        self._file: Optional[StreamingFile] = None
+        self._file_name = ""
+        self._file_iteration = -1
+        self._file_records: List[Record] = []
         self._seq = 0
         self._file_index: Dict[int, int] = {}
         self.failed: Optional[str] = None
@@ -187,70 +166,101 @@ class TraceWriter:
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
             compute_dtype: Optional[torch.dtype] = None, reduction: int = 0, scale: float = 1.0,
             arrival: bool = False, statistic_of: str = "") -> None:
-        """Queue a copy of ``tensor`` (on CPU) for the next flush."""
+        """Copy ``tensor`` into the file of its iteration now; it is written in the background."""
         if not self.active:
+            self._drop_file()
             return
         name = f"t{self._seq:07d}"
-        rec = Record(key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, "", name, depth,
-                     dtype_name(compute_dtype or tensor.dtype), reduction, scale, arrival, statistic_of)
-        self._seq += 1
-        copy = torch.empty(tensor.shape, dtype=tensor.dtype)  # one copy, contiguous, on the CPU
-        copy.copy_(tensor.detach())
-        self._pending[name] = copy
-        self._pending_records.append(rec)
-
-    def flush(self, iteration: int) -> None:
-        """Write the queued tensors of ``iteration`` to one data file and update the manifest."""
-        if not self.active or not self._pending:
-            self._pending.clear()
-            self._pending_records.clear()
-            return
-        part = self._file_index.get(iteration, 0)
-        self._file_index[iteration] = part + 1
-        fname = f"iter-{iteration:06d}.safetensors" if part == 0 else f"iter-{iteration:06d}-{part:03d}.safetensors"
         try:
-            size, crc = write_safetensors(os.path.join(self.dir, fname), self._pending)
-            for rec in self._pending_records:
-                rec.file = fname
-            self.records.extend(self._pending_records)
-            self.files[fname] = {"bytes": size, "crc32": crc}
-            self._write_manifest(complete=False)
+            if self._file is not None and (key.iteration != self._file_iteration or not self._file.fits(name, tensor)):
+                self._finish_file()
+            if self._file is None:
+                self._open_file(key.iteration)
         except OSError as e:
             self._fail(e)
-        finally:
-            self._pending.clear()
-            self._pending_records.clear()
+            return
+        self._file.append(name, tensor)
+        self._file_records.append(Record(
+            key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, self._file_name, name, depth,
+            dtype_name(compute_dtype or tensor.dtype), reduction, scale, arrival, statistic_of))
+        self._seq += 1
+
+    def flush(self, iteration: int) -> None:
+        """The iteration is over: its file is finished in the background (not waited for)."""
+        if not self.active:
+            self._drop_file()
+        elif self._file is not None:
+            self._finish_file()
 
     def close(self) -> None:
-        if self._pending:
-            last = max(r.key.iteration for r in self._pending_records)
-            self.flush(last)
-        if self.active:
+        """Wait for every write, then mark the trace complete (if nothing failed)."""
+        self.flush(self._file_iteration)
+        if self._writer is not None:
+            self._writer.stop()
+            self._writer = None
+        with self._lock:
+            if self.active:
+                try:
+                    self._write_manifest(complete=True)
+                except OSError as e:
+                    self._fail(e)
+
+    def abandon(self, reason: str) -> None:
+        """The run stopped mid-iteration: drop the unfinished file, leave the trace marked incomplete."""
+        self._drop_file()
+        if self._writer is not None:
+            self._writer.stop()  # earlier iterations' files are still listed
+            self._writer = None
+        with self._lock:
+            if self.failed is None:
+                self.failed = reason
+                try:
+                    self._write_manifest(complete=False)
+                except OSError:
+                    pass
+
+    def _open_file(self, iteration: int) -> None:
+        part = self._file_index.get(iteration, 0)
+        fname = f"iter-{iteration:06d}.safetensors" if part == 0 else f"iter-{iteration:06d}-{part:03d}.safetensors"
+        if self._writer is None:
+            self._writer = BackgroundWriter(f"ttrace-writer-rank{self.rank}")
+        self._file = StreamingFile(self._writer, os.path.join(self.dir, fname), self.direct_io)
+        self._file_index[iteration] = part + 1
+        self._file_name, self._file_iteration, self._file_records = fname, iteration, []
+
+    def _finish_file(self) -> None:
+        fname, records = self._file_name, self._file_records
+        self._file.finish(lambda _, size, crc: self._listed(fname, records, size, crc),
+                          lambda _, error: self._fail(error))
+        self._file, self._file_records = None, []
+
+    def _drop_file(self) -> None:
+        if self._file is not None:
+            self._file.abandon()
+            self._file, self._file_records = None, []
+
+    def _listed(self, fname: str, records: List[Record], size: int, crc: int) -> None:
+        """On the writer thread: a data file is whole and fsync'd; the manifest now lists it."""
+        with self._lock:
+            if not self.active:
+                return
+            self.records.extend(records)
+            self.files[fname] = {"bytes": size, "crc32": crc}
             try:
-                self._write_manifest(complete=True)
+                self._write_manifest(complete=False)
             except OSError as e:
                 self._fail(e)
 
-    def abandon(self, reason: str) -> None:
-        """The run stopped mid-iteration: drop what is queued, leave the trace marked incomplete."""
-        self._pending.clear()
-        self._pending_records.clear()
-        if self.failed is None:
-            self.failed = reason
-            try:
-                self._write_manifest(complete=False)
-            except OSError:
-                pass
-
     def _fail(self, error: OSError) -> None:
-        if self.failed is None:
-            self.failed = f"{type(error).__name__}: {error}"
-            print(f"[ttrace] rank {self.rank}: recording stopped, the trace will be marked incomplete: {self.failed}",
-                  flush=True)
-            try:
-                self._write_manifest(complete=False)
-            except OSError:
-                pass
+        with self._lock:
+            if self.failed is None:
+                self.failed = f"{type(error).__name__}: {error}"
+                print(f"[ttrace] rank {self.rank}: recording stopped, the trace will be marked incomplete: "
+                      f"{self.failed}", flush=True)
+                try:
+                    self._write_manifest(complete=False)
+                except OSError:
+                    pass
 
     def _write_manifest(self, complete: bool) -> None:
         atomic_write_json(os.path.join(self.dir, MANIFEST_FILE), {
@@ -261,7 +271,7 @@ class TraceWriter:
             "failure": self.failed,
             "files": self.files,
             "records": [r.to_json() for r in self.records],
-        })
+        }, compact=True)
 
 
 @dataclasses.dataclass
@@ -407,7 +417,7 @@ class TraceReader:
         return _index_header(header, 8 + header_len, size, path, rank_trace.rank)
 
 
-_DTYPES_BY_NAME = {v: k for k, v in _SAFETENSORS_DTYPES.items()}
+_DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 def _index_header(header: bytes, data_start: int, file_size: int, path: str, rank: int):

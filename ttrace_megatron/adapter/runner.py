@@ -232,13 +232,15 @@ def _run(rank: int, spec: RunSpec) -> None:
         if attached_now:
             integration.flush()
         losses.append([float(r["lm loss"]) for r in reduced])
-    integration.flush()
+    closing = time.perf_counter()
+    integration.flush()  # waits for the trace's background writes
+    close_s = time.perf_counter() - closing
     if spec.dump_state:
         _dump_state(spec, rank, model, losses)
     if spec.timings:
         os.makedirs(spec.trace_dir, exist_ok=True)
         with open(os.path.join(spec.trace_dir, f"timings-rank{rank:05d}.json"), "w") as f:
-            json.dump(timings, f)
+            json.dump({"iterations": timings, "close_s": close_s}, f)
 
 
 def _model_signature(recipe: Recipe) -> Dict:

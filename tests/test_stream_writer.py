@@ -1,0 +1,151 @@
+"""Trace data files written in the background: byte-exact safetensors, CRC32 of the whole file,
+header parts, O_DIRECT and its fallbacks, and a disk that fills up mid-write."""
+
+import json
+import os
+import subprocess
+import sys
+import zlib
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors import safe_open
+
+from ttrace_megatron import stream_writer
+from ttrace_megatron.placement import Layout, Replicate
+from ttrace_megatron.trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=300), st.binary(max_size=300))
+def test_crc32_combine_equals_the_crc_of_the_concatenation(a, b):
+    assert stream_writer.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+
+
+def _tensors():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(3, 1000, generator=g), torch.randn(40, 1024, generator=g),
+            torch.arange(7, dtype=torch.int64), torch.randn(0, 3, generator=g),
+            torch.randn(100, 100, generator=g).t(),  # not contiguous
+            torch.randn(4, 4, generator=g).bfloat16(), torch.tensor([True, False, True])]
+
+
+def _record(path, tensors, **writer_kw):
+    write_run_info(str(path), {"role": "candidate", "world_size": 1, "num_layers": 1})
+    writer = TraceWriter(str(path), 0, {"tp": (0, 1)}, **writer_kw)
+    for i, t in enumerate(tensors):
+        writer.add(TensorKey(1, 0, f"m{i}", "forward", "output"), t, Layout((Replicate("tp"),), tuple(t.shape)))
+    writer.flush(1)
+    writer.close()
+    return writer
+
+
+def _check_round_trip(path, tensors):
+    reader = TraceReader(str(path))  # verifies every listed file's size and CRC32 on first load
+    seen = 0
+    for rank_trace, rec in reader.records():
+        assert torch.equal(reader.load(rank_trace, rec), tensors[int(rec.key.module[1:])])
+        seen += 1
+    assert seen == len(tensors)
+    files = sorted((path / "rank-00000").glob("*.safetensors"))
+    for f in files:  # the safetensors library reads them too
+        assert zlib.crc32(f.read_bytes()) == reader.ranks[0].files[f.name]["crc32"]
+        with safe_open(str(f), "pt") as st_file:
+            for name in st_file.keys():
+                rec = next(r for r in reader.ranks[0].records if r.name == name)
+                assert torch.equal(st_file.get_tensor(name), tensors[int(rec.key.module[1:])])
+    return files
+
+
+def test_round_trip_through_small_buffers_and_header_parts(tmp_path, monkeypatch):
+    """Tensors span staging buffers, and a header region that fills up starts a new file part."""
+    monkeypatch.setattr(stream_writer, "STAGING_BYTES", 3 * stream_writer.ALIGN)
+    monkeypatch.setattr(stream_writer, "STAGING_BUFFERS", 2)
+    monkeypatch.setattr(stream_writer, "HEADER_REGION", stream_writer.ALIGN)  # ~60 tensors per part
+    tensors = _tensors() * 15
+    _record(tmp_path, tensors)
+    files = _check_round_trip(tmp_path, tensors)
+    assert len(files) > 1 and files[-1].name == "iter-000001.safetensors"
+    assert [f.name for f in files[:-1]] == [f"iter-000001-{k:03d}.safetensors" for k in range(1, len(files))]
+
+
+def test_direct_and_page_cache_writes_give_the_same_bytes(tmp_path):
+    tensors = _tensors()
+    _record(tmp_path / "direct", tensors)
+    _record(tmp_path / "buffered", tensors, direct_io=False)
+    name = "rank-00000/iter-000001.safetensors"
+    assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "buffered" / name).read_bytes()
+    _check_round_trip(tmp_path / "direct", tensors)
+
+
+def test_a_filesystem_that_refuses_direct_writes_falls_back(tmp_path, monkeypatch):
+    """Some filesystems accept O_DIRECT at open and fail the write with EINVAL."""
+    real_pwrite, direct_fds = os.pwrite, set()
+    real_open = os.open
+
+    def tracking_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & getattr(os, "O_DIRECT", 0):
+            direct_fds.add(fd)
+        return fd
+
+    def refusing_pwrite(fd, data, offset):
+        if fd in direct_fds:
+            raise OSError(22, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(stream_writer.os, "open", tracking_open)
+    monkeypatch.setattr(stream_writer.os, "pwrite", refusing_pwrite)
+    tensors = _tensors()
+    writer = _record(tmp_path, tensors)
+    assert writer.active
+    _check_round_trip(tmp_path, tensors)
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
+def test_tmpfs_refuses_o_direct_at_open_and_is_written_through_the_page_cache(tmp_path):
+    import tempfile
+
+    tensors = _tensors()
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as shm:
+        path = type(tmp_path)(shm)
+        _record(path, tensors)
+        _check_round_trip(path, tensors)
+
+
+DISK_FULL = r"""
+import os, resource, signal, sys, torch
+from ttrace_megatron.placement import Layout, Replicate
+from ttrace_megatron.trace_store import TensorKey, TraceWriter
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
+w = TraceWriter(sys.argv[1], 0, {"tp": (0, 1)})
+layout = Layout((Replicate("tp"),), (1 << 18,))
+for it in (1, 2, 3):
+    for i in range(4):  # 1 MiB each; the first is flushed alone (a 1.1 MiB file), the next 3 overflow
+        w.add(TensorKey(it, 0, f"m{i}", "forward", "output"), torch.full((1 << 18,), float(i)), layout)
+        if it == 1 and i == 0:
+            w.flush(1)
+    w.flush(it)
+w.close()
+print("training went on")
+"""
+
+
+def test_a_disk_that_fills_up_mid_write_stops_recording_not_training(tmp_path):
+    out = subprocess.run([sys.executable, "-c", DISK_FULL, str(tmp_path)], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "training went on" in out.stdout
+    assert "recording stopped" in out.stdout and "File too large" in out.stdout
+    manifest = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
+    assert manifest["complete"] is False and "File too large" in manifest["failure"]
+    assert list(manifest["files"]) == ["iter-000001.safetensors"]  # the whole file written before the limit
+    write_run_info(str(tmp_path), {"role": "candidate", "world_size": 1, "num_layers": 1})
+    reader = TraceReader(str(tmp_path), allow_incomplete=True)
+    rank_trace, rec = next(reader.records())
+    assert torch.equal(reader.load(rank_trace, rec), torch.zeros(1 << 18))

@@ -1,0 +1,292 @@
+"""Safetensors files written while training runs: a few reused staging buffers, one writer thread.
+
+Why not buffer an iteration and write it at the end: that costs a copy of every recorded byte into
+host memory no one has touched yet (a page fault per page), then a write into page-cache pages no
+one has touched yet, then an fsync, all inside the step. On the 2-core development VM that made a
+recorded iteration 5-8× the time its bytes take to write (BENCHMARKS.md, "Costs"). Here
+
+* each recorded tensor is copied into one of a few fixed staging buffers (warm after their first
+  use), as it is recorded;
+* a full buffer goes to a background thread that adds it to the file's CRC32 and writes it, with
+  ``O_DIRECT`` where the filesystem allows (no page-cache pages to allocate, and the run's page
+  cache is left alone), else through the page cache;
+* the safetensors header, whose size is only known at the end, goes into a region reserved at the
+  start of the file: the header is padded with spaces to fill it (the format allows trailing
+  whitespace in the header), so data offsets never move. A file whose header would outgrow the
+  region is finished, and the writer starts another part.
+
+The CRC32 of the whole file is the header region's CRC combined with the data's
+(:func:`crc32_combine`), so a file written this way verifies exactly like one written in order.
+
+Numerics: the thread reads only the staging buffers; the run's tensors are read once, by the copy,
+on the recording thread. No collective is issued. Knows nothing about megatron.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import mmap
+import os
+import queue
+import struct
+import threading
+import zlib
+from typing import Callable, List, Optional
+
+import torch
+
+ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+HEADER_REGION = 128 << 10  # 8-byte length + JSON header; ~1500 tensors per file part
+STAGING_BYTES = 8 << 20
+STAGING_BUFFERS = 4  # 32 MiB of host memory per rank, whatever the size of the trace
+
+SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
+                      torch.uint8: "U8", torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3",
+                      torch.float8_e5m2: "F8_E5M2"}
+
+
+def _gf2_times(matrix: List[int], vector: int) -> int:
+    total, row = 0, 0
+    while vector:
+        if vector & 1:
+            total ^= matrix[row]
+        vector >>= 1
+        row += 1
+    return total
+
+
+def _gf2_square(matrix: List[int]) -> List[int]:
+    return [_gf2_times(matrix, matrix[row]) for row in range(32)]
+
+
+def crc32_combine(crc1: int, crc2: int, len2: int) -> int:
+    """CRC32 of ``A + B`` from ``crc32(A)``, ``crc32(B)`` and ``len(B)``.
+
+    CRC32 is linear over GF(2): appending ``len2`` zero bytes to A multiplies its CRC by a fixed
+    32×32 bit matrix, which is built by repeated squaring of the one-zero-bit operator.
+    """
+    if len2 <= 0:
+        return crc1
+    odd = [0xEDB88320] + [1 << row for row in range(31)]  # one zero bit (reflected polynomial)
+    even = _gf2_square(odd)  # two zero bits
+    odd = _gf2_square(even)  # four zero bits
+    while True:
+        even = _gf2_square(odd)  # eight zero bits (one byte) the first time round, then ×4
+        if len2 & 1:
+            crc1 = _gf2_times(even, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+        odd = _gf2_square(even)
+        if len2 & 1:
+            crc1 = _gf2_times(odd, crc1)
+        len2 >>= 1
+        if not len2:
+            break
+    return crc1 ^ crc2
+
+
+class _Staging:
+    """One page-aligned host buffer (pinned when CUDA is there, so device copies can use DMA)."""
+
+    def __init__(self, nbytes: int):
+        if torch.cuda.is_available():
+            self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+            self._mmap = None
+        else:
+            self._mmap = mmap.mmap(-1, nbytes)
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.view = memoryview(self.tensor.numpy())
+        self.aligned = self.tensor.data_ptr() % ALIGN == 0
+
+
+class StreamingFile:
+    """One safetensors file being written. Its methods run on the recording thread; the writes
+    they queue run on the :class:`BackgroundWriter`'s thread."""
+
+    def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool):
+        self.writer = writer
+        self.path = path
+        self.error: Optional[OSError] = None  # set by the writer thread
+        self.crc = 0  # of the data region, kept by the writer thread
+        self._entries: List[str] = []
+        self._header_bytes = 2  # "{}"
+        self.data_bytes = 0  # data region bytes appended so far
+        self._staged: Optional[_Staging] = None
+        self._fill = 0
+        self._written = 0  # data bytes handed to the writer thread
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.direct_fd = -1
+        if direct_io and hasattr(os, "O_DIRECT"):
+            try:
+                self.direct_fd = os.open(path, os.O_WRONLY | os.O_DIRECT)
+            except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
+                self.direct_fd = -1
+
+    def fits(self, name: str, tensor: torch.Tensor) -> bool:
+        """Whether the header region still has room for one more tensor."""
+        return self._header_bytes + len(self._entry(name, tensor, self.data_bytes)) + 1 <= HEADER_REGION - 8
+
+    def _entry(self, name: str, tensor: torch.Tensor, start: int = 0) -> str:
+        end = start + tensor.numel() * tensor.element_size()
+        return json.dumps(name) + ":" + json.dumps(
+            {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [start, end]},
+            separators=(",", ":"))
+
+    def append(self, name: str, tensor: torch.Tensor) -> None:
+        """Copy ``tensor``'s bytes into staging buffers now; they are written in the background."""
+        entry = self._entry(name, tensor, self.data_bytes)
+        self._entries.append(entry)
+        self._header_bytes += len(entry) + (1 if len(self._entries) > 1 else 0)
+        src = tensor.detach()
+        if not src.is_contiguous():
+            src = src.contiguous()
+        flat = src.reshape(-1).view(torch.uint8)
+        if flat.is_cuda:
+            flat = flat.cpu()  # synchronous device-to-host copy (see BENCHMARKS.md: not measured on a GPU)
+        pos, total = 0, flat.numel()
+        while pos < total:
+            if self._staged is None:
+                self._staged, self._fill = self.writer.acquire(), 0
+            take = min(total - pos, STAGING_BYTES - self._fill)
+            self._staged.tensor[self._fill:self._fill + take].copy_(flat[pos:pos + take])
+            self._fill += take
+            pos += take
+            if self._fill == STAGING_BYTES:
+                self._submit()
+        self.data_bytes += total
+
+    def _submit(self) -> None:
+        self.writer.submit(self._write_job(self._staged, self._written, self._fill))
+        self._written += self._fill
+        self._staged, self._fill = None, 0
+
+    def finish(self, on_done: Callable[["StreamingFile", int, int], None],
+               on_error: Callable[["StreamingFile", OSError], None]) -> None:
+        """Queue the last data, the header, truncation and fsync. Then, on the writer thread,
+        ``on_done(file, bytes, crc32)`` runs, or ``on_error(file, error)`` if any write failed."""
+        if self._staged is not None:
+            self._submit()
+        header = ("{" + ",".join(self._entries) + "}").encode()
+        header += b" " * (HEADER_REGION - 8 - len(header))
+        head = struct.pack("<Q", len(header)) + header
+        self.writer.submit(lambda: self._finish(head, on_done, on_error))
+
+    def abandon(self) -> None:
+        """Stop writing this file: what is staged is dropped, queued writes are skipped."""
+        if self._staged is not None:
+            self.writer.release(self._staged)
+            self._staged = None
+        self.error = self.error or OSError(errno.ECANCELED, "abandoned")
+        self.writer.submit(self._close_fds)
+
+    # ---- writer thread
+    def _write_job(self, staged: _Staging, offset: int, nbytes: int):
+        def job():
+            try:
+                if self.error is None:
+                    data = staged.view[:nbytes]
+                    self.crc = zlib.crc32(data, self.crc)
+                    self._pwrite(staged, nbytes, HEADER_REGION + offset)
+            except OSError as e:
+                self.error = e
+            finally:
+                self.writer.release(staged)
+        return job
+
+    def _pwrite(self, staged: _Staging, nbytes: int, offset: int) -> None:
+        if self.direct_fd >= 0 and staged.aligned:
+            padded = -(-nbytes // ALIGN) * ALIGN  # the tail is cut off by ftruncate at the end
+            try:
+                self._pwrite_all(self.direct_fd, staged.view[:padded], offset)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                os.close(self.direct_fd)  # the filesystem accepted the flag but not the write
+                self.direct_fd = -1
+        self._pwrite_all(self.fd, staged.view[:nbytes], offset)
+
+    @staticmethod
+    def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+        while len(data):
+            n = os.pwrite(fd, data, offset)
+            data, offset = data[n:], offset + n
+
+    def _finish(self, head: bytes, on_done, on_error) -> None:
+        size = HEADER_REGION + self.data_bytes
+        try:
+            if self.error is None:
+                self._pwrite_all(self.fd, memoryview(head), 0)
+                os.ftruncate(self.fd, size)
+                os.fsync(self.fd)
+        except OSError as e:
+            self.error = e
+        self._close_fds()
+        if self.error is None:
+            on_done(self, size, crc32_combine(zlib.crc32(head), self.crc, self.data_bytes))
+        else:
+            on_error(self, self.error)
+
+    def _close_fds(self) -> None:
+        for fd in (self.fd, self.direct_fd):
+            if fd >= 0:
+                try:
+                    os.close(fd)
+                except OSError:
+                    pass
+        self.fd = self.direct_fd = -1
+
+
+class BackgroundWriter:
+    """A thread that runs queued writes in order, and the pool of staging buffers they use.
+
+    The pool bounds memory: when the disk is slower than the run records, :meth:`acquire` waits
+    for a buffer to be written (the run slows down rather than grow without limit).
+    """
+
+    def __init__(self, name: str):
+        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+        self._free: "queue.Queue[_Staging]" = queue.Queue()
+        self._allocated = 0
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def acquire(self) -> _Staging:
+        try:
+            return self._free.get_nowait()
+        except queue.Empty:
+            pass
+        if self._allocated < STAGING_BUFFERS:
+            self._allocated += 1
+            return _Staging(STAGING_BYTES)
+        return self._free.get()
+
+    def release(self, staged: _Staging) -> None:
+        self._free.put(staged)
+
+    def submit(self, job: Callable[[], None]) -> None:
+        self._jobs.put(job)
+
+    def wait(self) -> None:
+        """Until every queued job has run."""
+        self._jobs.join()
+
+    def stop(self) -> None:
+        self._jobs.put(None)
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except Exception as e:  # a bug here must not hang the run in acquire() or wait()
+                print(f"[ttrace] trace writer thread: {type(e).__name__}: {e}", flush=True)
+            finally:
+                self._jobs.task_done()
+
