@@ -106,6 +106,13 @@ def memory_bandwidth():
 
 
 def main():
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--vocab-size", type=int, default=MODEL["data"]["vocab_size"],
+                        help="a larger vocabulary makes the largest tensors (embedding, logits) larger")
+    vocab = parser.parse_args().vocab_size
+    MODEL["data"] = dict(MODEL["data"], vocab_size=vocab)
     warnings.filterwarnings("ignore")
     import torch
 
@@ -154,7 +161,7 @@ def main():
     write_s = rank0_bytes / disk_bw[best_mode]
 
     print(f"commit {commit}; machine: {os.cpu_count()} CPU cores, torch {torch.__version__}, gloo; model: "
-          f"GPT 4 layers, hidden 512, ffn 2048, seq 256, micro-batch 2 × 2 microbatches, vocab 4096, TP=2, fp32\n")
+          f"GPT 4 layers, hidden 512, ffn 2048, seq 256, micro-batch 2 × 2 microbatches, vocab {vocab}, TP=2, fp32\n")
     print("| measure | value | ratio | goal |")
     print("|---|---|---|---|")
     print(f"| step time, ttrace off (median, iterations 2–9) | {off_s * 1e3:.0f} ms | 1.00 | |")

@@ -96,7 +96,7 @@ class _Staging:
             self.tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
             self._mmap = None
         else:
-            self._mmap = mmap.mmap(-1, nbytes)
+            self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
         self.view = memoryview(self.tensor.numpy())
         self.aligned = self.tensor.data_ptr() % ALIGN == 0
