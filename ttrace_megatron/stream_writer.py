@@ -143,9 +143,9 @@ class StreamingFile:
         src = tensor.detach()
         if not src.is_contiguous():
             src = src.contiguous()
+        # a device tensor is copied straight into the pinned staging buffer, synchronously (so the
+        # run may free or overwrite it right after); not measured on a GPU yet
         flat = src.reshape(-1).view(torch.uint8)
-        if flat.is_cuda:
-            flat = flat.cpu()  # synchronous device-to-host copy (see BENCHMARKS.md: not measured on a GPU)
         pos, total = 0, flat.numel()
         while pos < total:
             if self._staged is None:
