@@ -6,7 +6,8 @@ Layout of a trace directory::
     rank-00003/manifest.json         this rank's coordinates and one entry per recorded tensor
     rank-00003/iter-000001.safetensors  the tensors of one iteration
 
-A rank's manifest is rewritten atomically (write, fsync, rename) after every data file, and says
+Data files are written in the background while the run goes on (:mod:`.stream_writer`). A rank's
+manifest is rewritten atomically (write, fsync, rename) once each data file is whole, and says
 ``"complete": true`` only once the rank has closed its writer. Each data file's size and CRC32
 are in the manifest, so a rank killed mid-write, a truncated file or flipped bits are detected
 and reported with the file, the rank and the tensor.
