@@ -163,7 +163,7 @@ def main():
     typical = sorted(RECORDED, key=lambda r: sum(per_recorded[r]))[len(RECORDED) // 2]
     during = per_recorded[typical]
     extra = sum(during) + rec["close_s"]
-    rank0_bytes = dir_bytes(os.path.join(rec_dir, "rank-00000")) / len(RECORDED)
+    rank0_bytes = dir_bytes(os.path.join(rec_dir, "rank-00000")) // len(RECORDED)
     disk_bw = disk_bandwidth(tmp, rank0_bytes)
     best_mode = max(disk_bw, key=disk_bw.get)
     write_s = rank0_bytes / disk_bw[best_mode]
