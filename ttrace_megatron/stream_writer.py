@@ -108,7 +108,6 @@ class StreamingFile:
 
     def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool):
         self.writer = writer
-        self.path = path
         self.error: Optional[OSError] = None  # set by the writer thread
         self.crc = 0  # of the data region, kept by the writer thread
         self._entries: List[str] = []
@@ -125,19 +124,15 @@ class StreamingFile:
             except OSError:  # tmpfs and some network filesystems refuse O_DIRECT
                 self.direct_fd = -1
 
-    def fits(self, name: str, tensor: torch.Tensor) -> bool:
-        """Whether the header region still has room for one more tensor."""
-        return self._header_bytes + len(self._entry(name, tensor, self.data_bytes)) + 1 <= HEADER_REGION - 8
-
-    def _entry(self, name: str, tensor: torch.Tensor, start: int = 0) -> str:
-        end = start + tensor.numel() * tensor.element_size()
-        return json.dumps(name) + ":" + json.dumps(
-            {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [start, end]},
-            separators=(",", ":"))
-
-    def append(self, name: str, tensor: torch.Tensor) -> None:
-        """Copy ``tensor``'s bytes into staging buffers now; they are written in the background."""
-        entry = self._entry(name, tensor, self.data_bytes)
+    def append(self, name: str, tensor: torch.Tensor) -> bool:
+        """Copy ``tensor``'s bytes into staging buffers now; they are written in the background.
+        False (and nothing appended) when the header region has no room left for it."""
+        start = self.data_bytes
+        entry = json.dumps(name) + ":" + json.dumps(
+            {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+             "data_offsets": [start, start + tensor.numel() * tensor.element_size()]}, separators=(",", ":"))
+        if self._header_bytes + len(entry) + 1 > HEADER_REGION - 8:
+            return False
         self._entries.append(entry)
         self._header_bytes += len(entry) + (1 if len(self._entries) > 1 else 0)
         src = tensor.detach()
@@ -157,6 +152,7 @@ class StreamingFile:
             if self._fill == STAGING_BYTES:
                 self._submit()
         self.data_bytes += total
+        return True
 
     def _submit(self) -> None:
         self.writer.submit(self._write_job(self._staged, self._written, self._fill))
@@ -270,10 +266,6 @@ class BackgroundWriter:
     def submit(self, job: Callable[[], None]) -> None:
         self._jobs.put(job)
 
-    def wait(self) -> None:
-        """Until every queued job has run."""
-        self._jobs.join()
-
     def stop(self) -> None:
         self._jobs.put(None)
         self._thread.join()
@@ -285,8 +277,6 @@ class BackgroundWriter:
                 if job is None:
                     return
                 job()
-            except Exception as e:  # a bug here must not hang the run in acquire() or wait()
+            except Exception as e:  # a bug here must not hang the run in acquire() or stop()
                 print(f"[ttrace] trace writer thread: {type(e).__name__}: {e}", flush=True)
-            finally:
-                self._jobs.task_done()
 

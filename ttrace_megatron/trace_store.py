@@ -173,14 +173,17 @@ class TraceWriter:
             return
         name = f"t{self._seq:07d}"
         try:
-            if self._file is not None and (key.iteration != self._file_iteration or not self._file.fits(name, tensor)):
+            if self._file is not None and key.iteration != self._file_iteration:
                 self._finish_file()
             if self._file is None:
                 self._open_file(key.iteration)
+            if not self._file.append(name, tensor):  # its header region is full: a new part
+                self._finish_file()
+                self._open_file(key.iteration)
+                self._file.append(name, tensor)
         except OSError as e:
             self._fail(e)
             return
-        self._file.append(name, tensor)
         self._file_records.append(Record(
             key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, self._file_name, name, depth,
             dtype_name(compute_dtype or tensor.dtype), reduction, scale, arrival, statistic_of))
