@@ -118,7 +118,7 @@ def main():
     import torch
 
     from ttrace_megatron.adapter.launch import launch
-    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec
+    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, Probes, RunSpec, trace_options
     from ttrace_megatron.recipe import recipe_from_dict
     from ttrace_megatron.trace_store import TraceReader
 
@@ -129,27 +129,28 @@ def main():
     if not os.environ.get("TTRACE_KEEP_BENCH"):
         atexit.register(shutil.rmtree, tmp, True)  # several GiB of traces: a full /tmp stops everything
     seed = os.path.join(tmp, "seed.safetensors")
-    common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, timings=True)
 
-    def run(role, name, **kw):
+    def run(role, name, recipe_json=None, probes=Probes(timings=True), **trace):
         d = os.path.join(tmp, name)
-        launch(RunSpec(role=role, trace_dir=d, **{**common, **kw}), timeout_s=1800)
+        launch(RunSpec(recipe=recipe_json or recipe.to_json(), role=role, trace=trace_options(d, seed, **trace)),
+               timeout_s=1800, probes=probes)
         with open(os.path.join(d, "timings-rank00000.json")) as f:
             return d, json.load(f)
 
-    run(REFERENCE, "reference", record_iterations=list(RECORDED))
+    run(REFERENCE, "reference", iterations=list(RECORDED))
     step = lambda x: x["step_s"] + x["flush_s"]
     steady = lambda t: statistics.median(step(x) for x in t["iterations"] if x["iteration"] >= 2)
     # separate runs, alternated: one run per mode is as noisy here (±3%) as the goal
     off_runs, idle_runs = [], []
     for k in range(SEPARATE_RUNS):
-        off_runs.append(steady(run(CANDIDATE, f"off-{k}", trace=False)[1]))
-        idle_runs.append(steady(run(CANDIDATE, f"idle-{k}", record_iterations=[])[1]))
-    rec_dir, rec = run(CANDIDATE, "record", record_iterations=list(RECORDED))
+        off_runs.append(steady(run(CANDIDATE, f"off-{k}", probes=Probes(timings=True, trace=False))[1]))
+        idle_runs.append(steady(run(CANDIDATE, f"idle-{k}", iterations=[])[1]))
+    rec_dir, rec = run(CANDIDATE, "record", iterations=list(RECORDED))
     off_s, idle_s = statistics.median(off_runs), statistics.median(idle_runs)
     # interleaved: attached-but-idle on even iterations, detached on odd ones, in one process
     long = dict(recipe.to_json(), train=dict(recipe.to_json()["train"], iterations=41))
-    _, alt = run(CANDIDATE, "interleaved", recipe=long, alternate_idle=True, record_iterations=[])
+    _, alt = run(CANDIDATE, "interleaved", recipe_json=long,
+                 probes=Probes(timings=True, alternate_idle=True), iterations=[])
     t = {x["iteration"]: step(x) for x in alt["iterations"]}
     pair_ratios = sorted(t[i] / ((t[i - 1] + t[i + 1]) / 2) for i in range(4, 41, 2))
     q = lambda f: pair_ratios[min(len(pair_ratios) - 1, int(f * len(pair_ratios)))]
@@ -219,8 +220,8 @@ def main():
     print("|---|---|---|---|")
     for iters in ([1], [1, 2], [1, 2, 3, 4]):
         name = "scale-" + "-".join(map(str, iters))
-        rd, _ = run(REFERENCE, name + "-ref", record_iterations=iters)
-        cd, _ = run(CANDIDATE, name + "-cand", record_iterations=iters)
+        rd, _ = run(REFERENCE, name + "-ref", iterations=iters)
+        cd, _ = run(CANDIDATE, name + "-cand", iterations=iters)
         out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, rd, cd], capture_output=True, text=True,
                              env=env, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])

@@ -58,14 +58,53 @@ CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_t
          "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")
 
 
-def main():
-    warnings.filterwarnings("ignore")
+def recipe(name: str, dtype: str, seed: int):
+    """A shipped recipe in ``dtype`` with data/initialization seed ``seed``."""
     import yaml
 
-    from ttrace_megatron.adapter.launch import launch
-    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec
-    from ttrace_megatron.compare import compare_traces, localize, phase_label
     from ttrace_megatron.recipe import recipe_from_dict
+
+    path = os.path.join(REPO, "recipes", name + ".yaml")
+    raw = yaml.safe_load(open(path))
+    raw.update(dtype=dtype, name=name)
+    if dtype == "fp8":  # as a recipe that says dtype: fp8 gets it
+        raw.get("tolerance", {}).pop("perturbation", None)
+    raw["data"]["seed"] = seed
+    return recipe_from_dict(raw, source=path)
+
+
+def pair(r, tmp, inject=(), calibrate=False):
+    """End-to-end comparison as the recipe ships (with the perturbation estimate where it asks
+    for it), then the localization replay of iteration 1. ``calibrate``: also the perturbation
+    run, for every recipe, and the analytic-only comparison."""
+    from ttrace_megatron.adapter.launch import launch
+    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.compare import compare_traces, localize
+
+    seed = os.path.join(tmp, "seed.safetensors")
+    ref, cand, pert = (os.path.join(tmp, d) for d in ("ref", "cand", "pert"))
+
+    def spec(role, trace_dir, bugs=(), **trace):
+        return RunSpec(recipe=r.to_json(), role=role, inject=list(bugs), trace=trace_options(trace_dir, seed, **trace))
+
+    launch(spec(REFERENCE, ref))
+    launch(spec(CANDIDATE, cand, inject))
+    if calibrate or r.tolerance.perturbation:
+        launch(spec(REFERENCE, pert, perturb=1))
+    launch(spec(CANDIDATE, os.path.join(tmp, "replay"), inject, replay=ref, iterations=[1]))
+    shipped = compare_traces(ref, cand, perturbed=pert if r.tolerance.perturbation else None)
+    extra = {}
+    if calibrate:
+        analytic = compare_traces(ref, cand)
+        observed = {x.key: x.error for x in compare_traces(ref, pert).results}
+        ratios = [x.error / observed[x.key] for x in analytic.results if observed.get(x.key, 0) > 0]
+        extra = dict(analytic_fps=len(analytic.failures), worst_over_observed=max(ratios))
+    return shipped, localize(ref, os.path.join(tmp, "replay")), extra
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    from ttrace_megatron.compare import phase_label
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
@@ -74,36 +113,6 @@ def main():
     parser.add_argument("--bugs-only", action="store_true", help="only the bug-zoo table")
     args = parser.parse_args()
     wanted = (lambda name: name in args.recipes) if args.recipes else (lambda name: True)
-
-    def recipe(name, dtype, seed):
-        path = os.path.join(REPO, "recipes", name + ".yaml")
-        raw = yaml.safe_load(open(path))
-        raw.update(dtype=dtype, name=name)
-        if dtype == "fp8":  # as a recipe that says dtype: fp8 gets it
-            raw.get("tolerance", {}).pop("perturbation", None)
-        raw["data"]["seed"] = seed
-        return recipe_from_dict(raw, source=path)
-
-    def pair(r, tmp, inject=(), calibrate=False):
-        """End-to-end comparison as the recipe ships (with the perturbation estimate where it asks
-        for it), then the localization replay of iteration 1. ``calibrate``: also the perturbation
-        run, for every recipe, and the analytic-only comparison."""
-        common = dict(recipe=r.to_json(), seed_checkpoint=os.path.join(tmp, "seed.safetensors"), master_port=0)
-        ref, cand, pert = (os.path.join(tmp, d) for d in ("ref", "cand", "pert"))
-        launch(RunSpec(role=REFERENCE, trace_dir=ref, **common))
-        launch(RunSpec(role=CANDIDATE, trace_dir=cand, inject=list(inject), **common))
-        if calibrate or r.tolerance.perturbation:
-            launch(RunSpec(role=REFERENCE, trace_dir=pert, perturb_seed=1, **common))
-        launch(RunSpec(role=CANDIDATE, trace_dir=os.path.join(tmp, "replay"), inject=list(inject), replay_reference=ref,
-                       record_iterations=[1], **common))
-        shipped = compare_traces(ref, cand, perturbed=pert if r.tolerance.perturbation else None)
-        extra = {}
-        if calibrate:
-            analytic = compare_traces(ref, cand)
-            observed = {x.key: x.error for x in compare_traces(ref, pert).results}
-            ratios = [x.error / observed[x.key] for x in analytic.results if observed.get(x.key, 0) > 0]
-            extra = dict(analytic_fps=len(analytic.failures), worst_over_observed=max(ratios))
-        return shipped, localize(ref, os.path.join(tmp, "replay")), extra
 
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()

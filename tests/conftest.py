@@ -30,14 +30,13 @@ class Runs:
 
     def reference(self, recipe):
         from ttrace_megatron.adapter.launch import launch
-        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec
+        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec, trace_options
 
         key = repr(sorted(recipe.to_json().items(), key=str))
         if key not in self._refs:
             out = os.path.join(self.root, f"{recipe.name}-{recipe.dtype}-{len(self._refs)}")
-            spec = RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace_dir=os.path.join(out, "reference"),
-                           seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0)
-            launch(spec, timeout_s=300)
+            trace = trace_options(os.path.join(out, "reference"), os.path.join(out, "seed.safetensors"))
+            launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace), timeout_s=300)
             self._refs[key] = out
         return self._refs[key]
 
@@ -45,26 +44,26 @@ class Runs:
         """The perturbation-estimate run of the recipe's reference (round-off-sized noise in every
         module), next to the reference; its trace directory."""
         from ttrace_megatron.adapter.launch import launch
-        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec
+        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec, trace_options
 
         out = self.reference(recipe)
         trace_dir = os.path.join(out, f"reference-perturbed-{seed}")
         if not os.path.exists(trace_dir):
-            launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace_dir=trace_dir,
-                           seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0, perturb_seed=seed),
-                   timeout_s=300)
+            trace = trace_options(trace_dir, os.path.join(out, "seed.safetensors"), perturb=seed)
+            launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace), timeout_s=300)
         return trace_dir
 
-    def candidate(self, recipe, inject=(), name="candidate", **spec_kwargs):
+    def candidate(self, recipe, inject=(), name="candidate", probes=None, **trace_kwargs):
+        """A candidate run next to the recipe's reference; ``trace_kwargs`` are TraceOptions fields
+        (iterations, modules, replay, reference, keep_tensors, ...)."""
         from ttrace_megatron.adapter.launch import launch
-        from ttrace_megatron.adapter.runner import CANDIDATE, RunSpec
+        from ttrace_megatron.adapter.runner import CANDIDATE, Probes, RunSpec, trace_options
 
         out = self.reference(recipe)
         trace_dir = os.path.join(out, f"{name}-{'-'.join(inject) or 'clean'}".replace(":", "_").replace("*", "x"))
-        spec = RunSpec(recipe=recipe.to_json(), role=CANDIDATE, trace_dir=trace_dir,
-                       seed_checkpoint=os.path.join(out, "seed.safetensors"), master_port=0, inject=list(inject),
-                       **spec_kwargs)
-        launch(spec, timeout_s=300)
+        trace = trace_options(trace_dir, os.path.join(out, "seed.safetensors"), **trace_kwargs)
+        launch(RunSpec(recipe=recipe.to_json(), role=CANDIDATE, trace=trace, inject=list(inject)), timeout_s=300,
+               probes=probes or Probes())
         return os.path.join(out, "reference"), trace_dir
 
 

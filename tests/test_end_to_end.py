@@ -174,9 +174,11 @@ def test_bf16_bug_is_detected(runs):
                                         ("gpt_tp2_sp_fp8", "fp8")])
 def test_tracing_is_bitwise_neutral(runs, name, dtype):
     """Losses and updated parameters are bitwise identical with and without tracing."""
+    from ttrace_megatron.adapter.runner import Probes
+
     recipe = load(name, dtype=dtype)
-    _, traced = runs.candidate(recipe, name="neutral-traced", dump_state=True)
-    _, untraced = runs.candidate(recipe, name="neutral-untraced", trace=False, dump_state=True)
+    _, traced = runs.candidate(recipe, name="neutral-traced", probes=Probes(dump_state=True))
+    _, untraced = runs.candidate(recipe, name="neutral-untraced", probes=Probes(trace=False, dump_state=True))
     for rank in range(recipe.world_size):
         a = load_file(os.path.join(traced, f"state-rank{rank:05d}.safetensors"))
         b = load_file(os.path.join(untraced, f"state-rank{rank:05d}.safetensors"))
@@ -272,7 +274,7 @@ def test_aux_losses_follow_selective_recording(runs):
     from ttrace_megatron.trace_store import TraceReader
 
     recipe = load("moe_tp2_sp_ep2")
-    ref, cand = runs.candidate(recipe, name="layer0-only", record_modules=["decoder.layers.0.*"])
+    ref, cand = runs.candidate(recipe, name="layer0-only", modules=("decoder.layers.0.*",))
     ref_reader, cand_reader = TraceReader(ref), TraceReader(cand)
     ref_groups, cand_groups = group_records(ref_reader), group_records(cand_reader)
     losses = {k: pieces for k, pieces in cand_groups.items() if k.tensor.endswith("_loss")}
@@ -292,4 +294,6 @@ def test_loss_reduction_length_is_the_vocabulary():
 
     facts = ModelFacts(num_layers=2, vocab_size=256, sequence_parallel=False, gated_linear_unit=False, tp_size=1,
                        hidden_size=64, tokens_per_microbatch=64, tokens_per_iteration=128)
-    assert reduction_length("loss", None, "per_token_loss", facts) == 256  # log-sum-exp over the vocabulary
+    from ttrace_megatron.keys import TensorKind
+
+    assert reduction_length("loss", None, TensorKind.LOSS, facts) == 256  # log-sum-exp over the vocabulary

@@ -126,7 +126,7 @@ def test_fp8_amax_over_the_wrong_group_is_caught_and_localized(runs):
     assert (first.key.module, first.key.phase, first.key.tensor) == (
         "decoder.layers.0.self_attention.linear_qkv", "forward", "input_amax")
     assert "candidate replicas differ" in first.reason
-    _, replay = runs.candidate(recipe, inject=[bug], name="replay", replay_reference=ref, record_iterations=[1])
+    _, replay = runs.candidate(recipe, inject=[bug], name="replay", replay=ref, iterations=[1])
     culprit = localize(ref, replay).culprit
     assert (culprit.key.module, phase_label(culprit.key), culprit.key.tensor) == (
         "decoder.layers.0.self_attention.linear_qkv", "forward", "input_amax")
@@ -143,6 +143,6 @@ def test_fp8_clean_replay_has_no_culprit(runs):
 
     recipe = load("gpt_tp2_sp_fp8")
     ref = os.path.join(runs.reference(recipe), "reference")
-    _, replay = runs.candidate(recipe, name="replay", replay_reference=ref, record_iterations=[1])
+    _, replay = runs.candidate(recipe, name="replay", replay=ref, iterations=[1])
     loc = localize(ref, replay)
     assert loc.comparison.verdict == "pass" and not loc.culprits, loc.culprit

@@ -186,3 +186,26 @@ def test_megatron_lm_replay_localizes_nothing_on_a_clean_run(megatron_lm_runs, t
     assert loc.comparison.verdict == "pass" and not loc.culprits
     assert loc.comparison.candidate_run["role"] == "replay"
     assert any(r.tolerance_source.startswith("local") for r in loc.comparison.results)
+
+
+def _flat_keys(obj, prefix=""):
+    if isinstance(obj, dict):
+        return {k for key, v in obj.items() for k in _flat_keys(v, f"{prefix}{key}.")}
+    return {prefix[:-1]}
+
+
+@pytest.mark.multiprocess
+def test_megatron_lm_and_ttrace_run_write_one_model_signature(megatron_lm_runs, runs):
+    """`pretrain_gpt.py --ttrace` and `ttrace run` describe the model with one function: the same
+    fields, so their traces can be checked against each other (the data must then agree too)."""
+    import json
+
+    from conftest import load
+
+    with open(os.path.join(megatron_lm_runs, "ref", "run.json")) as f:
+        mlm = json.load(f)["model_config"]
+    with open(os.path.join(runs.reference(load("gpt_tp2_sp", dtype="bf16")), "reference", "run.json")) as f:
+        ours = json.load(f)["model_config"]
+    assert _flat_keys(mlm) == _flat_keys(ours)
+    assert mlm["model"]["bf16"] is True and ours["model"]["bf16"] is True
+    assert {"seed", "seq_length", "micro_batch_size", "global_batch_size", "iterations"} <= set(mlm["training"])

@@ -14,7 +14,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _replay(runs, recipe, inject=()):
     ref = os.path.join(runs.reference(recipe), "reference")
-    _, replay = runs.candidate(recipe, inject=inject, name="replay", replay_reference=ref, record_iterations=[1])
+    _, replay = runs.candidate(recipe, inject=inject, name="replay", replay=ref, iterations=[1])
     return localize(ref, replay)
 
 
@@ -138,7 +138,7 @@ def test_adam_replay_judges_the_step_given_the_reference_main_grads(runs):
     reference and iteration 2 is judged without false culprits."""
     recipe = load("gpt_tp2", dtype="bf16", optimizer={"optimizer": "adam", "lr": 0.01})
     ref = os.path.join(runs.reference(recipe), "reference")
-    _, replay = runs.candidate(recipe, name="replay-adam", replay_reference=ref, record_iterations=[2])
+    _, replay = runs.candidate(recipe, name="replay-adam", replay=ref, iterations=[2])
     loc = localize(ref, replay)
     assert not loc.culprits, loc.culprit
     assert {r.key.iteration for r in loc.comparison.results} == {2}

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _both(runs, recipe, inject=()):
     ref = os.path.join(runs.reference(recipe), "reference")
-    _, cand = runs.candidate(recipe, inject=inject, name="online", online_reference=ref, keep_tensors=True)
+    _, cand = runs.candidate(recipe, inject=inject, name="online", reference=ref, keep_tensors=True)
     return compare_traces(ref, cand), combine_online(cand)
 
 
@@ -54,7 +54,7 @@ def test_online_verdicts_equal_offline(runs, name, dtype, inject):
 def test_online_only_writes_no_tensors(runs):
     recipe = load("gpt_tp2_sp")
     ref = os.path.join(runs.reference(recipe), "reference")
-    _, cand = runs.candidate(recipe, name="online-only", online_reference=ref, keep_tensors=False)
+    _, cand = runs.candidate(recipe, name="online-only", reference=ref, keep_tensors=False)
     files = [f for _, _, fs in os.walk(cand) for f in fs]
     assert not [f for f in files if f.endswith(".safetensors")], files
     assert sorted(f for f in files if f == "online.json") == ["online.json"] * recipe.world_size

@@ -173,3 +173,33 @@ def test_replicas_with_size_one_dims_compare_bitwise():
     merged = merge_shards(pieces, layout)
     assert merged.replica_mismatches == [] and torch.equal(merged.tensor, full)
 
+
+
+def test_scale_is_divided_out_by_merge_and_applied_by_slice():
+    """Per-microbatch grads of a DP=2 run are stored at twice a DP=1 run's scale: merge gives the
+    logical value, slice gives what a rank stores, and neither changes the positions (mask)."""
+    full = torch.randn(4, 6, dtype=torch.float64)
+    layout = Layout((Shard(1, "tp"),), (4, 6), scale=2.0)
+    coords = [{"tp": (r, 2)} for r in range(2)]
+    pieces = [(c, slice_logical(full, layout, c, (4, 3))) for c in coords]
+    assert torch.equal(pieces[1][1], 2.0 * full[:, 3:])
+    assert torch.equal(merge_shards(pieces, layout).tensor, full)
+    assert logical_mask(layout, coords[0], (4, 3)) is None
+    assert Layout.from_json(layout.to_json()) == layout
+    assert "scale" not in Layout((Shard(1, "tp"),), (4, 6)).to_json()  # the default is not written
+    with pytest.raises(ValueError, match="scale"):
+        Layout((Shard(1, "tp"),), (4, 6), scale=0.0)
+
+
+def test_owned_piece_is_a_view_of_the_rank_range():
+    from ttrace_megatron.placement import owned_piece
+
+    layout = Layout((Replicate("tp"), RangeShard("dp", (0, 5, 12), (3, 4))), (3, 4))
+    whole = torch.arange(12.0).reshape(3, 4)
+    mine = owned_piece(whole, layout, {"tp": (0, 1), "dp": (1, 2)})
+    assert torch.equal(mine, torch.arange(5.0, 12.0))
+    mine.zero_()  # a view: writes reach the whole tensor (the replay substitutes main grads this way)
+    assert float(whole.view(-1)[5:].abs().sum()) == 0.0
+    assert owned_piece(whole, Layout((Replicate("dp"),), (3, 4)), {"dp": (0, 2)}) is whole
+    with pytest.raises(PlacementError, match="ranges"):
+        owned_piece(whole, layout, {"tp": (0, 1), "dp": (1, 3)})

@@ -200,12 +200,52 @@ def test_describe_difference_names_simple_kinds():
 def test_run_stopped_mid_iteration_leaves_an_incomplete_trace(tmp_path):
     """A recorder closed inside an iteration (an exception, then the atexit flush) must not mark
     its trace complete."""
+    from ttrace_megatron.adapter.hooks import Clock
     from ttrace_megatron.adapter.recorder import Recorder
 
     writer = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
     writer.add(KEY, torch.ones(2, 2), Layout((Replicate("tp"),), (2, 2)))
     recorder = Recorder.__new__(Recorder)  # only the sink bookkeeping is exercised
-    recorder._handles, recorder.sinks, recorder.in_iteration, recorder.iteration = [], [writer], True, 3
+    recorder._handles, recorder.sinks, recorder.clock = [], [writer], Clock(iteration=3, in_iteration=True)
     recorder.close()
     m = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
     assert m["complete"] is False and "iteration 3" in m["failure"] and not m["records"]
+
+
+def test_partial_sums_are_judged_by_the_same_rules(tmp_path):
+    """A partial sum is merged and then judged by the one verdict pipeline: its replicas' mismatch
+    is named like any other, and the scale of its layout is divided out."""
+    from ttrace_megatron.placement import Partial
+
+    key = TensorKey(1, 0, "decoder.layers.0.input_layernorm", "backward", "weight.grad")
+    full = torch.arange(6, dtype=torch.float32) / 3
+    for name, world, scale, bad in (("ref", 1, 1.0, False), ("cand", 4, 2.0, True)):
+        write_run_info(str(tmp_path / name), {"role": name, "world_size": world, "num_layers": 2})
+        for r in range(world):
+            coords = {"pp": (r // 2, 2), "tp": (r % 2, 2)} if world > 1 else {"pp": (0, 1), "tp": (0, 1)}
+            piece = full * scale / 2 if world > 1 else full
+            if bad and r == 3:
+                piece = piece + 1  # the replica over tp of the second stage differs
+            w = TraceWriter(str(tmp_path / name), r, coords)
+            layout = Layout((Partial("pp"), Replicate("tp")) if world > 1 else (Replicate("tp"),), (6,), scale=scale)
+            w.add(key, piece.clone(), layout, depth=1)
+            w.close()
+    c = compare_traces(str(tmp_path / "ref"), str(tmp_path / "cand"))
+    (result,) = c.results
+    assert result.verdict == "fail" and "candidate replicas over tp differ (ranks [0, 1]" in result.reason
+    assert result.error == 0.0  # the lowest ranks' copies sum to the logical value once the scale is out
+
+
+def test_format_1_traces_keep_their_scale(tmp_path):
+    """Traces written before the scale moved into the layout still read with it."""
+    make_trace(tmp_path / "a")
+    run = json.loads((tmp_path / "a" / "run.json").read_text())
+    (tmp_path / "a" / "run.json").write_text(json.dumps(dict(run, format_version=1)))
+    for r in (0, 1):
+        path = tmp_path / "a" / f"rank-0000{r}" / "manifest.json"
+        m = json.loads(path.read_text())
+        for rec in m["records"]:
+            rec["scale"] = 4.0
+        path.write_text(json.dumps(m))
+    reader = TraceReader(str(tmp_path / "a"))
+    assert {rec.layout.scale for _, rec in reader.records()} == {4.0}

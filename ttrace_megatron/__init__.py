@@ -2,12 +2,20 @@
 
 A distributed candidate run and a single-device reference run record the same logical tensors;
 placements merge the candidate's shards, and per-tensor tolerances tell round-off from bugs.
+
+The training-loop API (``attach``, ``begin_iteration``, ...: no-ops unless ``--ttrace``) lives in
+:mod:`ttrace_megatron.adapter.integration` and is loaded on first use of one of these names, so
+importing the comparison core (``ttrace_megatron.compare``, ``.placement``, ...) loads no adapter.
 """
 
 __version__ = "0.1.0"
 
-# the training-loop API (no-ops unless --ttrace): see ttrace_megatron.adapter.integration
-from .adapter.integration import (TraceOptions, attach, begin_iteration, end_iteration,  # noqa: E402
-                                  extra_args_provider, flush, install)
-
 __all__ = ["TraceOptions", "attach", "begin_iteration", "end_iteration", "extra_args_provider", "flush", "install"]
+
+
+def __getattr__(name):
+    if name in __all__:
+        from .adapter import integration
+
+        return getattr(integration, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,31 +54,36 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     """Reference run, candidate run, compare. Returns the report (JSON form)."""
     from .adapter.config import validate_recipe
     from .adapter.launch import launch
-    from .adapter.runner import CANDIDATE, REFERENCE, RunSpec
+    from .adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
 
     validate_recipe(recipe)
     ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
+    seed = os.path.join(out, "seed_checkpoint.safetensors")
     for d in (ref_dir, cand_dir):
         shutil.rmtree(d, ignore_errors=True)
-    seed = os.path.join(out, "seed_checkpoint.safetensors")
+    if os.path.exists(seed):
+        os.remove(seed)  # the reference writes it anew: a kept --out may hold another recipe's weights
     console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
-    common = dict(recipe=recipe.to_json(), seed_checkpoint=seed, master_port=0, cpu=args.cpu,
-                  record_iterations=args.iters, record_modules=args.modules or ["*"],
-                  record_microbatches=args.microbatches)
-    online = dict(online_reference=ref_dir, keep_tensors=False) if args.online else {}
+    selective = dict(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
+
+    def spec(role, trace_dir, inject=(), **trace):
+        return RunSpec(recipe=recipe.to_json(), role=role, cpu=args.cpu, inject=list(inject),
+                       trace=trace_options(trace_dir, seed, **dict(selective, **trace)))
+
+    online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
     console.print(f"reference run (1 rank) → {ref_dir}")
-    launch(RunSpec(role=REFERENCE, trace_dir=ref_dir, **common))
+    launch(spec(REFERENCE, ref_dir))
     console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
                   + (f", injected bugs: {args.inject}" if args.inject else "")
                   + (", comparing online" if args.online else ""))
-    launch(RunSpec(role=CANDIDATE, trace_dir=cand_dir, inject=list(args.inject), **online, **common))
+    launch(spec(CANDIDATE, cand_dir, args.inject, **online))
     perturbed_dir = None
     if (recipe.tolerance.perturbation or args.perturb) and not args.online:
         perturbed_dir = os.path.join(out, "reference-perturbed")
         shutil.rmtree(perturbed_dir, ignore_errors=True)
         console.print(f"perturbation estimate: the reference again, round-off-sized noise in every module "
                       f"→ {perturbed_dir}")
-        launch(RunSpec(role=REFERENCE, trace_dir=perturbed_dir, perturb_seed=1, **common))
+        launch(spec(REFERENCE, perturbed_dir, perturb=1))
     report = _compare(ref_dir, cand_dir, console, None, perturbed_dir)
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
@@ -86,8 +91,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         shutil.rmtree(replay_dir, ignore_errors=True)
         console.print(f"localizing: the candidate again, every module on the reference's inputs "
                       f"(iteration {first['iteration']}) → {replay_dir}")
-        launch(RunSpec(role=CANDIDATE, trace_dir=replay_dir, inject=list(args.inject), replay_reference=ref_dir,
-                       **dict(common, record_iterations=[first["iteration"]])))
+        launch(spec(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]]))
         report["culprits"] = _localize(ref_dir, replay_dir, console)
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)

@@ -13,11 +13,13 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import keys
 from .errors import ConfigMismatchError, TraceError
-from .placement import (SHARDING, Coords, Layout, Partial, PlacementError, Replicate, check_coords, content_digest,
-                        logical_mask, merge_shards, slice_logical)
+from .keys import TensorKey, phase_label  # noqa: F401  (phase_label: part of this module's face)
+from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
+                        content_digest, logical_mask, merge_shards, slice_logical)
 from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
-from .trace_store import RankTrace, Record, TensorKey, TraceReader
+from .trace_store import RankTrace, Record, TraceReader
 
 PASS = "pass"
 FAIL = "fail"
@@ -99,18 +101,16 @@ def group_records(reader: TraceReader) -> Dict[TensorKey, List[Tuple[RankTrace, 
     return groups
 
 
-def logical_tensor(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]):
+def logical_tensor(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]) -> Merged:
+    """Merge one key's pieces into the logical tensor (the layout's scale divided out)."""
     first_rt, first = pieces[0]
     _common_layout(pieces)
     loaded = [(rt.coords, reader.load(rt, rec)) for rt, rec in pieces]
     try:
-        merged = merge_shards(loaded, first.layout)
+        return merge_shards(loaded, first.layout)
     except PlacementError as e:
         raise TraceError(f"cannot merge shards: {e}", path=reader.dir, rank=first_rt.rank,
                          tensor=str(first.key)) from None
-    if first.scale != 1.0:
-        merged.tensor = merged.tensor.to(torch.float64) / first.scale
-    return merged
 
 
 def nonfinite_message(candidate_count: int, reference_count: int, same_positions: bool) -> Optional[str]:
@@ -121,11 +121,11 @@ def nonfinite_message(candidate_count: int, reference_count: int, same_positions
     return f"non-finite values: candidate has {candidate_count} NaN/Inf, reference has {reference_count}"
 
 
-def _nonfinite_reason(a: torch.Tensor, b: torch.Tensor) -> Optional[str]:
-    fa = ~torch.isfinite(a)
-    fb = ~torch.isfinite(b)
-    na, nb = int(fa.sum()), int(fb.sum())
-    return nonfinite_message(na, nb, bool(na and nb and torch.equal(fa, fb)))
+def replica_note(side: str, ranks: Sequence[int], max_abs_diff: Optional[float] = None, axis: str = "") -> str:
+    """Replicas that should agree bit for bit and do not (``side``: candidate or reference)."""
+    over = f" over {axis}" if axis else ""
+    detail = "" if max_abs_diff is None else f", max |Δ| {max_abs_diff:.3g}"
+    return f"{side} replicas{over} differ (ranks {list(ranks)}{detail})"
 
 
 def arrives_at_module(key: TensorKey, rec: Optional[Record] = None) -> bool:
@@ -136,8 +136,7 @@ def arrives_at_module(key: TensorKey, rec: Optional[Record] = None) -> bool:
     computes from them is judged under the local bound. The recorder marks tensors computed from
     values the replay cannot substitute (``Record.arrival``); they are judged like arrivals too.
     """
-    return (key.phase, key.tensor) in (("forward", "input"), ("backward", "grad_output")) or bool(
-        rec is not None and rec.arrival)
+    return keys.is_arrival(key) or bool(rec is not None and rec.arrival)
 
 
 def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config: ToleranceConfig,
@@ -155,23 +154,6 @@ def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config:
     return TensorResult(key=key, verdict=PASS if ok else FAIL, error=error, eps=tol.eps,
                         tolerance_eps=tol.tolerance_eps, order=order, depth=rec.depth, shape=tuple(shape),
                         tolerance_source=tol.source, reason=reason, arrival=arrival)
-
-
-def judge(key: TensorKey, cand: torch.Tensor, ref: torch.Tensor, rec: Record, num_layers: int, order: int,
-          tol_config: ToleranceConfig, replica_note: str = "", observed: Optional[float] = None) -> TensorResult:
-    args = (key, rec, num_layers, order, tol_config, tuple(ref.shape))
-    kw = dict(observed=observed)
-    if tuple(cand.shape) != tuple(ref.shape):
-        return decide(*args, math.inf, f"shape {tuple(cand.shape)} differs from the reference's {tuple(ref.shape)}",
-                      **kw)
-    err, ref_norm = relative_error(cand, ref)
-    # finite norms on both sides mean no NaN/Inf anywhere: the element-wise scan is skipped
-    nonfinite = None if math.isfinite(err) and math.isfinite(ref_norm) else _nonfinite_reason(cand, ref)
-    if nonfinite:
-        finite = torch.isfinite(cand) & torch.isfinite(ref)
-        err = relative_error(cand[finite], ref[finite])[0] if bool(finite.any()) else math.nan
-        return decide(*args, err, nonfinite, **kw)
-    return decide(*args, err, replica_note, **kw)
 
 
 # --------------------------------------------------------------------------------------------
@@ -233,9 +215,9 @@ def missing_reference(key: TensorKey, cand: torch.Tensor, layout: Layout, coords
     return ShardSums(**dict(blank_shard_sums(key, cand, layout, coords), status="missing_reference"))
 
 
-def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords, ref_full: torch.Tensor,
-               scale: float = 1.0) -> ShardSums:
-    """Judge one candidate piece against the logical reference sliced to it (``slice_logical``)."""
+def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords, ref_full: torch.Tensor) -> ShardSums:
+    """Judge one candidate piece, as the rank stores it, against the logical reference sliced to it
+    (``slice_logical``, which also applies the layout's scale)."""
     base = blank_shard_sums(key, cand, layout, coords)
     if tuple(ref_full.shape) != tuple(layout.logical_shape):
         return ShardSums(**dict(base, status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs "
@@ -247,8 +229,6 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
         return ShardSums(**dict(base, status="shape", detail=f"the candidate's piece {local} does not fit the "
                                                                f"reference's logical shape: {e}"))
     cand = cand.detach().cpu()
-    if scale != 1.0:
-        cand = cand.to(torch.float64) / scale
     mask = logical_mask(layout, coords, local)
     if mask is not None:
         cand, ref_piece = cand.reshape(-1)[mask.reshape(-1)], ref_piece.reshape(-1)[mask.reshape(-1)]
@@ -268,7 +248,11 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
                    tol_config: ToleranceConfig, where: str, notes: Sequence[str] = (),
                    replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None,
                    observed: Optional[float] = None) -> TensorResult:
-    """The verdict on one logical tensor from its pieces' sums (``entries``: (rank, sums))."""
+    """The verdict on one logical tensor from its pieces' sums (``entries``: (rank, sums)).
+
+    The one place where the rules of a verdict live: a shape that does not fit, pieces that do not
+    cover the tensor, replicas that differ, non-finite values, a zero reference. A tensor that is
+    merged before it is judged (partial sums) comes here as a single piece."""
     shape = entries[0][1].logical_shape
     args = (key, rec, num_layers, order, tol_config, shape)
     shaped = [e for _, e in entries if e.status == "shape"]
@@ -290,8 +274,7 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     for _, copies in sorted(positions.items()):
         if len({e.digest for _, e in copies}) > 1:
             ranks = sorted(r for r, _ in copies)
-            detail = f", max |Δ| {replica_max_abs_diff(ranks):.3g}" if replica_max_abs_diff else ""
-            notes.append(f"candidate replicas differ (ranks {ranks}{detail})")
+            notes.append(replica_note("candidate", ranks, replica_max_abs_diff(ranks) if replica_max_abs_diff else None))
         _, first = min(copies, key=lambda c: c[0])  # the lowest rank's copy, as a merge would use
         diff_sq += first.diff_sq
         ref_sq += first.ref_sq
@@ -373,20 +356,20 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     for i, key in enumerate(common):
         rec = ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, ref_groups[key])
-        notes = [f"reference replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})"
-                 for m in ref_merged.replica_mismatches]
+        notes = [replica_note("reference", m.ranks, m.max_abs_diff, m.axis) for m in ref_merged.replica_mismatches]
         observed = perturbation_observed(pert, pert_groups, key, ref_merged.tensor) if pert is not None else None
         if observed is not None and rec.statistic_of:
             observed = max(observed, statistic_observed(pert, pert_groups, ref, ref_groups, key, rec))
         pieces = cand_groups[key]
         layout = _common_layout(pieces)
+        replica_max_abs_diff = None
         if any(isinstance(p, Partial) for p in layout.placements):
-            # partial sums can only be judged once added up: merge them
+            # partial sums can only be judged once added up: merge them, then judge one piece
             cand_merged = logical_tensor(cand, pieces)
-            notes += [f"candidate replicas over {m.axis} differ (ranks {list(m.ranks)}, max |Δ| {m.max_abs_diff:.3g})"
+            notes += [replica_note("candidate", m.ranks, m.max_abs_diff, m.axis)
                       for m in cand_merged.replica_mismatches]
-            results.append(judge(key, cand_merged.tensor, ref_merged.tensor, rec, num_layers, order[key], tol_config,
-                                 "; ".join(notes), observed))
+            whole = Layout((), tuple(cand_merged.tensor.shape))
+            entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, ref_merged.tensor))]
         else:
             # shard by shard: never more than the reference, one candidate piece and its slice in memory
             for rt, r in pieces:
@@ -394,7 +377,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                     check_coords(rt.coords, r.layout)
                 except PlacementError as e:
                     raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
-            entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, ref_merged.tensor, r.scale))
+            entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, ref_merged.tensor))
                        for rt, r in pieces]
             by_rank = {rt.rank: (rt, r) for rt, r in pieces}
 
@@ -402,8 +385,8 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                 loaded = [cand.load(*by_rank[r]) for r in ranks]
                 return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
 
-            results.append(combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
-                                          replica_max_abs_diff, observed))
+        results.append(combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
+                                      replica_max_abs_diff, observed))
         if progress:
             progress(i + 1, len(common))
     absent = sorted(set(ref_groups) - set(cand_groups), key=lambda k: order[k])
@@ -417,25 +400,12 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
 def not_recorded_by(run: dict, key: TensorKey) -> bool:
     """Tensors a run declares it cannot record in its layout (``run.json`` ``not_recorded``: module
     patterns whose per-microbatch tensors have no counterpart there): skipped, not missing."""
-    return key.microbatch >= 0 and any(fnmatch.fnmatchcase(key.module, rule["modules"])
+    return keys.is_per_microbatch(key) and any(fnmatch.fnmatchcase(key.module, rule["modules"])
                                        for rule in run.get("not_recorded", []))
 
 
 # --------------------------------------------------------------------------------------------
 # localization: a replay trace (every module run on the reference's inputs) judged locally
-
-PHASE_LABELS = {("forward", "loss"): "forward (loss)", ("backward", "grad_input"): "backward (dgrad)",
-                ("forward", "input"): "forward (arrival)", ("backward", "grad_output"): "backward (arrival)"}
-
-
-def phase_label(key: TensorKey) -> str:
-    """forward / backward (dgrad) / backward (wgrad) / grad reduction / optimizer."""
-    if key.phase == "backward" and key.tensor.endswith(".grad"):
-        return "backward (wgrad)"
-    if key.phase == "main_grad":
-        return "grad reduction"
-    return PHASE_LABELS.get((key.phase, key.tensor), PHASE_LABELS.get((key.phase, key.module), key.phase))
-
 
 @dataclasses.dataclass
 class Localization:
@@ -497,10 +467,10 @@ def localize(reference_dir: str, replay_dir: str, *, tol_config: ToleranceConfig
         # every recorded module is right given the reference's inputs, yet wrong values reach one:
         # the fault lies in what connects the modules (an op ttrace does not hook, a p2p transfer).
         # Name the first module input or output-grad that arrives wrong.
-        at_modules = [r for r in arrivals if arrives_at_module(r.key)]
+        at_modules = [r for r in arrivals if keys.is_arrival(r.key)]
         first = (at_modules or arrivals)[0]
         where = (f"before {first.key.module} (between it and the module whose output feeds it)"
-                 if first.key.phase == "forward" else
+                 if first.key.phase == keys.FORWARD else
                  f"after {first.key.module} (between its output and the module whose grad flows back to it)")
         first.reason = (f"every module passes given the reference's inputs, but this {first.key.tensor} arrives "
                         f"{first.ratio:.3g}× over tolerance: the fault is {where}, in an op ttrace does not hook "
@@ -513,11 +483,11 @@ def _inputs_failed(result: TensorResult, comparison: Comparison) -> bool:
     """A main grad is reduced from the per-microbatch grads of its parameter. When those already
     fail (they were computed from values the replay does not substitute), the reduction is not
     where the error came from."""
-    if result.key.phase != "main_grad" or not result.key.tensor.endswith(".main_grad"):
+    if result.key.kind is not keys.TensorKind.MAIN_GRAD:
         return False
-    grad = result.key.tensor[:-len(".main_grad")] + ".grad"
-    return any(r.verdict == FAIL and r.key.phase == "backward" and r.key.tensor == grad
-               and r.key.module == result.key.module and r.key.iteration == result.key.iteration
+    grad = keys.microbatch_grad_key(result.key, 0)
+    return any(r.verdict == FAIL and r.key.phase == grad.phase and r.key.tensor == grad.tensor
+               and r.key.module == grad.module and r.key.iteration == grad.iteration
                for r in comparison.results)
 
 

@@ -28,7 +28,8 @@ from .compare import (FAIL, Comparison, ShardSums, TensorResult, blank_shard_sum
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .tolerance import ToleranceConfig
-from .trace_store import RUN_FILE, TensorKey, TraceReader, atomic_write_json, read_json
+from .keys import TensorKey
+from .trace_store import RUN_FILE, TraceReader, atomic_write_json, read_json
 
 ONLINE_FILE = "online.json"
 _RANK_DIR = "rank-{:05d}"
@@ -55,13 +56,12 @@ class OnlineComparer:
         return self.failed is None
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
-            compute_dtype=None, reduction: int = 0, scale: float = 1.0, arrival: bool = False,
-            statistic_of: str = "") -> None:
+            compute_dtype=None, reduction: int = 0, arrival: bool = False, statistic_of: str = "") -> None:
         if not self.active:
             return
-        self.entries.append(self._judge_shard(key, tensor.detach(), layout, scale))
+        self.entries.append(self._judge_shard(key, tensor.detach(), layout))
 
-    def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout, scale: float) -> ShardSums:
+    def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout) -> ShardSums:
         pieces = self._reference_groups.get(key)
         if pieces is None:
             return missing_reference(key, cand, layout, self.coords)
@@ -70,7 +70,7 @@ class OnlineComparer:
                                     detail="a partial sum; judge it offline"))
         ref_full = logical_tensor(self.reference, pieces).tensor
         try:
-            return shard_sums(key, cand, layout, self.coords, ref_full, scale)
+            return shard_sums(key, cand, layout, self.coords, ref_full)
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              rank=self.rank, tensor=str(key)) from None

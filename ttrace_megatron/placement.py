@@ -11,6 +11,11 @@ megatron-core needs beyond it: interleaved ``stride`` blocks (``partition_stride
 MLP's ``[gate; up]`` per rank), the context-parallel ``zigzag`` chunk order, and a logical shape
 that trims padding (the vocabulary padded to a multiple of ``make_vocab_size_divisible_by * tp``).
 
+A layout also says how a rank's stored values relate to the logical values: ``scale`` (every
+rank stores ``scale`` × its piece of the logical tensor; per-microbatch grads carry the loss
+scale 1/num_microbatches of their run, which depends on its DP size). ``merge_shards`` divides it
+out and ``slice_logical`` multiplies it in, so no other code scales values by hand.
+
 Placements are listed from the outermost split to the innermost: for a sequence split first over
 CP and then over TP (sequence parallelism) it is ``(Shard(0, "cp", layout="zigzag"), Shard(0, "tp"))``.
 Axes that are not listed do not relate the tensors of different ranks (another pipeline stage,
@@ -118,12 +123,14 @@ class Layout:
     Shard dims refer to the tensor as ranks store it. ``permute`` (optional) maps the stored dim
     order to the logical one, for tensors whose memory layout depends on the parallel mode (the
     embedding output is ``[b, s, h]`` without sequence parallelism and ``[s/tp, b, h]`` with it):
-    ``logical = merged.permute(permute)``. ``logical_shape`` is in logical dim order.
+    ``logical = merged.permute(permute)``. ``logical_shape`` is in logical dim order. ``scale``:
+    every rank stores ``scale`` times the logical value (see the module docstring).
     """
 
     placements: Tuple[Placement, ...]
     logical_shape: Tuple[int, ...]
     permute: Optional[Tuple[int, ...]] = None
+    scale: float = 1.0  # each rank stores scale × the logical value
 
     @property
     def axes(self) -> Tuple[str, ...]:
@@ -145,6 +152,8 @@ class Layout:
                                  f"{len(self.logical_shape)}")
         if self.permute is not None and sorted(self.permute) != list(range(len(self.logical_shape))):
             raise ValueError(f"permute {self.permute} is not a permutation of {len(self.logical_shape)} dims")
+        if not (math.isfinite(self.scale) and self.scale > 0):
+            raise ValueError(f"scale must be a positive finite number, got {self.scale}")
 
     def to_json(self) -> dict:
         obj = {
@@ -153,6 +162,8 @@ class Layout:
         }
         if self.permute is not None:
             obj["permute"] = list(self.permute)
+        if self.scale != 1.0:
+            obj["scale"] = self.scale
         return obj
 
     @staticmethod
@@ -162,6 +173,7 @@ class Layout:
             placements=tuple(placement_from_json(p) for p in obj["placements"]),
             logical_shape=tuple(int(s) for s in obj["logical_shape"]),
             permute=None if permute is None else tuple(int(d) for d in permute),
+            scale=float(obj.get("scale", 1.0)),
         )
 
 
@@ -258,8 +270,9 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
 
     ``local_shape`` is the shape of the rank's tensor; it determines padding (a vocab padded to a
     multiple of 128·tp). A :class:`Partial` gives the whole value to rank 0 and zeros elsewhere,
-    which is one valid decomposition of the sum. ``contiguous=False`` may return a view of
-    ``full`` (no copy), for a caller that only reads it.
+    which is one valid decomposition of the sum. The layout's ``scale`` is applied (in float64),
+    so the result is what the rank stores. ``contiguous=False`` may return a view of ``full`` (no
+    copy, when the scale is 1), for a caller that only reads it.
     """
     if tuple(full.shape) != tuple(layout.logical_shape):
         raise PlacementError(f"logical tensor has shape {tuple(full.shape)}, layout says {layout.logical_shape}")
@@ -295,12 +308,31 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
             t = t.reshape(-1)[start:end]
     if tuple(t.shape) != local_shape:
         raise PlacementError(f"slice gave shape {tuple(t.shape)}, the rank holds {local_shape}")
+    if layout.scale != 1.0:
+        return t.to(torch.float64) * layout.scale
     return t.contiguous() if contiguous else t
+
+
+def owned_piece(whole: torch.Tensor, layout: Layout, coords: Coords) -> torch.Tensor:
+    """What a rank stores of a tensor it holds whole but owns only a range of (the distributed
+    optimizer's main grads: the rank's whole grad buffer, of which only its :class:`RangeShard`
+    range is reduced): a view of that range, flattened. Without a RangeShard, ``whole`` itself."""
+    ranges = _range_shard(layout)
+    if ranges is None:
+        return whole
+    rank, size = _coord(coords, ranges.axis)
+    if ranges.size != size:
+        raise PlacementError(f"{ranges} has {ranges.size} ranges, axis {ranges.axis!r} has {size} ranks")
+    if tuple(whole.shape) != ranges.shape:
+        raise PlacementError(f"{ranges} cuts a tensor of shape {ranges.shape}, the rank holds {tuple(whole.shape)}")
+    start, end = ranges.piece(rank)
+    return whole.view(-1)[start:end]
 
 
 def logical_mask(layout: Layout, coords: Coords, local_shape: Sequence[int]) -> Optional[torch.Tensor]:
     """Which positions of the rank's piece belong to the logical tensor (False on padding, e.g. a
     vocabulary padded per TP size); None when the piece has no padding."""
+    layout = dataclasses.replace(layout, scale=1.0)  # positions, not values
     pieces = math.prod(_coord(coords, p.axis)[1] for p in layout.placements if isinstance(p, Shard))
     ranges = _range_shard(layout)
     if ranges is not None:
@@ -352,7 +384,7 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
 
     Shards are concatenated (de-interleaved for strided and zigzag layouts), partial sums are added
     in float64, and replicas are checked to be bitwise identical; a disagreement is returned, not
-    hidden, and the lowest rank's copy is used.
+    hidden, and the lowest rank's copy is used. The layout's ``scale`` is divided out (in float64).
     """
     axes = layout.axes
     current: Dict[Tuple[int, ...], torch.Tensor] = {}
@@ -409,7 +441,10 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
     (tensor,) = current.values()
     if layout.permute is not None:
         tensor = tensor.permute(layout.permute)
-    return Merged(_trim(tensor, layout.logical_shape), mismatches)
+    tensor = _trim(tensor, layout.logical_shape)
+    if layout.scale != 1.0:
+        tensor = tensor.to(torch.float64) / layout.scale
+    return Merged(tensor, mismatches)
 
 
 def _join_ranges(p: RangeShard, pieces: Sequence[torch.Tensor]) -> torch.Tensor:

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from .compare import FAIL, PASS, Comparison, TensorResult
-from .trace_store import PHASES
+from .keys import PHASES
 
 
 def _num(x: float):

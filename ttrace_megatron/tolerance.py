@@ -30,8 +30,7 @@ import math
 from typing import Tuple
 
 from .formats import number_format, report_format
-
-FORWARD_PHASES = ("forward",)
+from .keys import FORWARD
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,7 +52,7 @@ class Tolerance:
 
 def propagation_depth(phase: str, depth: int, num_layers: int) -> int:
     """How many layers round-off has travelled through to reach a tensor of layer ``depth``."""
-    if phase in FORWARD_PHASES:
+    if phase == FORWARD:
         return max(depth, 1)
     return max(num_layers + 1 - depth, 1)
 

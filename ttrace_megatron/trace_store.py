@@ -27,39 +27,22 @@ from typing import Dict, Iterator, List, Optional, Tuple
 import torch
 
 from .errors import TraceError
+from .keys import PHASES, TensorKey  # noqa: F401  (re-exported: the key of every record)
 from .placement import Layout
 from .stream_writer import SAFETENSORS_DTYPES, BackgroundWriter, StreamingFile
 
-FORMAT_VERSION = 1
+# 2: a per-rank value scale is part of the layout (1 kept it in the record as ``scale``)
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"
+# run.json "role": what a trace is
+REFERENCE = "reference"  # the single-device run the others are judged against
+CANDIDATE = "candidate"  # the distributed run under test
+REPLAY = "replay"  # the candidate again, every hooked module on the reference's inputs (localization)
+
 _DATA_FILE_RE = re.compile(r"^iter-\d{6}(-\d{3})?\.safetensors$")
 _RANK_DIR = "rank-{:05d}"
-
-PHASES = ("forward", "backward", "main_grad", "optimizer")
-
-
-@dataclasses.dataclass(frozen=True)
-class TensorKey:
-    """Run-independent identity of a logical tensor."""
-
-    iteration: int
-    microbatch: int  # global microbatch id; -1 for per-iteration tensors (main_grad, optimizer)
-    module: str  # canonical module name: no wrapper prefixes, global layer numbers
-    phase: str  # one of PHASES
-    tensor: str  # input, output, grad_input, grad_output, weight_grad, main_grad, ...
-
-    def __str__(self) -> str:
-        mb = "" if self.microbatch < 0 else f" mb{self.microbatch}"
-        return f"it{self.iteration}{mb} {self.module} [{self.phase}] {self.tensor}"
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @staticmethod
-    def from_json(obj: dict) -> "TensorKey":
-        return TensorKey(int(obj["iteration"]), int(obj["microbatch"]), str(obj["module"]),
-                         str(obj["phase"]), str(obj["tensor"]))
 
 
 @dataclasses.dataclass
@@ -76,9 +59,6 @@ class Record:
     depth: int = 0  # layer depth, 1-based; 0 for the embedding, num_layers + 1 for the output side
     compute_dtype: str = ""  # dtype the producing op computed in (for tolerances)
     reduction: int = 0  # reduction length K of the GEMM that produced it (0 if not a GEMM output)
-    # the recorded value is scale × the logical value: per-microbatch grads carry the loss scale
-    # 1/num_microbatches of *this* run, which differs between runs of different DP sizes
-    scale: float = 1.0
     # computed from values a localization replay does not substitute (the grad of a bias that a
     # linear hands to its caller to add): judged like what arrives at a module, never as a
     # module's own output
@@ -90,8 +70,7 @@ class Record:
     def to_json(self) -> dict:
         obj = {"key": self.key.to_json(), "layout": self.layout.to_json(), "dtype": self.dtype,
                "shape": list(self.shape), "seq": self.seq, "file": self.file, "name": self.name,
-               "depth": self.depth, "compute_dtype": self.compute_dtype, "reduction": self.reduction,
-               "scale": self.scale}
+               "depth": self.depth, "compute_dtype": self.compute_dtype, "reduction": self.reduction}
         if self.arrival:
             obj["arrival"] = True
         if self.statistic_of:
@@ -100,10 +79,13 @@ class Record:
 
     @staticmethod
     def from_json(obj: dict) -> "Record":
-        return Record(TensorKey.from_json(obj["key"]), Layout.from_json(obj["layout"]), str(obj["dtype"]),
+        layout = Layout.from_json(obj["layout"])
+        if "scale" in obj:  # format 1 kept the value scale in the record
+            layout = dataclasses.replace(layout, scale=float(obj["scale"]))
+        return Record(TensorKey.from_json(obj["key"]), layout, str(obj["dtype"]),
                       tuple(int(s) for s in obj["shape"]), int(obj["seq"]), str(obj["file"]),
                       str(obj["name"]), int(obj.get("depth", 0)), str(obj.get("compute_dtype", "")),
-                      int(obj.get("reduction", 0)), float(obj.get("scale", 1.0)), bool(obj.get("arrival", False)),
+                      int(obj.get("reduction", 0)), bool(obj.get("arrival", False)),
                       str(obj.get("statistic_of", "")))
 
 
@@ -165,7 +147,7 @@ class TraceWriter:
         return self.failed is None
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
-            compute_dtype: Optional[torch.dtype] = None, reduction: int = 0, scale: float = 1.0,
+            compute_dtype: Optional[torch.dtype] = None, reduction: int = 0,
             arrival: bool = False, statistic_of: str = "") -> None:
         """Copy ``tensor`` into the file of its iteration now; it is written in the background."""
         if not self.active:
@@ -186,7 +168,7 @@ class TraceWriter:
             return
         self._file_records.append(Record(
             key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, self._file_name, name, depth,
-            dtype_name(compute_dtype or tensor.dtype), reduction, scale, arrival, statistic_of))
+            dtype_name(compute_dtype or tensor.dtype), reduction, arrival, statistic_of))
         self._seq += 1
 
     def flush(self, iteration: int) -> None:
@@ -296,8 +278,9 @@ class TraceReader:
         self.run = read_json(run_path, rank=None)
         if not isinstance(self.run, dict) or "world_size" not in self.run:
             raise TraceError("run description lacks 'world_size'", path=run_path)
-        if self.run.get("format_version") != FORMAT_VERSION:
-            raise TraceError(f"trace format {self.run.get('format_version')!r} is not {FORMAT_VERSION}", path=run_path)
+        if self.run.get("format_version") not in READABLE_VERSIONS:
+            raise TraceError(f"trace format {self.run.get('format_version')!r} is not one of {READABLE_VERSIONS}",
+                             path=run_path)
         world = self.run["world_size"]
         if not isinstance(world, int) or isinstance(world, bool) or world < 1:
             raise TraceError(f"bad world_size {world!r}", path=run_path)

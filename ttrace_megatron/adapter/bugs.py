@@ -1,26 +1,50 @@
 """Bugs injected at run time into a candidate, for tests and the bug zoo. Never edits files.
 
-Each bug is a function ``(chunks, module_pattern) -> None`` that patches module instances of the
-already-built model. A bug is named on the command line as ``NAME`` or ``NAME:MODULE_PATTERN``.
+Each bug is a function that patches the already-built model (its module instances, or the
+megatron function it calls), registered under its name by :func:`bug`. A bug that acts on chosen
+modules takes a module pattern (``NAME:MODULE_PATTERN`` on the command line, the registered default
+otherwise); a bug that acts on the whole run takes none and refuses one, so a pattern is never
+accepted and ignored.
 """
 
 from __future__ import annotations
 
-import fnmatch
+import dataclasses
 import functools
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional
 
 import torch
 
-from .naming import canonical_module_names
+from .naming import named_modules
+
+
+@dataclasses.dataclass(frozen=True)
+class Bug:
+    name: str
+    inject: Callable
+    default_pattern: Optional[str]  # None: the bug acts on the whole run and takes no pattern
+
+    @property
+    def doc(self) -> str:
+        return (self.inject.__doc__ or "").strip()
+
+
+BUGS: Dict[str, Bug] = {}
+
+
+def bug(default_pattern: Optional[str] = None):
+    """Register a bug under its function's name. With ``default_pattern`` it is called as
+    ``fn(chunks, pattern)``; without, as ``fn(chunks)``, and a pattern given for it is refused."""
+    def register(fn: Callable) -> Callable:
+        if fn.__name__ in BUGS:
+            raise ValueError(f"bug {fn.__name__!r} registered twice")
+        BUGS[fn.__name__] = Bug(fn.__name__, fn, default_pattern)
+        return fn
+    return register
 
 
 def _modules(chunks, pattern: str, cls):
-    found = []
-    for chunk in chunks:
-        for module, name in canonical_module_names(chunk).items():
-            if isinstance(module, cls) and fnmatch.fnmatchcase(name, pattern):
-                found.append((name, module))
+    found = named_modules(chunks, pattern, cls)
     if not found and _pipeline_size() == 1:  # a pipeline stage may hold none of the matching layers
         raise ValueError(f"bug injection: no {cls.__name__} matches {pattern!r}")
     return found
@@ -50,7 +74,8 @@ def _during_forward(module, layers_attr: str, replacement):
     module.forward = forward
 
 
-def row_allreduce_dropped(chunks, pattern: str = "*linear_fc2") -> None:
+@bug(default_pattern="*linear_fc2")
+def row_allreduce_dropped(chunks, pattern: str) -> None:
     """RowParallelLinear forgets to sum its partial outputs over TP (forward)."""
     from megatron.core.tensor_parallel.layers import RowParallelLinear
     from megatron.core.tensor_parallel.mappings import _split_along_first_dim
@@ -63,7 +88,8 @@ def row_allreduce_dropped(chunks, pattern: str = "*linear_fc2") -> None:
             _during_forward(module, "reduce_from_tensor_model_parallel_region", lambda x, group=None: x)
 
 
-def column_dgrad_allreduce_dropped(chunks, pattern: str = "*linear_qkv") -> None:
+@bug(default_pattern="*linear_qkv")
+def column_dgrad_allreduce_dropped(chunks, pattern: str) -> None:
     """ColumnParallelLinear skips the all-reduce of its input grad over TP (backward): each rank
     keeps the dgrad of its own output columns. Without sequence parallelism only (with SP the
     dgrad is reduce-scattered instead)."""
@@ -78,22 +104,22 @@ def column_dgrad_allreduce_dropped(chunks, pattern: str = "*linear_qkv") -> None
         _during_forward(module, "copy_to_tensor_model_parallel_region", lambda x, group=None: x)
 
 
-def sp_norm_grad_not_reduced(chunks, pattern: str = "*layernorm") -> None:
+@bug(default_pattern="*layernorm")
+def sp_norm_grad_not_reduced(chunks, pattern: str) -> None:
     """Under SP, norm weights lose their ``sequence_parallel`` tag, so finalize_model_grads does
     not sum their grads over TP (each rank keeps the grad of its own sequence shard)."""
     found = 0
-    for chunk in chunks:
-        for module, name in canonical_module_names(chunk).items():
-            if fnmatch.fnmatchcase(name, pattern):
-                for p in module.parameters(recurse=False):
-                    if getattr(p, "sequence_parallel", False):
-                        p.sequence_parallel = False
-                        found += 1
+    for _, module in named_modules(chunks, pattern):
+        for p in module.parameters(recurse=False):
+            if getattr(p, "sequence_parallel", False):
+                p.sequence_parallel = False
+                found += 1
     if not found:
         raise ValueError(f"bug injection: no sequence-parallel parameter under {pattern!r}")
 
 
-def embedding_mask_missing(chunks, pattern: str = "*word_embeddings") -> None:
+@bug(default_pattern="*word_embeddings")
+def embedding_mask_missing(chunks, pattern: str) -> None:
     """VocabParallelEmbedding forgets to zero the rows of tokens another TP rank owns."""
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
@@ -110,7 +136,8 @@ def embedding_mask_missing(chunks, pattern: str = "*word_embeddings") -> None:
         module.forward = forward
 
 
-def dp_grad_not_averaged(chunks, pattern: str = "*") -> None:
+@bug()
+def dp_grad_not_averaged(chunks) -> None:
     """DDP sums main grads over data-parallel ranks without the 1/dp scale (a loss or grad scaled
     wrongly by dp): every main grad is dp times too large."""
     found = 0
@@ -125,7 +152,8 @@ def dp_grad_not_averaged(chunks, pattern: str = "*") -> None:
         raise ValueError("bug injection: dp_grad_not_averaged needs data parallelism (DP > 1)")
 
 
-def grad_norm_counts_tp_replicas(chunks, pattern: str = "*") -> None:
+@bug()
+def grad_norm_counts_tp_replicas(chunks) -> None:
     """The grad norm counts TP-replicated parameters (norms, row-parallel biases) on every TP rank
     instead of once: the BLOOM class of bug. Clipping then scales every update wrongly."""
     from megatron.core import tensor_parallel
@@ -133,7 +161,8 @@ def grad_norm_counts_tp_replicas(chunks, pattern: str = "*") -> None:
     tensor_parallel.param_is_not_tensor_parallel_duplicate = lambda param, tp_group=None: True
 
 
-def gated_mlp_halves_swapped(chunks, pattern: str = "*linear_fc1") -> None:
+@bug(default_pattern="*linear_fc1")
+def gated_mlp_halves_swapped(chunks, pattern: str) -> None:
     """A gated MLP's fused fc1 holds [gate; up] per rank (partition_stride 2); a converter that
     writes [up; gate] instead swaps SwiGLU's two inputs. Applied to the loaded weights."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -148,7 +177,8 @@ def gated_mlp_halves_swapped(chunks, pattern: str = "*linear_fc1") -> None:
                     p.data.copy_(torch.cat([up, gate], dim=0))
 
 
-def qkv_groups_reversed(chunks, pattern: str = "*linear_qkv") -> None:
+@bug(default_pattern="*linear_qkv")
+def qkv_groups_reversed(chunks, pattern: str) -> None:
     """A fused QKV weight written with its query groups in the wrong order within each rank's
     shard (a checkpoint converter's layout bug). Applied to the loaded weights."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -164,7 +194,8 @@ def qkv_groups_reversed(chunks, pattern: str = "*linear_qkv") -> None:
                     p.data.copy_(shaped.flip(0).reshape(p.shape))
 
 
-def cross_entropy_mask_missing(chunks, pattern: str = "*") -> None:
+@bug()
+def cross_entropy_mask_missing(chunks) -> None:
     """Vocab-parallel cross entropy forgets to zero the target logit on ranks that do not own the
     target token: every other rank adds its own logit at the clamped index to the sum."""
     from megatron.core.tensor_parallel import cross_entropy
@@ -181,7 +212,8 @@ def cross_entropy_mask_missing(chunks, pattern: str = "*") -> None:
     cross_entropy.VocabParallelCrossEntropy.calculate_predicted_logits = staticmethod(calculate_predicted_logits)
 
 
-def distopt_grad_shard_offset(chunks, pattern: str = "*") -> None:
+@bug()
+def distopt_grad_shard_offset(chunks) -> None:
     """The distributed optimizer reads each parameter's owned range of the reduced grad buffer one
     element off (a shard-offset bug, like a bucket offset applied twice): the grad reduction is
     right, the step uses shifted grads."""
@@ -203,7 +235,8 @@ def distopt_grad_shard_offset(chunks, pattern: str = "*") -> None:
     DistributedOptimizer._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
 
 
-def tied_embedding_grads_not_synced(chunks, pattern: str = "*") -> None:
+@bug()
+def tied_embedding_grads_not_synced(chunks) -> None:
     """With tied embeddings and PP > 1, finalize_model_grads skips the all-reduce of the word
     embedding grads over the embedding group (first and last stage): each stage's copy steps on its
     own share of the grad and the copies drift apart."""
@@ -217,7 +250,8 @@ def tied_embedding_grads_not_synced(chunks, pattern: str = "*") -> None:
     finalize._allreduce_word_embedding_grads = lambda *args, **kwargs: None
 
 
-def vpp_batched_p2p_at_pp2(chunks, pattern: str = "*") -> None:
+@bug()
+def vpp_batched_p2p_at_pp2(chunks) -> None:
     """Virtual pipelining at PP = 2 with batched p2p (``batch_p2p_comm=True``, no overlap): the
     previous and the next stage are the same rank, the batched sends to it pair FIFO with the
     receives, and an activation and a grad travelling in opposite directions are swapped. A real
@@ -230,7 +264,8 @@ def vpp_batched_p2p_at_pp2(chunks, pattern: str = "*") -> None:
     config.batch_p2p_comm, config.overlap_p2p_comm = True, False
 
 
-def expert_grads_scaled_by_edp(chunks, pattern: str = "*") -> None:
+@bug()
+def expert_grads_scaled_by_edp(chunks) -> None:
     """Expert grads are averaged over the expert-DP group instead of the whole DP group: with
     EP over DP ranks an expert sees the tokens of dp/edp ranks, so its grad must still be scaled by
     1/dp (megatron pre-scales expert buckets by edp/dp); this scales it by 1/edp."""
@@ -247,7 +282,8 @@ def expert_grads_scaled_by_edp(chunks, pattern: str = "*") -> None:
         raise ValueError("bug injection: expert_grads_scaled_by_edp needs expert parallelism over DP ranks (EDP < DP)")
 
 
-def moe_aux_loss_scaled_by_tp(chunks, pattern: str = "*") -> None:
+@bug()
+def moe_aux_loss_scaled_by_tp(chunks) -> None:
     """The router's load-balancing loss is summed over the TP ranks instead of averaged: its
     coefficient is effectively TP times too large, so the router's weight grads are wrong."""
     from megatron.core.utils import get_model_config
@@ -258,7 +294,8 @@ def moe_aux_loss_scaled_by_tp(chunks, pattern: str = "*") -> None:
     config.moe_aux_loss_coeff *= config.tensor_model_parallel_size
 
 
-def expert_tp_partials_not_reduced(chunks, pattern: str = "*") -> None:
+@bug()
+def expert_tp_partials_not_reduced(chunks) -> None:
     """With expert-TP, the alltoall dispatcher's combine forgets to sum the experts' partial outputs
     over the expert-TP ranks: each rank keeps its own partial sum of its tokens."""
     from megatron.core.transformer.moe import token_dispatcher
@@ -271,7 +308,8 @@ def expert_tp_partials_not_reduced(chunks, pattern: str = "*") -> None:
     token_dispatcher.reduce_scatter_to_sequence_parallel_region = split_without_sum
 
 
-def fp8_amax_wrong_group(chunks, pattern: str = "*linear_qkv") -> None:
+@bug(default_pattern="*linear_qkv")
+def fp8_amax_wrong_group(chunks, pattern: str) -> None:
     """FP8: a linear reduces the amax of its sequence-parallel input over the data-parallel group
     instead of the tensor-parallel group that shards it, so TP ranks quantize their shards of one
     logical tensor with different scales (Megatron-LM's amax-reduction-group class of bugs). Needs a
@@ -289,31 +327,15 @@ def fp8_amax_wrong_group(chunks, pattern: str = "*linear_qkv") -> None:
         emulated.groups = dict(emulated.groups, input=[layouts.axis_group(layouts.DP)])
 
 
-BUGS: Dict[str, Callable] = {
-    "row_allreduce_dropped": row_allreduce_dropped,
-    "column_dgrad_allreduce_dropped": column_dgrad_allreduce_dropped,
-    "sp_norm_grad_not_reduced": sp_norm_grad_not_reduced,
-    "embedding_mask_missing": embedding_mask_missing,
-    "dp_grad_not_averaged": dp_grad_not_averaged,
-    "grad_norm_counts_tp_replicas": grad_norm_counts_tp_replicas,
-    "gated_mlp_halves_swapped": gated_mlp_halves_swapped,
-    "qkv_groups_reversed": qkv_groups_reversed,
-    "cross_entropy_mask_missing": cross_entropy_mask_missing,
-    "distopt_grad_shard_offset": distopt_grad_shard_offset,
-    "tied_embedding_grads_not_synced": tied_embedding_grads_not_synced,
-    "vpp_batched_p2p_at_pp2": vpp_batched_p2p_at_pp2,
-    "expert_grads_scaled_by_edp": expert_grads_scaled_by_edp,
-    "moe_aux_loss_scaled_by_tp": moe_aux_loss_scaled_by_tp,
-    "expert_tp_partials_not_reduced": expert_tp_partials_not_reduced,
-    "fp8_amax_wrong_group": fp8_amax_wrong_group,
-}
-
-
 def inject(chunks: List[torch.nn.Module], spec: str) -> None:
-    name, _, pattern = spec.partition(":")
+    """Inject ``NAME`` or ``NAME:MODULE_PATTERN`` into the candidate's model."""
+    name, has_pattern, pattern = spec.partition(":")
     if name not in BUGS:
         raise ValueError(f"unknown bug {name!r}; known: {', '.join(sorted(BUGS))}")
-    if pattern:
-        BUGS[name](chunks, pattern)
+    entry = BUGS[name]
+    if entry.default_pattern is None:
+        if has_pattern:
+            raise ValueError(f"bug {name!r} acts on the whole run and takes no module pattern (got {pattern!r})")
+        entry.inject(chunks)
     else:
-        BUGS[name](chunks)
+        entry.inject(chunks, pattern or entry.default_pattern)

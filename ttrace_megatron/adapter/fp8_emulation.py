@@ -28,11 +28,11 @@ communication. TE-backed layers on a GPU use TE itself.
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .. import keys
 from ..fp8 import quantize, scale_from_amax
 from . import layouts
 
@@ -99,8 +99,8 @@ class _QuantizeGradOutput(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         em = ctx.emulated
-        amax = _logical_amax(grad, em.groups["grad_output"])
-        em.observe("backward", "grad_output_amax", amax)
+        amax = _logical_amax(grad, em.groups[keys.GRAD_OUTPUT])
+        em.observe(keys.BACKWARD, keys.GRAD_OUTPUT, amax)
         return _fake_quantize(grad, amax, em.settings.backward_format, em.settings.margin), None
 
 
@@ -111,21 +111,21 @@ class EmulatedFP8Linear:
         self.module = module
         self.settings = settings
         self.groups = groups  # operand -> process groups its amax is reduced over
-        self.observer: Optional[Callable[[str, str, torch.Tensor], None]] = None
+        self.observer: Optional[Callable[[str, str, torch.Tensor], None]] = None  # (phase, operand, amax)
         self.original = module._forward_impl
         module._forward_impl = self
         module._ttrace_fp8 = self
 
-    def observe(self, phase: str, tensor: str, amax: torch.Tensor) -> None:
+    def observe(self, phase: str, operand: str, amax: torch.Tensor) -> None:
         if self.observer is not None:
-            self.observer(phase, tensor, amax)
+            self.observer(phase, operand, amax)
 
     def __call__(self, input, weight, *args, **kwargs):
         s = self.settings
-        amax_in = _logical_amax(input, self.groups["input"])
-        amax_w = _logical_amax(weight, self.groups["weight"])
-        self.observe("forward", "input_amax", amax_in)
-        self.observe("forward", "weight_amax", amax_w)
+        amax_in = _logical_amax(input, self.groups[keys.INPUT])
+        amax_w = _logical_amax(weight, self.groups[keys.WEIGHT])
+        self.observe(keys.FORWARD, keys.INPUT, amax_in)
+        self.observe(keys.FORWARD, keys.WEIGHT, amax_w)
         q_in = _QuantizeOperand.apply(input, amax_in, s.forward_format, s.margin)
         q_w = _QuantizeOperand.apply(weight, amax_w, s.forward_format, s.margin)
         out = self.original(q_in, q_w, *args, **kwargs)  # fp32 GEMM (+ megatron's TP communication)
@@ -138,16 +138,13 @@ def install(chunks, settings: FP8Settings, facts: layouts.ModelFacts) -> List[Em
     """Run every decoder-layer linear of ``chunks`` as an emulated FP8 GEMM (before DDP wraps them)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from .naming import canonical_module_names
+    from .naming import named_modules
 
     installed = []
-    for chunk in chunks:
-        for module, name in canonical_module_names(chunk).items():
-            if (isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and not layouts.is_expert(module)
-                    and fnmatch.fnmatchcase(name, FP8_MODULES) and not hasattr(module, "_ttrace_fp8")):
-                placements = layouts.gemm_operand_placements(name, module, facts)
-                groups = {operand: [layouts.axis_group(axis) for axis in layouts.sharded_axes(pl)]
-                          for operand, pl in placements.items()}
-                installed.append(EmulatedFP8Linear(module, settings, groups))
+    for name, module in named_modules(chunks, FP8_MODULES, (ColumnParallelLinear, RowParallelLinear)):
+        if not layouts.is_expert(module) and not hasattr(module, "_ttrace_fp8"):
+            placements = layouts.gemm_operand_placements(name, module, facts)
+            groups = {operand: [layouts.axis_group(axis) for axis in layouts.sharded_axes(pl)]
+                      for operand, pl in placements.items()}
+            installed.append(EmulatedFP8Linear(module, settings, groups))
     return installed
-

@@ -30,10 +30,7 @@ import os
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from ..errors import RecipeError
-
-REFERENCE = "reference"
-CANDIDATE = "candidate"
-REPLAY = "replay"
+from ..trace_store import CANDIDATE, REFERENCE, REPLAY
 
 
 def parse_int_ranges(text: str) -> List[int]:
@@ -109,7 +106,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                             "other run loads its shard of each weight from it, whatever its parallel layout")
     group.add_argument("--ttrace-replay", metavar="DIR",
                        help="localization replay: every recorded module runs on this reference trace's inputs and "
-                            "output-grads, so each is judged on its own (ttrace compare --local)")
+                            "output-grads, so each is judged on its own (then: ttrace localize REF DIR)")
     group.add_argument("--ttrace-perturb", type=int, default=0, metavar="SEED",
                        help="the perturbation estimate: run the reference again with round-off-sized noise in every "
                             "recorded module (seeded by SEED > 0), into its own --ttrace-dir; ttrace compare "
@@ -143,11 +140,10 @@ def extra_args_provider(existing: Optional[Callable] = None):
 @dataclasses.dataclass
 class Session:
     options: TraceOptions
+    dispatcher: Any  # adapter.hooks.Dispatcher: the clock and every feature (record, replay, perturb)
     recorder: Any  # adapter.recorder.Recorder
     optimizer: Any
     rank: int
-    replayer: Any = None  # adapter.replay.Replayer when --ttrace-replay
-    perturber: Any = None  # adapter.perturb.Perturber when --ttrace-perturb
 
 
 _SESSION: Optional[Session] = None
@@ -196,11 +192,11 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
 
 def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: Optional[int] = None,
                 tokens_per_microbatch: Optional[int] = None, tokens_per_iteration: Optional[int] = None):
-    """What placement inference needs, from the model, its config and Megatron-LM's arguments."""
-    from megatron.core import parallel_state as ps
+    """:class:`.layouts.ModelFacts` of a Megatron-LM run (its arguments give the batch sizes), or of
+    a megatron-core loop that passes them."""
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
-    from .layouts import ModelFacts
+    from .layouts import model_facts as build_facts
     from .naming import unwrap
 
     if logical_vocab_size is None:
@@ -219,50 +215,30 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
             raise RecipeError("ttrace.attach needs tokens_per_microbatch and tokens_per_iteration outside Megatron-LM")
         tokens_per_microbatch = args.micro_batch_size * args.seq_length
         tokens_per_iteration = args.global_batch_size * args.seq_length
-    return ModelFacts(num_layers=config.num_layers, vocab_size=logical_vocab_size,
-                      sequence_parallel=config.sequence_parallel, gated_linear_unit=config.gated_linear_unit,
-                      tp_size=ps.get_tensor_model_parallel_world_size(), hidden_size=config.hidden_size,
-                      tokens_per_microbatch=tokens_per_microbatch, tokens_per_iteration=tokens_per_iteration,
-                      pp_size=ps.get_pipeline_model_parallel_world_size(),
-                      experts_mix_microbatches=(ps.get_expert_model_parallel_world_size()
-                                                * ps.get_expert_tensor_parallel_world_size()
-                                                > ps.get_tensor_model_parallel_world_size()))
+    return build_facts(chunks, config, vocab_size=logical_vocab_size, tokens_per_microbatch=tokens_per_microbatch,
+                       tokens_per_iteration=tokens_per_iteration)
 
 
-# fields of TransformerConfig that define the computation (parallel layout and performance knobs
-# are left out: they are what reference and candidate legitimately differ in)
-_MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
-                 "kv_channels", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
-                 "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "hidden_dropout",
-                 "attention_dropout", "apply_residual_connection_post_layernorm", "init_method_std",
-                 "bf16", "fp16", "params_dtype", "fp8", "num_moe_experts", "moe_router_topk",
-                 "calculate_per_token_loss", "apply_query_key_layer_scaling", "attention_softmax_in_fp32")
-
-
-def model_signature(config, facts, args: Any = None) -> Dict[str, Any]:
-    """What must be equal between reference and candidate for a comparison to make sense."""
-    sig: Dict[str, Any] = {f: str(getattr(config, f, None)) if f == "params_dtype" else getattr(config, f, None)
-                           for f in _MODEL_FIELDS}
-    sig["activation_func"] = getattr(getattr(config, "activation_func", None), "__name__", None)
-    sig["vocab_size"] = facts.vocab_size
-    sig["tokens_per_iteration"] = facts.tokens_per_iteration
-    if args is not None:
-        for name in ("seq_length", "global_batch_size", "seed", "lr", "optimizer", "weight_decay", "clip_grad",
-                     "adam_beta1", "adam_beta2", "adam_eps", "position_embedding_type",
-                     "untie_embeddings_and_output_weights"):
-            if hasattr(args, name):
-                value = getattr(args, name)
-                sig[name] = value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
-    return sig
+def training_signature(args: Any) -> Dict[str, Any]:
+    """What Megatron-LM's arguments say about the data and the loop (see :func:`.build.model_signature`)."""
+    if args is None:
+        return {}
+    names = {"seed": "seed", "seq_length": "seq_length", "micro_batch_size": "micro_batch_size",
+             "global_batch_size": "global_batch_size", "iterations": "train_iters"}
+    return {k: getattr(args, a) for k, a in names.items() if hasattr(args, a)}
 
 
 def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, args: Any = None,
-           facts=None, run_info: Optional[Dict[str, Any]] = None) -> Optional[Session]:
+           facts=None, signature: Optional[Dict[str, Any]] = None,
+           run_info: Optional[Dict[str, Any]] = None) -> Optional[Session]:
     """Start recording ``model`` (a chunk or a list of chunks) and ``optimizer``.
 
     Options come from ``options`` or else from Megatron-LM's ``--ttrace*`` arguments; without
     ``--ttrace`` nothing happens and None is returned. Raises RecipeError before training starts
-    for parallel modes that cannot be traced yet.
+    for parallel modes that cannot be traced yet. ``signature``: the model signature
+    (:func:`.build.model_signature`) of a caller that describes the model as it built it, before
+    anything patched it (``ttrace run`` injects bugs); else it is read from the model, the optimizer
+    and Megatron-LM's arguments now.
     """
     global _SESSION
     import torch.distributed as dist
@@ -271,6 +247,8 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
 
     from ..trace_store import TraceWriter, write_run_info
     from . import layouts
+    from .build import model_signature
+    from .hooks import Clock, Dispatcher
     from .recorder import Recorder, RecordFilter
 
     if args is None and options is None:
@@ -287,15 +265,18 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
 
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
-    dp_rank = ps.get_data_parallel_rank()
     coords = layouts.rank_coordinates()
     role = options.role if options.role != "auto" else (REFERENCE if world == 1 else CANDIDATE)
     if options.replay:
         role = REPLAY
+    key_layouts = layouts.KeyLayouts(facts, sizes["dp"], layouts.distributed_optimizer_ranges(chunks, optimizer))
 
     if rank == 0:
+        if signature is None:
+            signature = model_signature(chunks, config, getattr(optimizer, "config", None), facts,
+                                        training_signature(args))
         info = {"role": role, "world_size": world, "parallel": {k: v for k, v in sizes.items() if v > 1},
-                "model_config": model_signature(config, facts, args), "num_layers": facts.num_layers,
+                "model_config": signature, "num_layers": facts.num_layers,
                 "compute_dtype": str(config.params_dtype).replace("torch.", ""), "versions": library_versions(),
                 "online_reference": os.path.abspath(options.reference) if options.reference else None,
                 "replay_reference": os.path.abspath(options.replay) if options.replay else None,
@@ -308,7 +289,9 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
         write_run_info(options.dir, info)
 
     if options.seed_checkpoint:
-        _share_initial_weights(options.seed_checkpoint, chunks, optimizer, facts, coords, rank, role, world)
+        from .seed_checkpoint import share_initial_weights
+
+        share_initial_weights(options.seed_checkpoint, chunks, key_layouts, coords, rank, role, world, optimizer)
 
     sinks = []
     if options.write_tensors:
@@ -317,46 +300,27 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
         from ..online import OnlineComparer
 
         sinks.append(OnlineComparer(options.reference, options.dir, rank, coords))
+    clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
+    dispatcher = Dispatcher(chunks, clock)
     record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
-    recorder = Recorder(sinks, chunks, facts, rank, dp_rank, sizes["dp"], record_filter,
-                        main_grad_ranges=layouts.distributed_optimizer_ranges(chunks, optimizer)).attach()
+    recorder = dispatcher.add(Recorder(sinks, chunks, key_layouts, clock, rank, coords, record_filter)).attach()
     recorder.wrap_optimizer(optimizer)
-    replayer = None
     if options.replay:
         from .replay import Replayer
 
-        replayer = Replayer(options.replay, recorder, coords, facts).attach(chunks)  # after the recorder's hooks
-    perturber = None
+        dispatcher.add(Replayer(options.replay, recorder, key_layouts, coords))
     if options.perturb:
         from .perturb import Perturber
 
-        perturber = Perturber(options.perturb, recorder).attach(chunks)
-    _SESSION = Session(options, recorder, optimizer, rank, replayer, perturber)
+        dispatcher.add(Perturber(options.perturb))
+    _SESSION = Session(options, dispatcher.attach(), recorder, optimizer, rank)
     return _SESSION
-
-
-def _share_initial_weights(path: str, chunks, optimizer, facts, coords, rank: int, role: str, world: int) -> None:
-    """The reference saves its logical weights; every run then loads its shard of them.
-
-    Equal seeds do not give equal logical weights across parallel layouts, so both runs start
-    from one file instead (see :mod:`.seed_checkpoint`). Loading happens after the optimizer is
-    built, so its fp32 main copies are refreshed with ``reload_model_params``.
-    """
-    from .seed_checkpoint import load_seed_checkpoint, save_seed_checkpoint
-
-    if not os.path.exists(path):
-        if role != REFERENCE or world != 1:
-            raise RecipeError(f"seed checkpoint {path} does not exist: run the reference (world size 1) first")
-        save_seed_checkpoint(chunks, facts, coords, path)
-        return
-    load_seed_checkpoint(chunks, facts, coords, path, rank)
-    optimizer.reload_model_params()
 
 
 def begin_iteration(iteration: int) -> None:
     """Start recording iteration ``iteration`` (1-based)."""
     if _SESSION is not None:
-        _SESSION.recorder.begin_iteration(iteration)
+        _SESSION.dispatcher.begin_iteration(iteration)
 
 
 def end_iteration(iteration: int, loss_dict=None, grad_norm=None, skipped_iter=None) -> None:
@@ -366,7 +330,7 @@ def end_iteration(iteration: int, loss_dict=None, grad_norm=None, skipped_iter=N
     norm itself is recorded per rank inside the optimizer wrapper, before ``train_step`` reduces it.
     """
     if _SESSION is not None:
-        _SESSION.recorder.end_iteration(iteration)
+        _SESSION.dispatcher.end_iteration(iteration)
 
 
 def flush() -> None:
@@ -377,10 +341,7 @@ def flush() -> None:
         return
     from .recorder import Recorder
 
-    session.recorder.close()
-    for diagnostic in (session.replayer, session.perturber):
-        if diagnostic is not None:
-            diagnostic.close()
+    session.dispatcher.close()  # the hooks, then every feature: the recorder finishes its trace
     Recorder.unwrap_optimizer(session.optimizer)
 
 

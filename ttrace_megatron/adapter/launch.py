@@ -21,7 +21,7 @@ import torch
 import torch.multiprocessing as mp
 
 from ..errors import RunFailed
-from .runner import RunSpec, run_rank
+from .runner import Probes, RunSpec, run_rank
 
 __all__ = ["RunFailed", "free_port", "launch"]
 
@@ -36,22 +36,23 @@ PRELOAD = ["ttrace_megatron.adapter.worker_env", "torch", "megatron.core.models.
            "megatron.core.pipeline_parallel", "ttrace_megatron.adapter.runner", "ttrace_megatron.adapter.recorder"]
 
 
-def _worker(rank: int, spec: RunSpec, error_dir: str) -> None:
+def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
     from . import worker_env
 
     worker_env.quiet_warnings()
     try:
         if spec.cpu:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
-        run_rank(rank, spec)
+        run_rank(rank, spec, probes)
     except BaseException:
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)
 
 
-def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0) -> None:
-    """Run every rank of ``spec`` and wait for all of them."""
+def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = Probes()) -> None:
+    """Run every rank of ``spec`` and wait for all of them (``probes``: what tests and benchmarks
+    measure beside the trace)."""
     spec.cpu = spec.cpu or not torch.cuda.is_available()
     if not spec.cpu and torch.cuda.device_count() < spec.world_size:
         raise RunFailed(f"{spec.world_size} ranks need {spec.world_size} GPUs, {torch.cuda.device_count()} visible")
@@ -62,7 +63,7 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0) -> None:
     else:
         ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as error_dir:
-        procs = [ctx.Process(target=_worker, args=(r, spec, error_dir), daemon=False) for r in range(spec.world_size)]
+        procs = [ctx.Process(target=_worker, args=(r, spec, probes, error_dir), daemon=False) for r in range(spec.world_size)]
         for p in procs:
             p.start()
         deadline = None if timeout_s is None else time.monotonic() + timeout_s

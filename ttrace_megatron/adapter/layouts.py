@@ -3,6 +3,8 @@
 Every rule that maps a megatron-core tensor to the placement vocabulary of
 :mod:`ttrace_megatron.placement` lives here, for parameters (seed checkpoint, grads, main_grads,
 updated params) and activations (module inputs, outputs and their grads) alike.
+:meth:`KeyLayouts.of` gives the layout of every recorded key; the recorder, the replayer, the
+perturbation run and the seed checkpoint all ask it, so a key has one layout wherever it is used.
 
 The rules come from the module types and their partition sizes, and are cross-checked against
 the partition attributes megatron tags on parameters (``tensor_model_parallel``,
@@ -18,6 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
+from ..keys import BACKWARD, GRAD_OUTPUT, INPUT, LOSS_MODULE, WEIGHT, TensorKey, TensorKind
 from ..placement import Layout, Partial, Placement, RangeShard, Replicate, Shard
 
 TP = "tp"
@@ -49,6 +52,85 @@ class ModelFacts:
     # the tokens an expert sees on one rank come from several DP ranks' microbatches (EP·ETP > TP):
     # its per-microbatch tensors have no counterpart in the reference, only its main grads do
     experts_mix_microbatches: bool = False
+
+
+def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
+                tokens_per_iteration: int) -> ModelFacts:
+    """The one way to build :class:`ModelFacts`, from the built model's config and megatron's
+    parallel state (``ttrace run`` and ``--ttrace`` alike). ``vocab_size`` is the logical
+    vocabulary: the rows past it are padding."""
+    from megatron.core import parallel_state as ps
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    return ModelFacts(num_layers=config.num_layers, vocab_size=int(vocab_size),
+                      sequence_parallel=config.sequence_parallel, gated_linear_unit=config.gated_linear_unit,
+                      tp_size=tp, hidden_size=config.hidden_size,
+                      tokens_per_microbatch=int(tokens_per_microbatch), tokens_per_iteration=int(tokens_per_iteration),
+                      pp_size=ps.get_pipeline_model_parallel_world_size(),
+                      experts_mix_microbatches=(ps.get_expert_model_parallel_world_size()
+                                                * ps.get_expert_tensor_parallel_world_size() > tp))
+
+
+@dataclasses.dataclass(frozen=True)
+class Site:
+    """Where a tensor is recorded: a module under its canonical name, and one of its parameters."""
+
+    module_name: str
+    module: Optional[torch.nn.Module] = None
+    param_name: str = ""
+    param: Optional[torch.Tensor] = None
+
+
+# the distributed optimizer's ownership: param -> (flat range bounds of every DP rank, this rank)
+OwnedRanges = Dict[torch.nn.Parameter, Tuple[Tuple[int, ...], int]]
+
+
+class KeyLayouts:
+    """The layout of every recorded key, given the model and this run's DP size.
+
+    One function for every kind of tensor (:meth:`of`), so the recorder, the replayer and the seed
+    checkpoint can never disagree about a key: activations and their grads from the module
+    (:func:`activation_layout`), parameter values, per-microbatch grads and main grads from the
+    parameter (:func:`param_layout`), the loss and the optimizer's scalars as replicas. Backward
+    tensors carry the loss scale 1/num_microbatches of this run, ``dp`` times that of a DP=1 run
+    (megatron scales each microbatch's loss by 1/num_microbatches of its DP rank, and DDP divides
+    by dp again when it reduces): the layout's ``scale``, which merge and slice apply.
+    """
+
+    def __init__(self, facts: ModelFacts, dp_size: int = 1, owned_ranges: Optional[OwnedRanges] = None):
+        self.facts = facts
+        self.dp_size = dp_size
+        self.owned_ranges = owned_ranges or {}
+
+    def of(self, key: TensorKey, site: Site, shape: Sequence[int]) -> Layout:
+        kind = key.kind
+        facts = self.facts
+        if kind in (TensorKind.INPUT, TensorKind.OUTPUT, TensorKind.GRAD_INPUT, TensorKind.GRAD_OUTPUT):
+            layout = activation_layout(kind, site.module_name, site.module, facts, shape)
+        elif kind is TensorKind.PARAM_GRAD:
+            layout = param_layout(site, facts, microbatch_grad=True)
+        elif kind is TensorKind.MAIN_GRAD:
+            bounds, _ = self.owned_ranges.get(site.param, (None, 0))
+            layout = param_layout(site, facts, dp_ranges=bounds)
+        elif kind is TensorKind.PARAM:
+            layout = param_layout(site, facts)
+        elif kind is TensorKind.OPTIMIZER_SCALAR:
+            layout = stage_replicated_layout(shape, facts)
+        elif kind is TensorKind.LOSS:
+            layout = replicated_layout(shape)
+        elif kind is TensorKind.AUX_LOSS:
+            layout = router_loss_layout(activation_layout(TensorKind.INPUT, site.module_name, site.module, facts,
+                                                          (1, 1, 1)))
+        elif kind is TensorKind.AMAX:
+            layout = replicated_layout(shape, (tensor_parallel_axis(site.module, facts)[0],))
+        else:
+            raise ValueError(f"no layout rule for {kind} ({key})")
+        scale = float(self.dp_size) if key.phase == BACKWARD else 1.0
+        return dataclasses.replace(layout, scale=scale) if scale != 1.0 else layout
+
+    def param_value(self, site: Site) -> Layout:
+        """A parameter's value (the seed checkpoint, the updated parameter)."""
+        return param_layout(site, self.facts)
 
 
 def rank_coordinates() -> Dict[str, Tuple[int, int]]:
@@ -92,21 +174,23 @@ def _check_attr(param: torch.Tensor, name: str, expect_parallel: bool, dim: int,
                                    f"module layout needs stride {stride}")
 
 
-def param_layout(module_name: str, param_name: str, module: torch.nn.Module, param: torch.Tensor,
-                 facts: ModelFacts, *, with_dp: bool = True, microbatch_grad: bool = False,
+def param_layout(site: Site, facts: ModelFacts, *, microbatch_grad: bool = False,
                  dp_ranges: Optional[Tuple[int, ...]] = None) -> Layout:
-    """Layout of a parameter (or of its grad / main_grad: same shape, same split).
+    """Layout of a parameter (or of its grad / main_grad: same shape, same split); use
+    :meth:`KeyLayouts.of`, which chooses the variant from the key.
 
     ``microbatch_grad``: the layout of a per-microbatch grad, before ``finalize_model_grads``. The
     grads of replicated parameters that see only this rank's sequence shard are then partial sums
-    over TP, and those of tied embeddings partial sums over the pipeline stages.
-    ``with_dp``: parameters, main grads and updated parameters are replicas over DP.
-    ``dp_ranges``: instead, each DP rank holds a flat range of the parameter (the distributed
-    optimizer's main grads, see :func:`distributed_optimizer_ranges`).
+    over TP, and those of tied embeddings partial sums over the pipeline stages. Each DP rank's
+    per-microbatch grads are of other microbatches (other keys): no DP placement.
+    Otherwise (values, main grads) the parameter is a replica over DP, or, with ``dp_ranges``,
+    each DP rank holds a flat range of it (the distributed optimizer's main grads, see
+    :func:`distributed_optimizer_ranges`).
     """
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding)
 
+    module_name, param_name, module, param = site.module_name, site.param_name, site.module, site.param
     full_name = f"{module_name}.{param_name}" if module_name else param_name
     tp_axis, tp, dp_axis = tensor_parallel_axis(module, facts)
     local = tuple(param.shape)
@@ -137,7 +221,7 @@ def param_layout(module_name: str, param_name: str, module: torch.nn.Module, par
         placements = (Partial(tp_axis) if sp_partial else Replicate(tp_axis),)
     if dp_ranges is not None:
         placements = placements + (RangeShard(dp_axis, dp_ranges, local),)
-    elif with_dp:
+    elif not microbatch_grad:
         placements = (Replicate(dp_axis),) + placements
     if is_tied_across_stages(param, facts):
         # the first stage's embedding and the last stage's output layer hold one parameter: its
@@ -283,10 +367,10 @@ def router_loss_layout(router_input_layout: Layout) -> Layout:
                         for p in router_input_layout.placements), (1,))
 
 
-def activation_layouts(module_name: str, module: torch.nn.Module, facts: ModelFacts,
-                       input_shape: Sequence[int], output_shape: Optional[Sequence[int]]
-                       ) -> Tuple[Layout, Optional[Layout]]:
-    """Layouts of a recorded module's first input and first output (their grads share them)."""
+def activation_layout(kind: TensorKind, module_name: str, module: torch.nn.Module, facts: ModelFacts,
+                      shape: Sequence[int]) -> Layout:
+    """Layout of a recorded module's first input or first output, or of the grad w.r.t. either
+    (``kind``), for a tensor of ``shape`` as this rank holds it."""
     from megatron.core.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear,
                                                       VocabParallelEmbedding)
 
@@ -324,16 +408,16 @@ def activation_layouts(module_name: str, module: torch.nn.Module, facts: ModelFa
             out_pl, out_permute = replicated, (1, 0, 2)
     else:
         in_pl = out_pl = replicated
-    in_layout = Layout(in_pl, _scaled_logical(input_shape, in_pl, sizes))
-    out_layout = None
-    if output_shape is not None:
-        stored = _scaled_logical(output_shape, out_pl, sizes, vocab)
+    if kind in (TensorKind.INPUT, TensorKind.GRAD_INPUT):
+        layout = Layout(in_pl, _scaled_logical(shape, in_pl, sizes))
+    else:
+        stored = _scaled_logical(shape, out_pl, sizes, vocab)
         logical = tuple(stored[d] for d in out_permute) if out_permute else stored
-        out_layout = Layout(out_pl, logical, out_permute)
-    return in_layout, out_layout
+        layout = Layout(out_pl, logical, out_permute)
+    return _grad_layout(layout, module) if kind in (TensorKind.GRAD_INPUT, TensorKind.GRAD_OUTPUT) else layout
 
 
-def grad_layout(layout: Layout, module: Optional[torch.nn.Module]) -> Layout:
+def _grad_layout(layout: Layout, module: Optional[torch.nn.Module]) -> Layout:
     """The layout of the grad of an activation recorded with ``layout``.
 
     The same, except around experts: their linears leave the expert-TP reductions to the token
@@ -357,13 +441,13 @@ def gemm_operand_placements(module_name: str, module: torch.nn.Module, facts: Mo
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
     tp_axis, _, _ = tensor_parallel_axis(module, facts)
-    in_layout, _ = activation_layouts(module_name, module, facts, (1, 1, 1), None)
-    weight = param_layout(module_name, "weight", module, module.weight, facts, with_dp=False)
+    in_layout = activation_layout(TensorKind.INPUT, module_name, module, facts, (1, 1, 1))
+    weight = param_layout(Site(module_name, module, WEIGHT, module.weight), facts)
     if isinstance(module, ColumnParallelLinear):
         grad_output = (Shard(-1, tp_axis, _column_stride(module_name, facts)),)
     else:
         grad_output = (Replicate(tp_axis),)
-    return {"input": in_layout.placements, "weight": weight.placements, "grad_output": grad_output}
+    return {INPUT: in_layout.placements, WEIGHT: weight.placements, GRAD_OUTPUT: grad_output}
 
 
 def sharded_axes(placements: Sequence[Placement]) -> Tuple[str, ...]:
@@ -381,28 +465,32 @@ def axis_group(axis: str):
     return groups[axis]()
 
 
-def reduction_length(module_name: str, module: Optional[torch.nn.Module], tensor: str, facts: ModelFacts) -> int:
-    """K: the length of the reduction that produced a recorded tensor, for its tolerance.
+def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: TensorKind,
+                     facts: ModelFacts) -> int:
+    """K: the length of the reduction that produced a recorded tensor of ``kind``, for its tolerance
+    (for an amax, the kind of the operand it summarizes: ``keys.operand_kind``).
 
     Linear outputs reduce over input features (fprop) and input grads over output features
-    (dgrad); weight grads reduce over the microbatch's tokens (wgrad), main grads over the
-    iteration's tokens. Tensors produced by ops we do not hook (norms, attention, activations)
-    get the hidden size; the loss and its grad the vocabulary (log-sum-exp).
+    (dgrad); weight grads reduce over the microbatch's tokens (wgrad), main grads, updated
+    parameters and the optimizer's scalars over the iteration's tokens, router aux losses over the
+    microbatch's tokens. Tensors produced by ops we do not hook (norms, attention, activations)
+    get the hidden size; the loss, the output layer's input and their grads the vocabulary
+    (log-sum-exp).
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
     linear = isinstance(module, (ColumnParallelLinear, RowParallelLinear))
-    if tensor == "output" and linear:
+    if kind is TensorKind.OUTPUT and linear:
         return int(module.input_size)
-    if tensor == "grad_input" and linear:
+    if kind is TensorKind.GRAD_INPUT and linear:
         return int(module.output_size)
-    if tensor.endswith(".grad"):
+    if kind is TensorKind.PARAM_GRAD:
         return facts.tokens_per_microbatch
-    if tensor.endswith(".main_grad") or tensor in ("grad_norm", "clip_coefficient", "weight", "bias"):
+    if kind in (TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_SCALAR):
         return facts.tokens_per_iteration
-    if is_router(module) and tensor.endswith("_loss"):  # aux losses: sums over the microbatch's tokens
+    if kind is TensorKind.AUX_LOSS and is_router(module):
         return facts.tokens_per_microbatch
-    if module_name in ("loss", "output_layer"):
+    if module_name in (LOSS_MODULE, "output_layer"):
         return facts.vocab_size
     return facts.hidden_size
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import re
-from typing import Dict, Iterator, List, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
@@ -74,3 +75,12 @@ def full_param_name(module_name: str, param_name: str) -> str:
 def all_parameters(chunks: List[torch.nn.Module]):
     for chunk in chunks:
         yield from canonical_parameters(chunk)
+
+
+def named_modules(chunks: Sequence[torch.nn.Module], pattern: str = "*",
+                  cls: Optional[Union[Type, Tuple[Type, ...]]] = None) -> List[Tuple[str, torch.nn.Module]]:
+    """(canonical name, module) of every module of ``chunks`` whose name matches the fnmatch
+    ``pattern`` (and that is an instance of ``cls``): the one way features, FP8 emulation and bug
+    injection choose the modules they act on."""
+    return [(name, module) for chunk in chunks for module, name in canonical_module_names(chunk).items()
+            if fnmatch.fnmatchcase(name, pattern) and (cls is None or isinstance(module, cls))]

@@ -26,12 +26,9 @@ way the localization replay's are. :func:`ttrace_megatron.compare.compare_traces
 
 from __future__ import annotations
 
-from typing import List
-
 import torch
 
-from . import layouts
-from .naming import canonical_module_names
+from .hooks import GRAD_LEAVES, OUTPUT_LEAVES, PERTURB, Call, Feature
 
 
 def _relative_noise(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -51,59 +48,21 @@ class _ForwardNoise(torch.autograd.Function):
         return grad, None
 
 
-class _BackwardNoise(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, generator):
-        ctx.generator = generator
-        return x.clone()
+class Perturber(Feature):
+    """Round-off-sized noise on what every hooked module produces (see the module docstring): the
+    PERTURB feature of the :class:`~.hooks.Dispatcher`, which runs before the recorder, so the
+    recorder records the perturbed output and the perturbed dgrad."""
 
-    @staticmethod
-    def backward(ctx, grad):
-        return _relative_noise(grad, ctx.generator), None
+    name = PERTURB
 
-
-class Perturber:
-    """Hooks on every recorded module that add round-off-sized noise (see the module docstring).
-
-    The forward hook is prepended, so the recorder records the perturbed output; the pre-hook is
-    appended after the recorder's, so the grad the recorder sees at the module's input is the
-    perturbed dgrad.
-    """
-
-    def __init__(self, seed: int, recorder):
+    def __init__(self, seed: int):
         self.generator = torch.Generator().manual_seed(int(seed))
-        self.recorder = recorder
-        self._handles: List = []
 
-    def attach(self, chunks: List[torch.nn.Module]) -> "Perturber":
-        for chunk in chunks:
-            for module in canonical_module_names(chunk):
-                if isinstance(module, layouts.recorded_module_types()):
-                    self._handles.append(module.register_forward_pre_hook(self._pre_hook))
-                    self._handles.append(module.register_forward_hook(self._post_hook, prepend=True))
-        return self
+    def wants(self, call: Call, event: str) -> bool:
+        return event in (OUTPUT_LEAVES, GRAD_LEAVES)
 
-    def close(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
+    def output_leaves(self, call: Call, out: torch.Tensor) -> torch.Tensor:
+        return _ForwardNoise.apply(out, self.generator) if out.is_floating_point() else out
 
-    def _active(self) -> bool:
-        return self.recorder.in_iteration
-
-    def _pre_hook(self, module, args):
-        if not self._active() or not args or not isinstance(args[0], torch.Tensor):
-            return None
-        x = args[0]
-        if not x.is_floating_point() or not x.requires_grad:
-            return None
-        return (_BackwardNoise.apply(x, self.generator),) + tuple(args[1:])
-
-    def _post_hook(self, module, args, output):
-        if not self._active():
-            return None
-        out = output[0] if isinstance(output, tuple) else output
-        if not isinstance(out, torch.Tensor) or not out.is_floating_point():
-            return None
-        noisy = _ForwardNoise.apply(out, self.generator)
-        return (noisy,) + tuple(output[1:]) if isinstance(output, tuple) else noisy
+    def grad_leaves(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
+        return _relative_noise(grad, self.generator)

@@ -1,27 +1,26 @@
-"""Recording hooks on megatron-core modules, the loss, grad finalization and the optimizer.
+"""Recording: module tensors, the loss, grad finalization and the optimizer.
 
-What is recorded, each with its placement (see :mod:`.layouts`):
+What is recorded, each with its placement (:class:`.layouts.KeyLayouts`) under its key
+(:mod:`ttrace_megatron.keys`):
 
-* forward: the first input and output of every ColumnParallelLinear, RowParallelLinear and
-  VocabParallelEmbedding (the output layer included), and the per-token loss (the GPTModel's
-  output when it is given labels);
+* forward: the first input and output of every hooked module (ColumnParallelLinear,
+  RowParallelLinear, VocabParallelEmbedding — the output layer included —, MoE routers and MoE
+  layers), and the per-token loss (the GPTModel's output when it is given labels);
 * backward: the grads w.r.t. those inputs and outputs, and each parameter's grad per microbatch;
 * main_grad: ``param.main_grad`` when ``optimizer.step()`` starts (``finalize_model_grads`` has
   reduced them by then, whoever set ``config.finalize_model_grads_func``);
 * optimizer: the grad norm, the clip coefficient and the updated parameters after ``optimizer.step()``;
-* MoE routers: their aux losses (load balancing, z-loss) per microbatch (``_AuxLossTap``).
+* MoE routers: their aux losses (load balancing, z-loss) per microbatch (``_AuxLossTap``);
+* FP8 (emulated) GEMMs: each operand's amax (``_FP8AmaxTap``).
 
-Tensors go to *sinks*: a :class:`~ttrace_megatron.trace_store.TraceWriter` (offline compare) and/or
-an :class:`~ttrace_megatron.online.OnlineComparer` (verdicts only). Nothing is recorded outside
+Module tensors come through the :class:`~.hooks.Dispatcher` (the RECORD feature); parameter
+grads, the loss and the optimizer through hooks of the recorder's own. Tensors go to *sinks*: a
+:class:`~ttrace_megatron.trace_store.TraceWriter` (offline compare) and/or an
+:class:`~ttrace_megatron.online.OnlineComparer` (verdicts only). Nothing is recorded outside
 ``begin_iteration`` … ``end_iteration``, so evaluation passes between steps are ignored.
-Microbatches are counted by a forward pre-hook on each model chunk: every schedule (no pipelining,
-1F1B, interleaved) calls each chunk once per microbatch, in megatron's data order. Pipeline
-schedules run a microbatch's backward after later forwards, so a hook on each chunk's output grad
-marks which microbatch the parameter grads that follow belong to.
 
-Neutrality: hooks copy tensors and never write to the run's tensors. To capture the grad w.r.t.
-a module's own input (not the sum over all consumers of that tensor) the input is passed to the
-module through ``view_as``, an identity in forward and backward. No hook issues a collective.
+Neutrality: the recorder copies tensors and never writes to the run's tensors. No hook issues a
+collective.
 """
 
 from __future__ import annotations
@@ -33,9 +32,12 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from ..placement import Layout
-from ..trace_store import TensorKey
+from .. import keys
+from ..keys import TensorKey
+from ..placement import Coords, Layout, owned_piece
 from . import layouts
+from .hooks import INPUT_ARRIVES, RECORD, Call, Clock, Feature
+from .layouts import Site
 from .naming import all_parameters, canonical_module_names, unwrap
 
 
@@ -52,27 +54,28 @@ class RecordFilter:
         return any(fnmatch.fnmatchcase(name, p) for p in self.modules)
 
 
-class Recorder:
-    def __init__(self, sinks: Sequence, chunks: List[torch.nn.Module], facts: layouts.ModelFacts,
-                 rank: int, dp_rank: int, dp_size: int, record_filter: RecordFilter = RecordFilter(),
-                 main_grad_ranges: Optional[dict] = None):
+def skips_per_microbatch(site: Site, facts: layouts.ModelFacts) -> bool:
+    """Experts whose tokens mix several DP ranks' microbatches have no per-microbatch counterpart
+    in the reference: only their main grads and parameters are recorded (and substituted)."""
+    return facts.experts_mix_microbatches and layouts.is_expert(site.module)
+
+
+class Recorder(Feature):
+    name = RECORD
+
+    def __init__(self, sinks: Sequence, chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts,
+                 clock: Clock, rank: int, coords: Coords, record_filter: RecordFilter = RecordFilter()):
         self.sinks = list(sinks)
         self.chunks = chunks
-        self.facts = facts
+        self.layouts = key_layouts
+        self.facts = key_layouts.facts
+        self.clock = clock
         self.rank = rank
-        self.dp_rank = dp_rank
-        self.dp_size = dp_size
+        self.coords = coords
         self.filter = record_filter
-        # distributed optimizer: param -> (the flat ranges of its main_grad each DP rank owns, this rank)
-        self.main_grad_ranges = main_grad_ranges or {}
-        self.iteration = 0
-        self.in_iteration = False
-        self._local_microbatch = [0] * len(chunks)
-        self.microbatch = -1  # global id of the microbatch whose forward runs now
-        self.backward_microbatch = -1
         self._handles = []
         self.before_step: List = []  # called after main grads are recorded, before the optimizer steps
-        self.router: Optional[Tuple[str, torch.nn.Module, Layout]] = None  # the router whose forward runs now
+        self.router: Optional[Tuple[str, torch.nn.Module]] = None  # the router whose forward runs now
         self._params: List[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]] = list(all_parameters(chunks))
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
@@ -80,8 +83,8 @@ class Recorder:
     @property
     def recording(self) -> bool:
         f = self.filter
-        return (self.in_iteration and any(s.active for s in self.sinks)
-                and (f.iterations is None or self.iteration in f.iterations)
+        return (self.clock.in_iteration and any(s.active for s in self.sinks)
+                and (f.iterations is None or self.clock.iteration in f.iterations)
                 and (f.ranks is None or self.rank in f.ranks))
 
     def _wants(self, module_name: str, microbatch: int) -> bool:
@@ -89,24 +92,44 @@ class Recorder:
         return (self.recording and f.wants_module(module_name)
                 and (microbatch < 0 or f.microbatches is None or microbatch in f.microbatches))
 
-    # ---- training-loop calls
-    def begin_iteration(self, iteration: int) -> None:
-        self.iteration = iteration
-        self.in_iteration = True
-        self._local_microbatch = [0] * len(self.chunks)
+    # ---- the dispatcher's feature
+    def hooks(self, site: Site) -> bool:
+        return not skips_per_microbatch(site, self.facts)
 
-    def begin_microbatch(self, local_microbatch: int) -> None:
-        """Megatron's data order: DP rank r's j-th microbatch is global microbatch j·dp + r.
+    def wants(self, call: Call, event: str) -> bool:
+        if event == INPUT_ARRIVES and layouts.is_router(call.site.module):
+            return True  # the recorder notes which router runs, recorded or not (_AuxLossTap)
+        return self._wants(call.site.module_name, call.microbatch)
 
-        Without pipelining each microbatch's backward follows its forward, so parameter grads
-        that arrive next belong to it (grad hooks of recorded modules also set it, from the id
-        captured at forward time).
-        """
-        self.microbatch = local_microbatch * self.dp_size + self.dp_rank
-        self.backward_microbatch = self.microbatch
+    def tracks_backward(self) -> bool:
+        return self.recording
+
+    def input_arrives(self, call: Call, x: torch.Tensor) -> torch.Tensor:
+        site = call.site
+        if layouts.is_router(site.module):
+            self.router = None
+            if not self._wants(site.module_name, call.microbatch):
+                return x
+            self.router = (site.module_name, site.module)
+        self._add(TensorKey(call.iteration, call.microbatch, site.module_name, keys.FORWARD, keys.INPUT), x, site)
+        return x
+
+    def output_leaves(self, call: Call, out: torch.Tensor) -> torch.Tensor:
+        self._add(TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.FORWARD, keys.OUTPUT),
+                  out, call.site)
+        return out
+
+    def grad_arrives(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
+        self._add(TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.BACKWARD, keys.GRAD_OUTPUT),
+                  grad, call.site)
+        return grad
+
+    def grad_leaves(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
+        self._add(TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.BACKWARD, keys.GRAD_INPUT),
+                  grad, call.site)
+        return grad
 
     def end_iteration(self, iteration: int) -> None:
-        self.in_iteration = False
         for sink in self.sinks:
             sink.flush(iteration)
 
@@ -117,75 +140,35 @@ class Recorder:
             h.remove()
         self._handles.clear()
         for sink in self.sinks:
-            if self.in_iteration:
-                sink.abandon(f"the run stopped during iteration {self.iteration}")
+            if self.clock.in_iteration:
+                sink.abandon(f"the run stopped during iteration {self.clock.iteration}")
             else:
                 sink.close()
 
-    # ---- module hooks
+    # ---- the recorder's own hooks: parameter grads, the loss, routers' aux losses, FP8 amaxes
     def attach(self) -> "Recorder":
-        recorded = layouts.recorded_module_types()
-        for index, chunk in enumerate(self.chunks):
-            self._handles.append(chunk.register_forward_pre_hook(self._count_microbatch(index)))
-            self._handles.append(chunk.register_forward_hook(self._mark_backward_microbatch))
+        for chunk in self.chunks:
             self._handles.append(unwrap(chunk).register_forward_hook(self._loss_hook, with_kwargs=True))
             for module, name in canonical_module_names(chunk).items():
-                if isinstance(module, recorded) and not self._skip_per_microbatch(module):
-                    self._handles.append(module.register_forward_pre_hook(self._pre_hook(name), with_kwargs=True))
-                    self._handles.append(module.register_forward_hook(self._post_hook(name), with_kwargs=True))
                 if hasattr(module, "_ttrace_fp8"):
-                    self._handles.append(_FP8AmaxTap(self, name, module))
+                    self._handles.append(_FP8AmaxTap(self, Site(name, module)))
         for mname, pname, module, param in self._params:
-            if param.requires_grad and not self._skip_per_microbatch(module):
-                self._handles.append(param.register_hook(self._param_grad_hook(mname, pname, module, param)))
+            site = Site(mname, module, pname, param)
+            if param.requires_grad and self.hooks(site):
+                self._handles.append(param.register_hook(self._param_grad_hook(site)))
         if any(layouts.is_router(m) for chunk in self.chunks for m in chunk.modules()):
             self._handles.append(_AuxLossTap(self))
         return self
 
-    def _skip_per_microbatch(self, module) -> bool:
-        """Experts whose tokens mix several DP ranks' microbatches: only main grads and parameters."""
-        return self.facts.experts_mix_microbatches and layouts.is_expert(module)
-
-    def _add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, module: Optional[torch.nn.Module] = None,
-             arrival: bool = False, statistic_of: str = ""):
+    def _add(self, key: TensorKey, tensor: torch.Tensor, site: Site, *, arrival: bool = False,
+             statistic_of: str = "", layout: Optional[Layout] = None):
         depth = layouts.layer_depth(key.module, self.facts.num_layers)
-        reduction = layouts.reduction_length(key.module, module, statistic_of or key.tensor, self.facts)
-        scale = self.scale_for(key.phase)
+        kind = keys.operand_kind(statistic_of) if statistic_of else key.kind
+        reduction = layouts.reduction_length(key.module, site.module, kind, self.facts)
+        layout = layout or self.layouts.of(key, site, tuple(tensor.shape))
         for sink in self.sinks:
             sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
-                     scale=scale, arrival=arrival, statistic_of=statistic_of)
-
-    def scale_for(self, phase: str) -> float:
-        """How much larger this run's tensors of ``phase`` are than a DP=1 run's.
-
-        megatron scales each microbatch's loss by 1/num_microbatches of this DP rank, so
-        per-microbatch grads are dp times those of a run with DP=1; DDP divides by dp again when it
-        reduces main grads.
-        """
-        return float(self.dp_size) if phase == "backward" else 1.0
-
-    def _count_microbatch(self, index: int):
-        """Each chunk runs its microbatches in data order, under every schedule (with virtual
-        pipelining too, per chunk)."""
-        def hook(module, args):
-            if self.in_iteration:
-                self.begin_microbatch(self._local_microbatch[index])
-                self._local_microbatch[index] += 1
-        return hook
-
-    def _mark_backward_microbatch(self, module, args, output):
-        """Pipeline schedules run the backward of microbatch j after later forwards (1F1B): the
-        grad of a chunk's output is the first thing each microbatch's backward computes on this
-        stage, so it says which microbatch the parameter grads that follow belong to."""
-        out = output[0] if isinstance(output, (tuple, list)) else output
-        if self.recording and isinstance(out, torch.Tensor) and out.requires_grad:
-            mb = self.microbatch
-
-            def hook(grad):
-                self.backward_microbatch = mb
-
-            out.register_hook(hook)
-        return None
+                     arrival=arrival, statistic_of=statistic_of)
 
     def _loss_hook(self, module, args, kwargs, output):
         """GPTModel returns the per-token loss [b, s] when it is given labels (on the last stage)."""
@@ -193,87 +176,39 @@ class Recorder:
                 and getattr(module, "post_process", True)):
             self.record_loss(output)
 
-    def _layouts(self, name, module, inp, out):
-        return layouts.activation_layouts(name, module, self.facts, tuple(inp.shape),
-                                          None if out is None else tuple(out.shape))
-
-    def _pre_hook(self, name: str):
-        def hook(module, args, kwargs):
-            mb = self.microbatch
-            if layouts.is_router(module):
-                self.router = None  # set below only if this router is recorded (_AuxLossTap)
-            if not args or not isinstance(args[0], torch.Tensor) or not self._wants(name, mb):
-                return None
-            inp = args[0]
-            it = self.iteration
-            in_layout, _ = self._layouts(name, module, inp, None)
-            if layouts.is_router(module):
-                self.router = (name, module, in_layout)  # for the aux losses its forward logs (_AuxLossTap)
-            self._add(TensorKey(it, mb, name, "forward", "input"), inp, in_layout, module)
-            if not inp.requires_grad:
-                return None
-            private = inp.view_as(inp)
-
-            def grad_hook(grad):
-                self.backward_microbatch = mb
-                self._add(TensorKey(it, mb, name, "backward", "grad_input"), grad,
-                          layouts.grad_layout(in_layout, module), module)
-
-            private.register_hook(grad_hook)
-            return (private,) + tuple(args[1:]), kwargs
-        return hook
-
-    def _post_hook(self, name: str):
-        def hook(module, args, kwargs, output):
-            mb = self.microbatch
-            if not self._wants(name, mb):
-                return None
-            out = output[0] if isinstance(output, tuple) else output
-            if not isinstance(out, torch.Tensor):
-                return None
-            it = self.iteration
-            _, out_layout = self._layouts(name, module, args[0], out)
-            self._add(TensorKey(it, mb, name, "forward", "output"), out, out_layout, module)
-            if out.requires_grad:
-                def grad_hook(grad):
-                    self.backward_microbatch = mb
-                    self._add(TensorKey(it, mb, name, "backward", "grad_output"), grad,
-                              layouts.grad_layout(out_layout, module), module)
-
-                out.register_hook(grad_hook)
-            return None
-        return hook
-
-    def _param_grad_hook(self, mname: str, pname: str, module: torch.nn.Module, param: torch.nn.Parameter):
+    def _param_grad_hook(self, site: Site):
         def hook(grad):
-            mb = self.backward_microbatch
-            if self._wants(mname, mb):
-                layout = layouts.param_layout(mname, pname, module, param, self.facts, with_dp=False,
-                                              microbatch_grad=True)
-                self._add(TensorKey(self.iteration, mb, mname, "backward", f"{pname}.grad"), grad, layout,
-                          arrival=layouts.grad_computed_outside(module, pname))
+            mb = self.clock.backward_microbatch
+            if self._wants(site.module_name, mb):
+                key = TensorKey(self.clock.iteration, mb, site.module_name, keys.BACKWARD,
+                                keys.param_grad(site.param_name))
+                self._add(key, grad, site, arrival=layouts.grad_computed_outside(site.module, site.param_name))
             return None
         return hook
 
     # ---- loss, grad finalization, optimizer
     def record_loss(self, per_token_loss: torch.Tensor) -> None:
-        mb = self.microbatch
-        if self._wants("loss", mb):
-            layout = layouts.replicated_layout(per_token_loss.shape)
-            self._add(TensorKey(self.iteration, mb, "loss", "forward", "per_token_loss"), per_token_loss, layout)
+        mb = self.clock.microbatch
+        if self._wants(keys.LOSS_MODULE, mb):
+            self._add(TensorKey(self.clock.iteration, mb, keys.LOSS_MODULE, keys.FORWARD, keys.PER_TOKEN_LOSS),
+                      per_token_loss, Site(keys.LOSS_MODULE))
+
+    def main_grad_keys(self):
+        """(key, site, layout) of every main grad this rank holds now."""
+        for mname, pname, module, param in self._params:
+            if getattr(param, "main_grad", None) is None or not param.requires_grad:
+                continue
+            key = TensorKey(self.clock.iteration, -1, mname, keys.MAIN_GRAD, keys.main_grad(pname))
+            site = Site(mname, module, pname, param)
+            yield key, site, self.layouts.of(key, site, tuple(param.shape))
 
     def record_main_grads(self) -> None:
         """The reduced grads. Under the distributed optimizer only this rank's range of each is
-        reduced (the rest of the buffer holds unreduced local grads), so only that range is recorded."""
-        for mname, pname, module, param in self._params:
-            main_grad = getattr(param, "main_grad", None)
-            if main_grad is None or not param.requires_grad or not self._wants(mname, -1):
-                continue
-            bounds, me = self.main_grad_ranges.get(param, (None, 0))
-            layout = layouts.param_layout(mname, pname, module, param, self.facts, dp_ranges=bounds)
-            if bounds is not None:
-                main_grad = main_grad.view(-1)[bounds[me]:bounds[me + 1]]
-            self._add(TensorKey(self.iteration, -1, mname, "main_grad", f"{pname}.main_grad"), main_grad, layout)
+        reduced (the rest of the buffer holds unreduced local grads), so only that range is
+        recorded: the layout's owned range, cut through the placement module."""
+        for key, site, layout in self.main_grad_keys():
+            if self._wants(site.module_name, -1):
+                self._add(key, owned_piece(site.param.main_grad, layout, self.coords), site, layout=layout)
 
     def record_optimizer_step(self, grad_norm: Optional[float], clip_coefficient: Optional[float] = None) -> None:
         """The step's scalars — grad norm and the clip coefficient it applied — and the updated
@@ -287,16 +222,16 @@ class Recorder:
         compared element by element as main grads."""
         if not self.recording:
             return
-        if self._wants("optimizer", -1):
-            layout = layouts.stage_replicated_layout((1,), self.facts)
-            for name, value in (("grad_norm", grad_norm), ("clip_coefficient", clip_coefficient)):
+        it = self.clock.iteration
+        if self._wants(keys.OPTIMIZER_MODULE, -1):
+            for name, value in ((keys.GRAD_NORM, grad_norm), (keys.CLIP_COEFFICIENT, clip_coefficient)):
                 if value is not None:
-                    self._add(TensorKey(self.iteration, -1, "optimizer", "optimizer", name),
-                              torch.tensor([float(value)], dtype=torch.float64), layout)
+                    self._add(TensorKey(it, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, name),
+                              torch.tensor([float(value)], dtype=torch.float64), Site(keys.OPTIMIZER_MODULE))
         for mname, pname, module, param in self._params:
             if param.requires_grad and self._wants(mname, -1):
-                layout = layouts.param_layout(mname, pname, module, param, self.facts)
-                self._add(TensorKey(self.iteration, -1, mname, "optimizer", pname), param, layout)
+                self._add(TensorKey(it, -1, mname, keys.OPTIMIZER, keys.updated_param(pname)), param,
+                          Site(mname, module, pname, param))
 
     def wrap_optimizer(self, optimizer) -> None:
         """Record main grads as ``optimizer.step()`` starts, grad norm and parameters after it.
@@ -378,8 +313,8 @@ class _AuxLossTap:
         rec = self.recorder
         if rec.router is None or not isinstance(loss, torch.Tensor):
             return
-        mname, router, in_layout = rec.router
-        if not rec._wants(mname, rec.microbatch):
+        mname, router = rec.router
+        if not rec._wants(mname, rec.clock.microbatch):
             return
         if name == "z_loss":
             coeff = router.config.moe_z_loss_coeff / router.tp_cp_group.size()
@@ -388,8 +323,8 @@ class _AuxLossTap:
         else:
             return  # global_load_balancing_loss averages token counts over DP and microbatches: no per-microbatch twin
         value = (loss.detach().to(torch.float64) * coeff).reshape(1)
-        rec._add(TensorKey(rec.iteration, rec.microbatch, mname, "forward", name), value,
-                 layouts.router_loss_layout(in_layout), router)
+        rec._add(TensorKey(rec.clock.iteration, rec.clock.microbatch, mname, keys.FORWARD, name), value,
+                 Site(mname, router))
 
     def remove(self) -> None:
         if self.module.save_to_aux_losses_tracker is self:
@@ -408,21 +343,19 @@ class _FP8AmaxTap:
     largest element, so compare judges it with the operand's tolerance too.
     """
 
-    def __init__(self, recorder: "Recorder", name: str, module: torch.nn.Module):
+    def __init__(self, recorder: "Recorder", site: Site):
         self.recorder = recorder
-        self.name = name
-        self.module = module
-        self.emulated = module._ttrace_fp8
+        self.site = site
+        self.emulated = site.module._ttrace_fp8
         self.emulated.observer = self
 
-    def __call__(self, phase: str, tensor: str, amax: torch.Tensor) -> None:
+    def __call__(self, phase: str, operand: str, amax: torch.Tensor) -> None:
         rec = self.recorder
-        mb = rec.microbatch if phase == "forward" else rec.backward_microbatch
-        if not rec._wants(self.name, mb):
+        mb = rec.clock.microbatch if phase == keys.FORWARD else rec.clock.backward_microbatch
+        if not rec._wants(self.site.module_name, mb):
             return
-        tp_axis, _, _ = layouts.tensor_parallel_axis(self.module, rec.facts)
-        rec._add(TensorKey(rec.iteration, mb, self.name, phase, tensor), amax.detach().clone(),
-                 layouts.replicated_layout((1,), (tp_axis,)), self.module, statistic_of=tensor[:-len("_amax")])
+        rec._add(TensorKey(rec.clock.iteration, mb, self.site.module_name, phase, keys.amax(operand)),
+                 amax.detach().clone(), self.site, statistic_of=operand)
 
     def remove(self) -> None:
         if self.emulated.observer is self:

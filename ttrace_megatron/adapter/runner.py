@@ -1,54 +1,41 @@
 """One rank of a reference or candidate run: real megatron-core, real schedules and optimizer.
 
-The model is a megatron-core GPTModel (local spec) wrapped as megatron.training wraps it
-(Float16Module for bf16, DistributedDataParallel), its optimizer comes from
-``get_megatron_optimizer``, and every step goes through ``get_forward_backward_func()`` with
-``finalize_model_grads``: the code paths a Megatron-LM user trains with.
+The model and optimizer come from :mod:`.build` (megatron-core's GPTModel, Float16Module, DDP,
+``get_megatron_optimizer``); every step goes through ``get_forward_backward_func()`` with
+``finalize_model_grads``: the code paths a Megatron-LM user trains with. Tracing attaches through
+:func:`.integration.attach`, the same call ``pretrain_gpt.py --ttrace`` makes.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 import json
 import os
 import time
 from functools import partial
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 import torch.distributed as dist
 
 from ..recipe import Recipe, recipe_from_dict
+from ..trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
+from . import build
 from . import config as cfg
 from . import layouts
-from .naming import all_parameters, full_param_name
-
-REFERENCE = "reference"
-CANDIDATE = "candidate"
+from .integration import TraceOptions
 
 
 @dataclasses.dataclass
 class RunSpec:
+    """One run of a recipe: which side, what to trace, which bugs to inject."""
+
     recipe: dict  # Recipe.to_json()
     role: str  # REFERENCE or CANDIDATE
-    trace_dir: str
-    seed_checkpoint: str
-    master_port: int
+    trace: TraceOptions  # dir, seed_checkpoint, selective recording, online compare, replay, perturbation
     inject: List[str] = dataclasses.field(default_factory=list)
     cpu: bool = True
-    record_iterations: Optional[List[int]] = None
-    record_modules: List[str] = dataclasses.field(default_factory=lambda: ["*"])
-    record_microbatches: Optional[List[int]] = None
-    record_ranks: Optional[List[int]] = None
-    trace: bool = True  # False: run without attaching the recorder (bitwise-neutrality checks)
-    online_reference: Optional[str] = None  # candidate: judge shards against this reference during the run
-    keep_tensors: bool = True  # with online_reference: also write the tensors (online vs offline checks)
-    dump_state: bool = False  # write losses and final parameters (bitwise-neutrality checks)
-    timings: bool = False  # write per-iteration step and flush times (cost benchmarks)
-    replay_reference: Optional[str] = None  # candidate: localization replay against this reference trace
-    perturb_seed: int = 0  # > 0: the perturbation-estimate run (adapter.perturb), normally of the reference
-    alternate_idle: bool = False  # attach the tracer on even iterations only (interleaved overhead benchmark)
+    master_port: int = 0
 
     def get_recipe(self) -> Recipe:
         return recipe_from_dict(self.recipe)
@@ -60,6 +47,21 @@ class RunSpec:
     @property
     def world_size(self) -> int:
         return int(self.recipe["world_size"]) if self.role == CANDIDATE else 1
+
+
+@dataclasses.dataclass
+class Probes:
+    """What tests and benchmarks measure about a run, beside its trace."""
+
+    trace: bool = True  # False: run without attaching the tracer (bitwise-neutrality checks)
+    dump_state: bool = False  # write losses and final parameters (bitwise-neutrality checks)
+    timings: bool = False  # write per-iteration step and flush times (cost benchmarks)
+    alternate_idle: bool = False  # attach the tracer on even iterations only (interleaved overhead benchmark)
+
+
+def trace_options(dir: str, seed_checkpoint: str, **kwargs) -> TraceOptions:
+    """The trace options of a ``ttrace run`` side (recording on)."""
+    return TraceOptions(enabled=True, dir=dir, seed_checkpoint=seed_checkpoint, **kwargs)
 
 
 def _sample(seed: int, index: int, seq_length: int, vocab_size: int) -> torch.Tensor:
@@ -83,7 +85,7 @@ def microbatches(recipe: Recipe, iteration: int, dp_rank: int, dp_size: int):
         yield j, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def run_rank(rank: int, spec: RunSpec) -> None:
+def run_rank(rank: int, spec: RunSpec, probes: Probes = Probes()) -> None:
     """Entry point of a worker process: run one rank of ``spec`` and write its trace."""
     if spec.cpu:
         from . import cuda_shim
@@ -97,7 +99,7 @@ def run_rank(rank: int, spec: RunSpec) -> None:
     os.environ["MASTER_PORT"] = str(spec.master_port)
     dist.init_process_group(backend, rank=rank, world_size=spec.world_size)
     try:
-        _run(rank, spec)
+        _run(rank, spec, probes)
     finally:
         from megatron.core import parallel_state
 
@@ -105,19 +107,11 @@ def run_rank(rank: int, spec: RunSpec) -> None:
         dist.destroy_process_group()
 
 
-def _run(rank: int, spec: RunSpec) -> None:
+def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     from megatron.core import parallel_state
-    from megatron.core.distributed import (DistributedDataParallel, DistributedDataParallelConfig,
-                                           finalize_model_grads)
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-    from megatron.core.transformer.module import Float16Module
 
     from . import bugs, fp8_emulation, integration
-    from .seed_checkpoint import load_seed_checkpoint, save_seed_checkpoint
+    from .seed_checkpoint import share_initial_weights
 
     recipe = spec.get_recipe()
     sizes = cfg.parallel_sizes(spec.parallel)
@@ -131,69 +125,57 @@ def _run(rank: int, spec: RunSpec) -> None:
     dp_size = parallel_state.get_data_parallel_world_size()
     coords = layouts.rank_coordinates()
 
-    torch.manual_seed(recipe.data.seed)
-    model_parallel_cuda_manual_seed(recipe.data.seed)
-    config = cfg.transformer_config(recipe, spec.parallel)
-    spec_module = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                           normalization=config.normalization)
-    # one chunk per virtual stage, as megatron.training's get_model builds them
-    stages = [None] if vpp == 1 else list(range(vpp))
-    chunks = []
-    for vp_stage in stages:
-        chunk = GPTModel(config=config, transformer_layer_spec=spec_module, vocab_size=cfg.padded_vocab_size(recipe),
-                         max_sequence_length=recipe.data.seq_length,
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                         vp_stage=vp_stage, **cfg.gpt_model_kwargs(recipe))
-        if not spec.cpu:
-            chunk.cuda(torch.cuda.current_device())
-        chunks.append(chunk)
-    for mname, pname, _, param in all_parameters(chunks):
-        if any(fnmatch.fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
-            param.requires_grad_(False)
-
-    facts = layouts.ModelFacts(num_layers=config.num_layers, vocab_size=recipe.data.vocab_size,
-                               sequence_parallel=config.sequence_parallel,
-                               gated_linear_unit=config.gated_linear_unit, tp_size=sizes["tp"],
-                               hidden_size=config.hidden_size,
-                               tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
-                               tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length,
-                               pp_size=sizes["pp"], experts_mix_microbatches=sizes["ep"] * sizes["etp"] > sizes["tp"])
+    chunks, config = build.gpt_chunks(recipe, spec.parallel, cpu=spec.cpu)
+    facts = layouts.model_facts(chunks, config, vocab_size=recipe.data.vocab_size,
+                                tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
+                                tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length)
     if recipe.dtype == "fp8":  # TE's FP8 recipe (hybrid formats, current scaling), emulated on CPU
         fp8_emulation.install(chunks, fp8_emulation.FP8Settings(), facts)
-    if spec.role == REFERENCE and rank == 0:
-        save_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint)
-    load_seed_checkpoint(chunks, facts, coords, spec.seed_checkpoint, rank)
-
-    if config.bf16:
-        chunks = [Float16Module(config, c) for c in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=bool(recipe.optimizer.get("use_distributed_optimizer")))
-    # megatron.training: only the first chunk's buckets are the first to be reduced
-    model = [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+    # before the optimizer copies the weights into its main params: no reload needed
+    share_initial_weights(spec.trace.seed_checkpoint, chunks, layouts.KeyLayouts(facts), coords, rank, spec.role,
+                          spec.world_size)
+    # the model as the recipe describes it, before a bug patches anything
+    signature = build.model_signature(chunks, config, cfg.optimizer_config(recipe), facts, {
+        "seed": recipe.data.seed, "seq_length": recipe.data.seq_length,
+        "micro_batch_size": recipe.data.micro_batch_size, "global_batch_size": recipe.data.global_batch_size,
+        "iterations": recipe.train.iterations})
+    model = build.wrap_for_training(chunks, config, recipe)
     for bug in spec.inject if spec.role == CANDIDATE else []:
         bugs.inject(model, bug)  # before the optimizer copies the weights into its main params
-    optimizer = get_megatron_optimizer(cfg.optimizer_config(recipe), model)
+    optimizer = build.optimizer(recipe, model, config)
 
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
     def attach_tracer():
-        options = integration.TraceOptions(
-            enabled=True, dir=spec.trace_dir, iterations=spec.record_iterations, modules=tuple(spec.record_modules),
-            ranks=spec.record_ranks, microbatches=spec.record_microbatches, reference=spec.online_reference,
-            keep_tensors=spec.keep_tensors, role=spec.role, replay=spec.replay_reference, perturb=spec.perturb_seed)
-        integration.attach(model, optimizer, config, options=options, facts=facts, run_info={
-            "recipe": recipe.to_json(), "parallel": spec.parallel, "model_config": _model_signature(recipe),
+        options = dataclasses.replace(spec.trace, role=spec.role, seed_checkpoint=None)  # weights are shared above
+        integration.attach(model, optimizer, config, options=options, facts=facts, signature=signature, run_info={
+            "recipe": recipe.to_json(), "parallel": spec.parallel,
             "injected_bugs": spec.inject if spec.role == CANDIDATE else []})
 
-    if spec.trace and not spec.alternate_idle:
+    if probes.trace and not probes.alternate_idle:
         attach_tracer()
+
+    losses, timings, close_s = _train(recipe, model, optimizer, spec.cpu, dp_rank, dp_size, probes, attach_tracer)
+    if probes.dump_state:
+        _dump_state(spec, rank, model, losses)
+    if probes.timings:
+        os.makedirs(spec.trace.dir, exist_ok=True)
+        with open(os.path.join(spec.trace.dir, f"timings-rank{rank:05d}.json"), "w") as f:
+            json.dump({"iterations": timings, "close_s": close_s}, f)
+
+
+def _train(recipe: Recipe, model, optimizer, cpu: bool, dp_rank: int, dp_size: int, probes: Probes,
+           attach_tracer):
+    """The training loop of megatron.training's ``train``: zero the grad buffers, one
+    ``forward_backward`` over this DP rank's microbatches, ``optimizer.step()``; the trace calls
+    around it. Returns the losses per iteration and microbatch, the timings and the final flush time."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from . import integration
 
     forward_backward = get_forward_backward_func()
     seq = recipe.data.seq_length
     mbs = recipe.data.micro_batch_size
     position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, -1)
-    if not spec.cpu:
+    if not cpu:
         position_ids = position_ids.cuda()
 
     def loss_func(output_tensor):
@@ -202,7 +184,7 @@ def _run(rank: int, spec: RunSpec) -> None:
 
     def forward_step(data_iterator, model):
         _, tokens, labels = next(data_iterator)
-        if not spec.cpu:
+        if not cpu:
             tokens, labels = tokens.cuda(), labels.cuda()
         output = model(tokens, position_ids, None, labels=labels)
         return output, partial(loss_func)
@@ -210,7 +192,7 @@ def _run(rank: int, spec: RunSpec) -> None:
     losses = []
     timings = []
     for iteration in range(1, recipe.train.iterations + 1):
-        attached_now = spec.alternate_idle and iteration % 2 == 0
+        attached_now = probes.alternate_idle and iteration % 2 == 0
         if attached_now:
             attach_tracer()
         start = time.perf_counter()
@@ -228,25 +210,13 @@ def _run(rank: int, spec: RunSpec) -> None:
         stepped = time.perf_counter()
         integration.end_iteration(iteration)
         timings.append({"iteration": iteration, "step_s": stepped - start, "flush_s": time.perf_counter() - stepped,
-                        "attached": attached_now or (spec.trace and not spec.alternate_idle)})
+                        "attached": attached_now or (probes.trace and not probes.alternate_idle)})
         if attached_now:
             integration.flush()
         losses.append([float(r["lm loss"]) for r in reduced])
     closing = time.perf_counter()
     integration.flush()  # waits for the trace's background writes
-    close_s = time.perf_counter() - closing
-    if spec.dump_state:
-        _dump_state(spec, rank, model, losses)
-    if spec.timings:
-        os.makedirs(spec.trace_dir, exist_ok=True)
-        with open(os.path.join(spec.trace_dir, f"timings-rank{rank:05d}.json"), "w") as f:
-            json.dump({"iterations": timings, "close_s": close_s}, f)
-
-
-def _model_signature(recipe: Recipe) -> Dict:
-    """What must be equal between reference and candidate for a comparison to make sense."""
-    return {"model": recipe.model, "data": dataclasses.asdict(recipe.data), "dtype": recipe.dtype,
-            "optimizer": recipe.optimizer, "iterations": recipe.train.iterations, "frozen": recipe.train.frozen}
+    return losses, timings, time.perf_counter() - closing
 
 
 def _dump_state(spec: RunSpec, rank: int, model, losses) -> None:
@@ -256,5 +226,5 @@ def _dump_state(spec: RunSpec, rank: int, model, losses) -> None:
     state = {f"param/{i}/{n}": p.detach().cpu().contiguous()
              for i, chunk in enumerate(model) for n, p in chunk.named_parameters()}
     state["losses"] = torch.tensor(losses, dtype=torch.float64)
-    os.makedirs(spec.trace_dir, exist_ok=True)
-    save_file(state, os.path.join(spec.trace_dir, f"state-rank{rank:05d}.safetensors"))
+    os.makedirs(spec.trace.dir, exist_ok=True)
+    save_file(state, os.path.join(spec.trace.dir, f"state-rank{rank:05d}.safetensors"))

@@ -15,18 +15,38 @@ from typing import Dict, List
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import TraceError
+from ..errors import RecipeError, TraceError
 from ..placement import Coords, merge_shards, slice_logical
+from ..trace_store import REFERENCE
 from . import layouts
+from .layouts import Site
 from .naming import all_parameters, full_param_name
 
 
-def save_seed_checkpoint(chunks: List[torch.nn.Module], facts: layouts.ModelFacts, coords: Coords,
+def share_initial_weights(path: str, chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts,
+                          coords: Coords, rank: int, role: str, world: int, optimizer=None) -> None:
+    """The one way a run gets its initial weights (``ttrace run`` and ``--ttrace`` alike): the
+    reference (world size 1) writes its logical weights to ``path`` if the file is absent; then
+    every run, the reference included, loads its shard of each weight from it. Loading zeroes the
+    padding rows (the vocabulary padded per TP size), so the reference's padding is the
+    candidate's. Given the ``optimizer`` (a run that loads after it was built), its main copies
+    of the weights are refreshed with ``reload_model_params``."""
+    if not os.path.exists(path):
+        if role != REFERENCE or world != 1:
+            raise RecipeError(f"seed checkpoint {path} does not exist: run the reference (world size 1) first")
+        if rank == 0:
+            save_seed_checkpoint(chunks, key_layouts, coords, path)
+    load_seed_checkpoint(chunks, key_layouts, coords, path, rank)
+    if optimizer is not None:
+        optimizer.reload_model_params()
+
+
+def save_seed_checkpoint(chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts, coords: Coords,
                          path: str) -> None:
     """Write the logical weights of a model that holds them whole (world size 1)."""
     state: Dict[str, torch.Tensor] = {}
     for mname, pname, module, param in all_parameters(chunks):
-        layout = layouts.param_layout(mname, pname, module, param, facts)
+        layout = key_layouts.param_value(Site(mname, module, pname, param))
         merged = merge_shards([(coords, param.detach().cpu())], layout)
         state[full_param_name(mname, pname)] = merged.tensor.contiguous()
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
@@ -36,7 +56,7 @@ def save_seed_checkpoint(chunks: List[torch.nn.Module], facts: layouts.ModelFact
 
 
 @torch.no_grad()
-def load_seed_checkpoint(chunks: List[torch.nn.Module], facts: layouts.ModelFacts, coords: Coords,
+def load_seed_checkpoint(chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts, coords: Coords,
                          path: str, rank: int) -> None:
     try:
         state = load_file(path)
@@ -48,7 +68,7 @@ def load_seed_checkpoint(chunks: List[torch.nn.Module], facts: layouts.ModelFact
         if name not in state:
             raise TraceError("the seed checkpoint has no such parameter: reference and candidate models differ",
                              path=path, rank=rank, tensor=name)
-        layout = layouts.param_layout(mname, pname, module, param, facts)
+        layout = key_layouts.param_value(Site(mname, module, pname, param))
         full = state[name]
         if tuple(full.shape) != layout.logical_shape:
             raise TraceError(f"seed checkpoint shape {tuple(full.shape)} != logical shape {layout.logical_shape}",
@@ -57,5 +77,5 @@ def load_seed_checkpoint(chunks: List[torch.nn.Module], facts: layouts.ModelFact
         seen.add(name)
     # a pipeline stage holds only its own layers, an expert-parallel rank only its own experts
     extra = sorted(n for n in set(state) - seen if ".local_experts." not in n)
-    if extra and facts.pp_size == 1:
+    if extra and key_layouts.facts.pp_size == 1:
         raise TraceError(f"the seed checkpoint has parameters this model lacks: {extra[:5]}", path=path, rank=rank)

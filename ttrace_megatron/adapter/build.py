@@ -1,0 +1,117 @@
+"""Build a recipe's model and optimizer the way megatron.training builds them.
+
+The model is a megatron-core GPTModel (local spec), one chunk per virtual pipeline stage, wrapped
+as megatron.training wraps it (Float16Module for bf16, DistributedDataParallel); its optimizer
+comes from ``get_megatron_optimizer``. :func:`model_signature` describes what was built, from the
+built objects, for ``ttrace run`` and ``--ttrace`` alike, so traces of either compare.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from typing import Any, Dict, List, Sequence
+
+import torch
+
+from ..recipe import Recipe
+from . import config as cfg
+from .naming import all_parameters, full_param_name, unwrap
+
+
+def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True):
+    """(model chunks, TransformerConfig) of one rank, after ``initialize_model_parallel``.
+
+    The weights are megatron's own initialization; a run then loads the seed checkpoint over them.
+    Parameters the recipe freezes stop requiring grads.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    vpp = cfg.parallel_sizes(parallel)["vpp"]
+    torch.manual_seed(recipe.data.seed)
+    model_parallel_cuda_manual_seed(recipe.data.seed)
+    config = cfg.transformer_config(recipe, parallel)
+    spec_module = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
+                                           normalization=config.normalization)
+    # one chunk per virtual stage, as megatron.training's get_model builds them
+    stages = [None] if vpp == 1 else list(range(vpp))
+    chunks = []
+    for vp_stage in stages:
+        chunk = GPTModel(config=config, transformer_layer_spec=spec_module, vocab_size=cfg.padded_vocab_size(recipe),
+                         max_sequence_length=recipe.data.seq_length,
+                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                         vp_stage=vp_stage, **cfg.gpt_model_kwargs(recipe))
+        if not cpu:
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
+    for mname, pname, _, param in all_parameters(chunks):
+        if any(fnmatch.fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
+            param.requires_grad_(False)
+    return chunks, config
+
+
+def wrap_for_training(chunks: List[torch.nn.Module], config, recipe: Recipe) -> List[torch.nn.Module]:
+    """Float16Module for bf16, then megatron's DistributedDataParallel, as megatron.training does."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
+
+    if config.bf16:
+        chunks = [Float16Module(config, c) for c in chunks]
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=bool(recipe.optimizer.get("use_distributed_optimizer")))
+    # megatron.training: only the first chunk's buckets are the first to be reduced
+    return [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
+
+
+def optimizer(recipe: Recipe, model: List[torch.nn.Module], config):
+    """megatron's optimizer for ``model``, and the config hooks megatron.training sets with it."""
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    opt = get_megatron_optimizer(cfg.optimizer_config(recipe), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = opt.scale_loss
+    return opt
+
+
+# TransformerConfig fields that define the computation (parallel layout and performance knobs are
+# left out: they are what reference and candidate legitimately differ in)
+MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+                "kv_channels", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
+                "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "hidden_dropout",
+                "attention_dropout", "apply_residual_connection_post_layernorm", "init_method_std",
+                "bf16", "fp16", "params_dtype", "fp8", "num_moe_experts", "moe_router_topk",
+                "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+                "moe_router_score_function", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
+                "calculate_per_token_loss", "apply_query_key_layer_scaling", "attention_softmax_in_fp32")
+GPT_MODEL_ATTRIBUTES = ("vocab_size", "max_sequence_length", "position_embedding_type",
+                        "share_embeddings_and_output_weights", "rotary_percent", "rotary_base")
+OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
+                    "sgd_momentum", "loss_scale", "initial_loss_scale")
+
+
+def _plain(value):
+    return value if isinstance(value, (int, float, str, bool, type(None))) else str(value)
+
+
+def model_signature(chunks: Sequence[torch.nn.Module], config, optimizer_config, facts,
+                    training: Dict[str, Any]) -> Dict[str, Any]:
+    """What must be equal between reference and candidate for a comparison to make sense, read
+    from what was built: the model's config, the GPTModel's own arguments, the optimizer's config
+    and whether the GEMMs are FP8-emulated; and from the caller's loop (``training``: data seed,
+    sequence length, micro and global batch size, iterations), which the built objects do not
+    hold. Frozen parameters are not part of it: one side's frozen parameter has no grads, which
+    the comparison reports as missing tensors."""
+    models = [unwrap(c) for c in chunks]
+    sig: Dict[str, Any] = {"model": {f: _plain(getattr(config, f, None)) for f in MODEL_FIELDS}}
+    sig["model"]["activation_func"] = getattr(getattr(config, "activation_func", None), "__name__", None)
+    sig["gpt_model"] = {a: _plain(getattr(models[0], a, None)) for a in GPT_MODEL_ATTRIBUTES}
+    sig["logical_vocab_size"] = facts.vocab_size
+    sig["tokens_per_iteration"] = facts.tokens_per_iteration
+    sig["optimizer"] = {f: _plain(getattr(optimizer_config, f, None)) for f in OPTIMIZER_FIELDS}
+    sig["fp8_emulation"] = any(hasattr(m, "_ttrace_fp8") for model in models for m in model.modules())
+    sig["training"] = {k: _plain(v) for k, v in sorted(training.items())}
+    return sig

@@ -1,0 +1,190 @@
+"""Tensor keys: the names under which tensors are recorded, and what each name means.
+
+A recorded tensor is identified by a :class:`TensorKey` (iteration, global microbatch, canonical
+module name, phase, tensor name). The tensor names form a small protocol shared by the recorder,
+the replayer, the perturbation run, the comparison and the report; every writer builds names with
+the constructors below and every reader classifies them with :func:`kind_of` and the predicates,
+so renaming one changes it everywhere at once — tolerances (reduction lengths) and culprits
+(arrivals, phase labels) included.
+
+Knows nothing about megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+# ---- phases
+FORWARD = "forward"
+BACKWARD = "backward"
+MAIN_GRAD = "main_grad"  # param.main_grad once the grads are reduced
+OPTIMIZER = "optimizer"  # the step's scalars and the updated parameters
+PHASES = (FORWARD, BACKWARD, MAIN_GRAD, OPTIMIZER)
+
+# ---- module names of tensors that belong to no module
+LOSS_MODULE = "loss"
+OPTIMIZER_MODULE = "optimizer"
+
+# ---- tensor names
+INPUT = "input"  # a module's first input (forward)
+OUTPUT = "output"  # a module's first output (forward)
+GRAD_INPUT = "grad_input"  # the grad w.r.t. a module's input: its dgrad (backward)
+GRAD_OUTPUT = "grad_output"  # the grad arriving at a module's output (backward)
+PER_TOKEN_LOSS = "per_token_loss"
+GRAD_NORM = "grad_norm"
+CLIP_COEFFICIENT = "clip_coefficient"
+OPTIMIZER_SCALARS = (GRAD_NORM, CLIP_COEFFICIENT)
+WEIGHT = "weight"  # a GEMM's weight operand (with INPUT and GRAD_OUTPUT, the operands an amax summarizes)
+GEMM_OPERANDS = (INPUT, WEIGHT, GRAD_OUTPUT)
+
+_GRAD_SUFFIX = ".grad"
+_MAIN_GRAD_SUFFIX = ".main_grad"
+_AMAX_SUFFIX = "_amax"
+_AUX_LOSS_SUFFIX = "_loss"
+
+
+class TensorKind(enum.Enum):
+    """What a recorded tensor is, read from its phase and name."""
+
+    INPUT = "input"
+    OUTPUT = "output"
+    GRAD_INPUT = "grad_input"
+    GRAD_OUTPUT = "grad_output"
+    PARAM_GRAD = "param_grad"  # a parameter's grad of one microbatch
+    MAIN_GRAD = "main_grad"  # a parameter's reduced grad
+    PARAM = "param"  # a parameter's value after the optimizer step
+    OPTIMIZER_SCALAR = "optimizer_scalar"  # grad norm, clip coefficient
+    LOSS = "loss"  # the per-token loss
+    AUX_LOSS = "aux_loss"  # an MoE router's load-balancing or z-loss
+    AMAX = "amax"  # an FP8 GEMM operand's amax: a statistic of that operand
+
+
+_ACTIVATIONS = {(FORWARD, INPUT): TensorKind.INPUT, (FORWARD, OUTPUT): TensorKind.OUTPUT,
+                (BACKWARD, GRAD_INPUT): TensorKind.GRAD_INPUT, (BACKWARD, GRAD_OUTPUT): TensorKind.GRAD_OUTPUT}
+
+# the kind of a GEMM operand an amax summarizes (fp8 emulation: input, weight, grad_output)
+_OPERAND_KINDS = {INPUT: TensorKind.INPUT, WEIGHT: TensorKind.PARAM, GRAD_OUTPUT: TensorKind.GRAD_OUTPUT}
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorKey:
+    """Run-independent identity of a logical tensor."""
+
+    iteration: int
+    microbatch: int  # global microbatch id; -1 for per-iteration tensors (main_grad, optimizer)
+    module: str  # canonical module name: no wrapper prefixes, global layer numbers
+    phase: str  # one of PHASES
+    tensor: str  # built by the constructors of this module
+
+    def __str__(self) -> str:
+        mb = "" if self.microbatch < 0 else f" mb{self.microbatch}"
+        return f"it{self.iteration}{mb} {self.module} [{self.phase}] {self.tensor}"
+
+    @property
+    def kind(self) -> TensorKind:
+        return kind_of(self.phase, self.tensor)
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @staticmethod
+    def from_json(obj: dict) -> "TensorKey":
+        return TensorKey(int(obj["iteration"]), int(obj["microbatch"]), str(obj["module"]),
+                         str(obj["phase"]), str(obj["tensor"]))
+
+
+# ---- constructors
+
+
+def param_grad(param_name: str) -> str:
+    """The per-microbatch grad of parameter ``param_name`` (phase backward)."""
+    return param_name + _GRAD_SUFFIX
+
+
+def main_grad(param_name: str) -> str:
+    """The reduced grad of parameter ``param_name`` (phase main_grad)."""
+    return param_name + _MAIN_GRAD_SUFFIX
+
+
+def updated_param(param_name: str) -> str:
+    """The value of parameter ``param_name`` after the step (phase optimizer)."""
+    return param_name
+
+
+def amax(operand: str) -> str:
+    """The amax of a GEMM operand (``input``, ``weight``, ``grad_output``)."""
+    if operand not in _OPERAND_KINDS:
+        raise ValueError(f"not a GEMM operand: {operand!r}")
+    return operand + _AMAX_SUFFIX
+
+
+def activation_phase(kind: TensorKind) -> str:
+    return FORWARD if kind in (TensorKind.INPUT, TensorKind.OUTPUT) else BACKWARD
+
+
+# ---- readers
+
+
+def kind_of(phase: str, tensor: str) -> TensorKind:
+    """Classify a recorded name; unknown names are an error, never a silent default."""
+    activation = _ACTIVATIONS.get((phase, tensor))
+    if activation is not None:
+        return activation
+    if tensor.endswith(_AMAX_SUFFIX) and tensor[:-len(_AMAX_SUFFIX)] in _OPERAND_KINDS:
+        return TensorKind.AMAX
+    if phase == BACKWARD and tensor.endswith(_GRAD_SUFFIX):
+        return TensorKind.PARAM_GRAD
+    if phase == MAIN_GRAD and tensor.endswith(_MAIN_GRAD_SUFFIX):
+        return TensorKind.MAIN_GRAD
+    if phase == OPTIMIZER:
+        return TensorKind.OPTIMIZER_SCALAR if tensor in OPTIMIZER_SCALARS else TensorKind.PARAM
+    if phase == FORWARD and tensor == PER_TOKEN_LOSS:
+        return TensorKind.LOSS
+    if phase == FORWARD and tensor.endswith(_AUX_LOSS_SUFFIX):
+        return TensorKind.AUX_LOSS
+    raise ValueError(f"unknown recorded tensor {tensor!r} in phase {phase!r}")
+
+
+def param_name_of(tensor: str) -> str:
+    """The parameter a PARAM_GRAD / MAIN_GRAD / PARAM name is about."""
+    for suffix in (_MAIN_GRAD_SUFFIX, _GRAD_SUFFIX):
+        if tensor.endswith(suffix):
+            return tensor[:-len(suffix)]
+    return tensor
+
+
+def statistic_operand(tensor: str) -> str:
+    """The operand an AMAX summarizes (``input_amax`` → ``input``)."""
+    return tensor[:-len(_AMAX_SUFFIX)]
+
+
+def operand_kind(operand: str) -> TensorKind:
+    """What an FP8 GEMM operand is: ``weight`` is a parameter, ``input``/``grad_output`` activations."""
+    return _OPERAND_KINDS[operand]
+
+
+def microbatch_grad_key(main_grad_key: TensorKey, microbatch: int) -> TensorKey:
+    """The per-microbatch grad a main grad is reduced from."""
+    return dataclasses.replace(main_grad_key, microbatch=microbatch, phase=BACKWARD,
+                               tensor=param_grad(param_name_of(main_grad_key.tensor)))
+
+
+def is_arrival(key: TensorKey) -> bool:
+    """What arrives at a module (its input in forward, its output-grad in backward), as opposed to
+    what the module computes. A localization replay substitutes these."""
+    return key.kind in (TensorKind.INPUT, TensorKind.GRAD_OUTPUT)
+
+
+def is_per_microbatch(key: TensorKey) -> bool:
+    return key.microbatch >= 0
+
+
+_PHASE_LABELS = {TensorKind.LOSS: "forward (loss)", TensorKind.GRAD_INPUT: "backward (dgrad)",
+                 TensorKind.PARAM_GRAD: "backward (wgrad)", TensorKind.INPUT: "forward (arrival)",
+                 TensorKind.GRAD_OUTPUT: "backward (arrival)", TensorKind.MAIN_GRAD: "grad reduction"}
+
+
+def phase_label(key: TensorKey) -> str:
+    """forward / backward (dgrad) / backward (wgrad) / grad reduction / optimizer, for reports."""
+    return _PHASE_LABELS.get(key.kind, key.phase)
