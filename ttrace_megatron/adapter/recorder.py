@@ -206,6 +206,8 @@ class Recorder(Feature):
         """The reduced grads. Under the distributed optimizer only this rank's range of each is
         reduced (the rest of the buffer holds unreduced local grads), so only that range is
         recorded: the layout's owned range, cut through the placement module."""
+        if not self.recording:
+            return  # an idle iteration computes no layout
         for key, site, layout in self.main_grad_keys():
             if self._wants(site.module_name, -1):
                 self._add(key, owned_piece(site.param.main_grad, layout, self.coords), site, layout=layout)
