@@ -35,6 +35,15 @@ class DataConfig:
 class TrainConfig:
     iterations: int = 1
     frozen: List[str] = dataclasses.field(default_factory=list)  # fnmatch patterns of param names
+    # the lr and weight-decay schedule, as Megatron-LM's arguments of these names set it (its
+    # OptimizerParamScheduler, which also applies megatron's param groups: no weight decay on
+    # biases and norms); lr and min_lr are the optimizer's
+    lr_decay_style: str = "linear"
+    lr_warmup_iters: int = 0
+    lr_decay_iters: Optional[int] = None  # None: the iterations
+    weight_decay_incr_style: str = "constant"
+    start_weight_decay: Optional[float] = None  # None: the optimizer's weight_decay
+    end_weight_decay: Optional[float] = None
 
 
 @dataclasses.dataclass
@@ -141,9 +150,9 @@ DEFAULT_RECIPE = {
               "add_bias_linear": False},
     "parallel": {"tensor_model_parallel_size": 2, "sequence_parallel": True},
     "world_size": 2,
-    "optimizer": {"optimizer": "sgd", "lr": 0.01},
+    "optimizer": {"optimizer": "adam", "lr": 0.001},
     "data": {"seed": 1234, "vocab_size": 250, "seq_length": 32, "micro_batch_size": 2, "global_batch_size": 4},
-    "train": {"iterations": 2},
+    "train": {"iterations": 3},
     "dtype": "fp32",
 }
 

@@ -77,6 +77,24 @@ def optimizer(recipe: Recipe, model: List[torch.nn.Module], config):
     return opt
 
 
+def scheduler(recipe: Recipe, opt, optimizer_config):
+    """megatron's OptimizerParamScheduler as megatron.training sets it up, in iterations (it counts
+    samples; the lr and weight decay of every step are the same). Its first ``step`` sets each
+    param group's lr and weight decay, the latter times the group's ``wd_mult``: megatron's
+    default groups decay no biases and no 1-D parameters (norms)."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    t = recipe.train
+    wd = optimizer_config.weight_decay
+    start_wd = wd if t.start_weight_decay is None else t.start_weight_decay
+    end_wd = wd if t.end_weight_decay is None else t.end_weight_decay
+    return OptimizerParamScheduler(
+        opt, init_lr=0.0, max_lr=optimizer_config.lr, min_lr=optimizer_config.min_lr or 0.0,
+        lr_warmup_steps=t.lr_warmup_iters, lr_decay_steps=t.lr_decay_iters or t.iterations,
+        lr_decay_style=t.lr_decay_style, start_wd=start_wd, end_wd=end_wd, wd_incr_steps=t.iterations,
+        wd_incr_style=t.weight_decay_incr_style)
+
+
 # TransformerConfig fields that define the computation (parallel layout and performance knobs are
 # left out: they are what reference and candidate legitimately differ in)
 MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
@@ -90,7 +108,7 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
 GPT_MODEL_ATTRIBUTES = ("vocab_size", "max_sequence_length", "position_embedding_type",
                         "share_embeddings_and_output_weights", "rotary_percent", "rotary_base")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
-                    "sgd_momentum", "loss_scale", "initial_loss_scale")
+                    "sgd_momentum", "decoupled_weight_decay", "loss_scale", "initial_loss_scale")
 
 
 def _plain(value):

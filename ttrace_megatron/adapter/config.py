@@ -126,8 +126,8 @@ def optimizer_config(recipe: Recipe):
     from megatron.core.optimizer import OptimizerConfig
 
     kwargs = dict(recipe.optimizer)
-    kwargs.setdefault("optimizer", "sgd")
-    kwargs.setdefault("lr", 1e-2)
+    kwargs.setdefault("lr", 1e-3)  # megatron has no default lr (OptimizerConfig.lr is None); the rest is its own
+    kwargs.setdefault("min_lr", 0.0)  # megatron.training's --min-lr default (the config's is None)
     kwargs.update(bf16=recipe.dtype in ("bf16", "fp8"), params_dtype=torch_dtype(recipe.dtype))
     try:
         return OptimizerConfig(**kwargs)
