@@ -9,6 +9,7 @@ import dataclasses
 import fnmatch
 import itertools
 import math
+import os
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -19,6 +20,7 @@ from .keys import TensorKey, phase_label  # noqa: F401  (phase_label: part of th
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
                         content_digest, logical_mask, merge_shards, slice_logical)
 from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
+from .update_rules import AdamRule, judge_adam_update
 from .trace_store import RankTrace, Record, TraceReader
 
 PASS = "pass"
@@ -147,7 +149,7 @@ def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config:
     """
     arrival = arrives_at_module(key, rec)
     tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config,
-                        propagate=not (tol_config.replay and not arrival))
+                        propagate=not (tol_config.replay and not arrival), power=keys.value_power(key))
     if observed is not None:
         tol = with_perturbation(tol, observed, tol_config)
     ok = not reason and error / tol.eps <= tol.tolerance_eps
@@ -350,6 +352,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     num_layers = int(ref.run.get("num_layers", 0))
     ref_groups = group_records(ref)
     cand_groups = group_records(cand)
+    update_check = UpdateCheck.for_runs(ref, ref_groups, cand, cand_groups, tol_config)
     order = reference_order(ref_groups)
     common = sorted(set(ref_groups) & set(cand_groups), key=lambda k: order[k])
     results: List[TensorResult] = []
@@ -385,16 +388,97 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                 loaded = [cand.load(*by_rank[r]) for r in ranks]
                 return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
 
-        results.append(combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
-                                      replica_max_abs_diff, observed))
+        result = combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
+                                replica_max_abs_diff, observed)
+        if update_check is not None and keys.is_updated_value(key):
+            result = update_check.judge(result, key, logical_tensor(cand, pieces).tensor, ref_merged.tensor,
+                                        pieces[0][1].dtype)
+        results.append(result)
         if progress:
             progress(i + 1, len(common))
-    absent = sorted(set(ref_groups) - set(cand_groups), key=lambda k: order[k])
+    absent = sorted((k for k in set(ref_groups) - set(cand_groups) if recorded_by_choice(cand.run, k)),
+                    key=lambda k: order[k])
     skipped = [k for k in absent if not_recorded_by(cand.run, k)]
     missing_in_candidate = [k for k in absent if not not_recorded_by(cand.run, k)]
     missing_in_reference = sorted(set(cand_groups) - set(ref_groups), key=str)
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand.run, skipped=skipped)
+
+
+class UpdateCheck:
+    """Updated parameters judged element by element by the update rule (``update_rules``): for
+    Adam, when the candidate ran in lock-step with this reference, so both steps started from the
+    same parameters and state."""
+
+    def __init__(self, rule: AdamRule, ref: TraceReader, ref_groups, cand: TraceReader, cand_groups,
+                 tol_config: ToleranceConfig):
+        self.rule, self.ref, self.ref_groups, self.cand, self.cand_groups = rule, ref, ref_groups, cand, cand_groups
+        self.k = tol_config.k
+        self.param_groups = ref.run.get("param_groups") or {}
+
+    @staticmethod
+    def for_runs(ref: TraceReader, ref_groups, cand: TraceReader, cand_groups,
+                 tol_config: ToleranceConfig) -> Optional["UpdateCheck"]:
+        rule = AdamRule.from_run(ref.run)
+        lockstep = cand.run.get("lockstep_reference")
+        if rule is None or not lockstep or not _same_dir(lockstep, ref.dir):
+            return None
+        return UpdateCheck(rule, ref, ref_groups, cand, cand_groups, tol_config)
+
+    def _value(self, reader, groups, key) -> Optional[torch.Tensor]:
+        pieces = groups.get(key)
+        return None if pieces is None else logical_tensor(reader, pieces).tensor
+
+    def judge(self, result: TensorResult, key: TensorKey, cand_param: torch.Tensor, ref_param: torch.Tensor,
+              param_dtype: str) -> TensorResult:
+        if not math.isfinite(result.error) or tuple(cand_param.shape) != tuple(ref_param.shape):
+            return result
+        param = keys.param_name_of(key.tensor)
+        group = self.param_groups.get(f"{key.module}.{param}")
+        scalars = {}
+        for name, tensor in (("lr", keys.step_setting(group, keys.LR) if group else None), ("step", keys.STEP_COUNT)):
+            value = None if tensor is None else self._value(
+                self.ref, self.ref_groups, TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, tensor))
+            scalars[name] = None if value is None else float(value.reshape(-1)[0])
+        moments = []
+        for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups)):
+            moments.append(tuple(self._value(reader, groups, keys.sibling(key, keys.optimizer_state(param, s)))
+                                 for s in (keys.EXP_AVG, keys.EXP_AVG_SQ)))
+        missing = [n for n, v in scalars.items() if v is None] + (
+            ["moments"] if any(m is None for pair in moments for m in pair) else [])
+        if missing:
+            result.tolerance_source += f"; element-wise Adam check not possible: no {', '.join(missing)} recorded"
+            return result
+        v = judge_adam_update(self.rule, scalars["lr"], scalars["step"], param_dtype, cand_param, ref_param,
+                              moments[0], moments[1], k=self.k)
+        ok = v.worst_ratio <= 1.0 and not result.reason
+        tolerance_eps = result.error_eps / v.worst_ratio if v.worst_ratio > 0 and result.error_eps > 0 else \
+            result.tolerance_eps
+        source = (f"Adam update, element-wise (lock-step): worst element {v.worst_ratio:.3g}× its round-off slack "
+                  f"(flat index {v.worst_index}: residual {v.residual:.3g}, slack {v.slack:.3g}; lr={scalars['lr']:g}, "
+                  f"step {scalars['step']:g})")
+        return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
+                                   tolerance_source=source)
+
+
+def _same_dir(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return os.path.abspath(a) == os.path.abspath(b)
+
+
+def recorded_by_choice(run: dict, key: TensorKey) -> bool:
+    """Whether a run's selective recording (``run.json`` ``record_filter``: iterations, module
+    patterns, microbatches) covers ``key``: a tensor outside it is not missing, the run chose not to
+    record it. (A rank filter leaves tensors without pieces: those are missing.)"""
+    f = run.get("record_filter") or {}
+    iterations, microbatches = f.get("iterations"), f.get("microbatches")
+    if iterations is not None and key.iteration not in iterations:
+        return False
+    if microbatches is not None and keys.is_per_microbatch(key) and key.microbatch not in microbatches:
+        return False
+    return any(fnmatch.fnmatchcase(key.module, p) for p in f.get("modules") or ["*"])
 
 
 def not_recorded_by(run: dict, key: TensorKey) -> bool:

@@ -34,7 +34,18 @@ GRAD_OUTPUT = "grad_output"  # the grad arriving at a module's output (backward)
 PER_TOKEN_LOSS = "per_token_loss"
 GRAD_NORM = "grad_norm"
 CLIP_COEFFICIENT = "clip_coefficient"
-OPTIMIZER_SCALARS = (GRAD_NORM, CLIP_COEFFICIENT)
+STEP_COUNT = "step_count"  # the optimizer's step count after the step (Adam's bias correction)
+OPTIMIZER_SCALARS = (GRAD_NORM, CLIP_COEFFICIENT, STEP_COUNT)
+# the optimizer's state of a parameter after the step (phase optimizer): ``{param}.{name}``
+EXP_AVG = "exp_avg"
+EXP_AVG_SQ = "exp_avg_sq"
+MOMENTUM_BUFFER = "momentum_buffer"
+MAIN_PARAM = "main_param"  # the fp32 master copy, where it is not the parameter itself
+OPTIMIZER_STATES = (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, MAIN_PARAM)
+# what the step applied to a param group (module optimizer, phase optimizer): ``{group}.{name}``
+LR = "lr"
+WEIGHT_DECAY = "weight_decay"
+STEP_SETTINGS = (LR, WEIGHT_DECAY)
 WEIGHT = "weight"  # a GEMM's weight operand (with INPUT and GRAD_OUTPUT, the operands an amax summarizes)
 GEMM_OPERANDS = (INPUT, WEIGHT, GRAD_OUTPUT)
 
@@ -54,6 +65,8 @@ class TensorKind(enum.Enum):
     PARAM_GRAD = "param_grad"  # a parameter's grad of one microbatch
     MAIN_GRAD = "main_grad"  # a parameter's reduced grad
     PARAM = "param"  # a parameter's value after the optimizer step
+    OPTIMIZER_STATE = "optimizer_state"  # exp_avg, exp_avg_sq, momentum buffer, fp32 main param after the step
+    STEP_SETTING = "step_setting"  # the lr and weight decay the step applied to a param group
     OPTIMIZER_SCALAR = "optimizer_scalar"  # grad norm, clip coefficient
     LOSS = "loss"  # the per-token loss
     AUX_LOSS = "aux_loss"  # an MoE router's load-balancing or z-loss
@@ -112,6 +125,20 @@ def updated_param(param_name: str) -> str:
     return param_name
 
 
+def optimizer_state(param_name: str, state: str) -> str:
+    """The optimizer's ``state`` of a parameter after the step (phase optimizer)."""
+    if state not in OPTIMIZER_STATES:
+        raise ValueError(f"not an optimizer state: {state!r}")
+    return f"{param_name}.{state}"
+
+
+def step_setting(group: str, setting: str) -> str:
+    """What the step applied to a param group: its lr or weight decay (module optimizer)."""
+    if setting not in STEP_SETTINGS:
+        raise ValueError(f"not a step setting: {setting!r}")
+    return f"{group}.{setting}"
+
+
 def amax(operand: str) -> str:
     """The amax of a GEMM operand (``input``, ``weight``, ``grad_output``)."""
     if operand not in _OPERAND_KINDS:
@@ -138,7 +165,14 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
     if phase == MAIN_GRAD and tensor.endswith(_MAIN_GRAD_SUFFIX):
         return TensorKind.MAIN_GRAD
     if phase == OPTIMIZER:
-        return TensorKind.OPTIMIZER_SCALAR if tensor in OPTIMIZER_SCALARS else TensorKind.PARAM
+        if tensor in OPTIMIZER_SCALARS:
+            return TensorKind.OPTIMIZER_SCALAR
+        suffix = tensor.rpartition(".")[2] if "." in tensor else ""
+        if suffix in OPTIMIZER_STATES:
+            return TensorKind.OPTIMIZER_STATE
+        if suffix in STEP_SETTINGS:
+            return TensorKind.STEP_SETTING
+        return TensorKind.PARAM
     if phase == FORWARD and tensor == PER_TOKEN_LOSS:
         return TensorKind.LOSS
     if phase == FORWARD and tensor.endswith(_AUX_LOSS_SUFFIX):
@@ -147,11 +181,19 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
 
 
 def param_name_of(tensor: str) -> str:
-    """The parameter a PARAM_GRAD / MAIN_GRAD / PARAM name is about."""
+    """The parameter a PARAM_GRAD / MAIN_GRAD / PARAM / OPTIMIZER_STATE name is about."""
     for suffix in (_MAIN_GRAD_SUFFIX, _GRAD_SUFFIX):
         if tensor.endswith(suffix):
             return tensor[:-len(suffix)]
+    head, _, tail = tensor.rpartition(".")
+    if head and tail in OPTIMIZER_STATES:
+        return head
     return tensor
+
+
+def sibling(key: TensorKey, tensor: str, **changes) -> TensorKey:
+    """Another tensor of the same module (and iteration, microbatch, phase unless changed)."""
+    return dataclasses.replace(key, tensor=tensor, **changes)
 
 
 def statistic_operand(tensor: str) -> str:
@@ -174,6 +216,18 @@ def is_arrival(key: TensorKey) -> bool:
     """What arrives at a module (its input in forward, its output-grad in backward), as opposed to
     what the module computes. A localization replay substitutes these."""
     return key.kind in (TensorKind.INPUT, TensorKind.GRAD_OUTPUT)
+
+
+def is_updated_value(key: TensorKey) -> bool:
+    """A parameter's value after the step: the model parameter, or its fp32 main copy."""
+    return key.kind is TensorKind.PARAM or (key.kind is TensorKind.OPTIMIZER_STATE
+                                            and key.tensor.endswith("." + MAIN_PARAM))
+
+
+def value_power(key: TensorKey) -> int:
+    """The power of the reduced value a tensor accumulates: 2 for Adam's second moment (a running
+    sum of squared grads), 1 otherwise."""
+    return 2 if key.kind is TensorKind.OPTIMIZER_STATE and key.tensor.endswith("." + EXP_AVG_SQ) else 1
 
 
 def is_per_microbatch(key: TensorKey) -> bool:

@@ -10,6 +10,8 @@ No rank talks to another: the combination happens after the run, from the per-ra
 
 A partial sum (a :class:`~ttrace_megatron.placement.Partial` placement) cannot be judged on one
 rank; such tensors are listed as skipped. The reduced value they feed (``main_grad``) is judged.
+So are a lock-stepped Adam run's updated parameters (judged element by element against their
+moments, offline); the moments themselves are judged online.
 
 Knows nothing about megatron.
 """
@@ -28,7 +30,9 @@ from .compare import (FAIL, Comparison, ShardSums, TensorResult, blank_shard_sum
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .tolerance import ToleranceConfig
+from . import keys
 from .keys import TensorKey
+from .update_rules import AdamRule
 from .trace_store import RUN_FILE, TraceReader, atomic_write_json, read_json
 
 ONLINE_FILE = "online.json"
@@ -39,8 +43,11 @@ class OnlineComparer:
     """A recording sink with the :class:`~ttrace_megatron.trace_store.TraceWriter` interface
     (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
 
-    def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords):
+    def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False):
         self.reference = TraceReader(reference_dir)
+        # in lock-step under Adam an updated parameter is judged element by element against its
+        # moments (compare.UpdateCheck), which needs the merged tensors: not online
+        self.updates_offline = lockstep and AdamRule.from_run(self.reference.run) is not None
         self._reference_groups = group_records(self.reference)
         self.rank = rank
         self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
@@ -68,6 +75,9 @@ class OnlineComparer:
         if any(isinstance(p, Partial) for p in layout.placements):
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
                                     detail="a partial sum; judge it offline"))
+        if self.updates_offline and keys.is_updated_value(key):
+            return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
+                                    detail="an Adam update in lock-step, judged element by element offline"))
         ref_full = logical_tensor(self.reference, pieces).tensor
         try:
             return shard_sums(key, cand, layout, self.coords, ref_full)

@@ -25,6 +25,11 @@ def _num(x: float):
     return x
 
 
+def _g(x) -> str:
+    """A number of the JSON report as text: ``_num`` writes inf and nan as strings."""
+    return x if isinstance(x, str) else f"{x:.3g}"
+
+
 def _mismatch_json(r: TensorResult) -> dict:
     return {"module": r.key.module, "phase": r.key.phase, "tensor": r.key.tensor, "iteration": r.key.iteration,
             "microbatch": r.key.microbatch, "error_eps": _num(r.error_eps), "tolerance_eps": _num(r.tolerance_eps),
@@ -161,14 +166,14 @@ def render_culprits(culprits: list, console: Optional[Console] = None, max_rows:
         return
     c = culprits[0]
     console.print(Panel(f"{c['module']}, {c['phase']}, {c['tensor']} (iteration {c['iteration']}) fails on its own: "
-                        f"{c['error_eps']:.3g} ε against a local tolerance of {c['tolerance_eps']:.3g} ε — "
+                        f"{_g(c['error_eps'])} ε against a local tolerance of {_g(c['tolerance_eps'])} ε — "
                         f"{c['explanation']}", title="[bold red]culprit[/]", border_style="red"))
     if len(culprits) > 1:
         table = Table(title=f"every module failing on its own ({len(culprits)}), in execution order")
         for col in ("module", "phase", "tensor", "error ε", "local tol ε"):
             table.add_column(col)
         for c in culprits[:max_rows]:
-            table.add_row(c["module"], c["phase"], c["tensor"], f"{c['error_eps']:.3g}", f"{c['tolerance_eps']:.3g}")
+            table.add_row(c["module"], c["phase"], c["tensor"], _g(c["error_eps"]), _g(c["tolerance_eps"]))
         console.print(table)
 
 

@@ -83,18 +83,22 @@ def local_error(reduction: int, storage_dtype: str, accumulate: str = "float32")
 
 
 def tolerance_for(phase: str, depth: int, num_layers: int, storage_dtype: str, reduction: int,
-                  config: ToleranceConfig = ToleranceConfig(), *, propagate: bool = True) -> Tolerance:
+                  config: ToleranceConfig = ToleranceConfig(), *, propagate: bool = True,
+                  power: int = 1) -> Tolerance:
     """``propagate=False``: the local bound of a tensor computed from inputs both runs share
-    (localization replay), without the depth factor."""
+    (localization replay), without the depth factor. ``power``: the tensor is a running sum of the
+    ``power``-th power of a reduced value (Adam's second moment sums squared grads): a relative
+    error δ of the value is one of ``power·δ`` in it (keys.value_power)."""
     fmt = report_format(storage_dtype)
-    local = local_error(reduction, storage_dtype, config.accumulate)
+    local = power * local_error(reduction, storage_dtype, config.accumulate)
+    times = f"{power}·" if power != 1 else ""
     if not propagate:
         return Tolerance(fmt.eps, config.k * local / fmt.eps, 0,
-                         f"local k·(√K·ε_acc+ε_out): k={config.k:g} K={max(reduction, 1)}")
+                         f"local {times}k·(√K·ε_acc+ε_out): k={config.k:g} K={max(reduction, 1)}")
     d = propagation_depth(phase, depth, num_layers)
     bound = config.k * config.C ** d * local / fmt.eps
     return Tolerance(fmt.eps, bound, d,
-                     f"k·C^d·(√K·ε_acc+ε_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
+                     f"{times}k·C^d·(√K·ε_acc+ε_out): k={config.k:g} C={config.C:g} d={d} K={max(reduction, 1)}")
 
 
 def with_perturbation(tol: Tolerance, observed: float, config: ToleranceConfig = ToleranceConfig()) -> Tolerance:

@@ -1,0 +1,100 @@
+"""Judging an updated parameter by the optimizer's update rule, element by element.
+
+Why. Adam normalizes each element's step by its own gradient history: at the first step the
+update is ``lr·g/(|g|+ε) ≈ lr·sign(g)``. Where the exact gradient is zero (the key bias of
+attention: softmax is shift-invariant), the computed one is pure round-off, its sign is a coin
+flip, and two correct runs move that element by ±lr: a difference of 2·lr that no relative bound
+on the whole tensor can tell from a bug. Judged element by element, the difference is explained.
+
+How. Under lock-step (``adapter.lockstep``) both runs start the step from the same parameter and
+the same optimizer state. For Adam(W),
+
+    p' = p·(1 − lr·wd) − lr·u,   u = (m'/c1) / (√(v'/c2) + ε),   c1 = 1 − β1^t, c2 = 1 − β2^t,
+
+where m', v' are the moments after the step (recorded: ``exp_avg``, ``exp_avg_sq``). Everything
+but u is the same in both runs, so the candidate's updated parameter must be
+
+    p'_cand = p'_ref − lr·(u(m'_cand, v'_cand) − u(m'_ref, v'_ref))
+
+up to the round-off of the two updates, element by element. The moments themselves are judged
+like every tensor (they are linear in the grads, and the grads are judged too); this check asks
+whether the parameter moved the way its own moments say. An element whose grad is round-off may
+flip its direction — its moments say so, and the check accepts it; a step that applied another
+lr, another weight decay, a stale parameter or moments it did not record fails, on the elements
+that show it, however Adam normalizes.
+
+The slack per element is the round-off of the two updates: each computes ``p·(1−lr·wd)`` and
+subtracts ``lr·u`` in fp32 and stores the result in the parameter's format (u_fmt: bf16 for a
+bf16 model parameter), and computes u in fp32 from its moments (a few u_32):
+
+    slack = k · ( u_fmt·(|p'_cand| + |p'_ref|) + 4·u_32·lr·(|u_cand| + |u_ref|) )
+
+with the k of the analytic bound. ``docs/tolerance.md`` derives it; ``tests/test_update_rules.py``
+checks it against fp64 updates.
+
+Knows nothing about megatron.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+
+from .formats import number_format
+
+ADAM = "adam"
+U_32 = number_format("float32").unit_roundoff
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamRule:
+    beta1: float
+    beta2: float
+    eps: float
+
+    @staticmethod
+    def from_run(run: dict) -> Optional["AdamRule"]:
+        rule = run.get("update_rule") or {}
+        if rule.get("kind") != ADAM:
+            return None
+        return AdamRule(float(rule["beta1"]), float(rule["beta2"]), float(rule["eps"]))
+
+    def direction(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float) -> torch.Tensor:
+        """u, in float64, from the moments after step ``step`` (torch's Adam/AdamW arithmetic)."""
+        c1 = 1.0 - self.beta1 ** step
+        c2 = 1.0 - self.beta2 ** step
+        m = exp_avg.to(torch.float64)
+        v = exp_avg_sq.to(torch.float64)
+        return (m / c1) / (torch.sqrt(v) / c2 ** 0.5 + self.eps)
+
+
+@dataclasses.dataclass
+class UpdateVerdict:
+    worst_ratio: float  # max over elements of |residual| / slack
+    worst_index: int
+    residual: float  # at the worst element
+    slack: float
+
+
+def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
+                      cand_param: torch.Tensor, ref_param: torch.Tensor,
+                      cand_moments, ref_moments, k: float = 4.0) -> UpdateVerdict:
+    """Element by element: is the candidate's updated parameter the reference's moved by the
+    difference of the two runs' own Adam directions? (``*_moments``: (exp_avg, exp_avg_sq)
+    after the step; all logical tensors of one shape.)"""
+    u_c = rule.direction(*cand_moments, step)
+    u_r = rule.direction(*ref_moments, step)
+    pc = cand_param.to(torch.float64)
+    pr = ref_param.to(torch.float64)
+    residual = (pc - pr) + lr * (u_c - u_r)
+    u_fmt = number_format(param_dtype).unit_roundoff
+    slack = k * (u_fmt * (pc.abs() + pr.abs()) + 4.0 * U_32 * lr * (u_c.abs() + u_r.abs()))
+    slack = torch.clamp(slack, min=torch.finfo(torch.float64).tiny)
+    ratio = (residual.abs() / slack).reshape(-1)
+    if ratio.numel() == 0:
+        return UpdateVerdict(0.0, -1, 0.0, 0.0)
+    worst = int(torch.argmax(ratio))
+    return UpdateVerdict(float(ratio[worst]), worst, float(residual.reshape(-1)[worst]),
+                         float(slack.reshape(-1)[worst]))
