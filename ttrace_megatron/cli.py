@@ -71,12 +71,16 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
                        trace=trace_options(trace_dir, seed, **dict(selective, **trace)))
 
     online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
+    lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     console.print(f"reference run (1 rank) → {ref_dir}")
-    launch(spec(REFERENCE, ref_dir))
+    # in lock-step the candidate takes the reference's weights after every step: record all of it
+    launch(spec(REFERENCE, ref_dir, **({} if args.no_lockstep else dict(iterations=None, modules=("*",),
+                                                                           microbatches=None))))
     console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
                   + (f", injected bugs: {args.inject}" if args.inject else "")
-                  + (", comparing online" if args.online else ""))
-    launch(spec(CANDIDATE, cand_dir, args.inject, **online))
+                  + (", comparing online" if args.online else "")
+                  + ("" if args.no_lockstep else ", in lock-step with the reference"))
+    launch(spec(CANDIDATE, cand_dir, args.inject, **online, **lockstep))
     perturbed_dir = None
     if (recipe.tolerance.perturbation or args.perturb) and not args.online:
         perturbed_dir = os.path.join(out, "reference-perturbed")
@@ -91,7 +95,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         shutil.rmtree(replay_dir, ignore_errors=True)
         console.print(f"localizing: the candidate again, every module on the reference's inputs "
                       f"(iteration {first['iteration']}) → {replay_dir}")
-        launch(spec(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]]))
+        launch(spec(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]], **lockstep))
         report["culprits"] = _localize(ref_dir, replay_dir, console)
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
@@ -277,6 +281,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--online", action="store_true",
                      help="the candidate compares against the reference while it runs and writes verdicts only")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    run.add_argument("--no-lockstep", action="store_true",
+                     help="let the candidate train on its own weights. By default it runs in lock-step: after each "
+                          "optimizer step it takes the reference's parameters and optimizer state, so every "
+                          "iteration is judged given identical weights and state (and the reference records every "
+                          "iteration)")
     run.add_argument("--perturb", action="store_true",
                      help="the perturbation estimate: run the reference a second time with round-off-sized noise "
                           "and bound each tensor by what it moved, too (a recipe's tolerance.perturbation)")

@@ -64,6 +64,7 @@ class TraceOptions:
     role: str = "auto"  # reference | candidate | auto (reference when nothing is parallel)
     seed_checkpoint: Optional[str] = None  # logical initial weights: the reference writes, candidates load
     perturb: int = 0  # > 0: the perturbation-estimate run, round-off-sized noise seeded by this (adapter.perturb)
+    lockstep: Optional[str] = None  # after each step, take this reference trace's parameters and state (adapter.lockstep)
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -80,6 +81,7 @@ class TraceOptions:
             role=getattr(args, "ttrace_role", None) or "auto",
             seed_checkpoint=getattr(args, "ttrace_seed_checkpoint", None),
             perturb=int(getattr(args, "ttrace_perturb", 0) or 0),
+            lockstep=getattr(args, "ttrace_lockstep", None),
         )
 
     @property
@@ -111,6 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                        help="the perturbation estimate: run the reference again with round-off-sized noise in every "
                             "recorded module (seeded by SEED > 0), into its own --ttrace-dir; ttrace compare "
                             "--perturbed DIR then bounds each tensor by what this noise moves it")
+    group.add_argument("--ttrace-lockstep", metavar="DIR",
+                       help="lock-step: after each optimizer step, take this reference trace's parameters and "
+                            "optimizer state, so every iteration is judged given identical weights and state "
+                            "(the reference must record every iteration)")
     group.add_argument("--ttrace-role", choices=("auto", REFERENCE, CANDIDATE), default="auto",
                        help="label of this run (auto: reference when TP=PP=CP=EP=DP=1)")
     return parser
@@ -181,6 +187,8 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
     if options.replay and options.reference:
         problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
+    if options.lockstep and options.perturb:
+        problems.append("--ttrace-lockstep with --ttrace-perturb (the perturbation run is a second reference run)")
     if options.perturb and (options.replay or options.reference):
         problems.append("--ttrace-perturb with --ttrace-replay or --ttrace-reference (the perturbation run is a "
                         "second reference run that writes its own trace)")
@@ -224,8 +232,9 @@ def training_signature(args: Any) -> Dict[str, Any]:
     if args is None:
         return {}
     names = {"seed": "seed", "seq_length": "seq_length", "micro_batch_size": "micro_batch_size",
-             "global_batch_size": "global_batch_size", "iterations": "train_iters"}
-    return {k: getattr(args, a) for k, a in names.items() if hasattr(args, a)}
+             "global_batch_size": "global_batch_size", "iterations": "train_iters", "lr_decay_style": "lr_decay_style",
+             "lr_warmup_iters": "lr_warmup_iters", "lr_decay_iters": "lr_decay_iters"}
+    return {k: getattr(args, a, None) for k, a in names.items()}
 
 
 def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, args: Any = None,
@@ -280,7 +289,16 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
                 "compute_dtype": str(config.params_dtype).replace("torch.", ""), "versions": library_versions(),
                 "online_reference": os.path.abspath(options.reference) if options.reference else None,
                 "replay_reference": os.path.abspath(options.replay) if options.replay else None,
-                "perturbation_seed": options.perturb or None}
+                "perturbation_seed": options.perturb or None,
+                "lockstep_reference": os.path.abspath(options.lockstep) if options.lockstep else None,
+                "record_filter": {"iterations": options.iterations, "modules": list(options.modules),
+                                  "microbatches": options.microbatches, "ranks": options.ranks}}
+        opt_config = getattr(optimizer, "config", None)
+        if opt_config is not None:
+            from .optimizer_state import param_groups_by_name, update_rule
+
+            info["update_rule"] = update_rule(opt_config)
+            info["param_groups"] = param_groups_by_name(optimizer, chunks)
         if facts.experts_mix_microbatches:
             info["not_recorded"] = [{"modules": "*.local_experts.*", "why": (
                 "expert parallelism over data-parallel ranks: an expert's tokens come from several "
@@ -299,7 +317,7 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
     if options.reference:
         from ..online import OnlineComparer
 
-        sinks.append(OnlineComparer(options.reference, options.dir, rank, coords))
+        sinks.append(OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep)))
     clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
     dispatcher = Dispatcher(chunks, clock)
     record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
@@ -313,6 +331,10 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
         from .perturb import Perturber
 
         dispatcher.add(Perturber(options.perturb))
+    if options.lockstep:
+        from .lockstep import LockStep
+
+        LockStep(options.lockstep, recorder, key_layouts, coords)
     _SESSION = Session(options, dispatcher.attach(), recorder, optimizer, rank)
     return _SESSION
 

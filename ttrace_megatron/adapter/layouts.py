@@ -109,13 +109,15 @@ class KeyLayouts:
             layout = activation_layout(kind, site.module_name, site.module, facts, shape)
         elif kind is TensorKind.PARAM_GRAD:
             layout = param_layout(site, facts, microbatch_grad=True)
-        elif kind is TensorKind.MAIN_GRAD:
+        elif kind in (TensorKind.MAIN_GRAD, TensorKind.OPTIMIZER_STATE):
+            # the optimizer's state lives where the main grads are reduced: each rank's owned range
+            # under the distributed optimizer, a replica over DP otherwise
             bounds, _ = self.owned_ranges.get(site.param, (None, 0))
             layout = param_layout(site, facts, dp_ranges=bounds)
+        elif kind in (TensorKind.OPTIMIZER_SCALAR, TensorKind.STEP_SETTING):
+            layout = stage_replicated_layout(shape, facts)
         elif kind is TensorKind.PARAM:
             layout = param_layout(site, facts)
-        elif kind is TensorKind.OPTIMIZER_SCALAR:
-            layout = stage_replicated_layout(shape, facts)
         elif kind is TensorKind.LOSS:
             layout = replicated_layout(shape)
         elif kind is TensorKind.AUX_LOSS:
@@ -486,8 +488,11 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
         return int(module.output_size)
     if kind is TensorKind.PARAM_GRAD:
         return facts.tokens_per_microbatch
-    if kind in (TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_SCALAR):
+    if kind in (TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_SCALAR, TensorKind.OPTIMIZER_STATE):
         return facts.tokens_per_iteration
+    if kind is TensorKind.STEP_SETTING:
+        return 1  # set, not reduced: two correct runs agree to the last bit
+
     if kind is TensorKind.AUX_LOSS and is_router(module):
         return facts.tokens_per_microbatch
     if module_name in (LOSS_MODULE, "output_layer"):

@@ -9,7 +9,9 @@ What is recorded, each with its placement (:class:`.layouts.KeyLayouts`) under i
 * backward: the grads w.r.t. those inputs and outputs, and each parameter's grad per microbatch;
 * main_grad: ``param.main_grad`` when ``optimizer.step()`` starts (``finalize_model_grads`` has
   reduced them by then, whoever set ``config.finalize_model_grads_func``);
-* optimizer: the grad norm, the clip coefficient and the updated parameters after ``optimizer.step()``;
+* optimizer: the grad norm, the clip coefficient and the updated parameters after ``optimizer.step()``,
+  each parameter's optimizer state (Adam's moments, SGD's momentum, the fp32 main copy of a bf16
+  parameter) and what the step applied to it (lr, weight decay, Adam's step count);
 * MoE routers: their aux losses (load balancing, z-loss) per microbatch (``_AuxLossTap``);
 * FP8 (emulated) GEMMs: each operand's amax (``_FP8AmaxTap``).
 
@@ -39,6 +41,7 @@ from . import layouts
 from .hooks import INPUT_ARRIVES, RECORD, Call, Clock, Feature
 from .layouts import Site
 from .naming import all_parameters, canonical_module_names, unwrap
+from .optimizer_state import expected_states, group_settings, main_params, step_count
 
 
 @dataclasses.dataclass
@@ -77,6 +80,9 @@ class Recorder(Feature):
         self.before_step: List = []  # called after main grads are recorded, before the optimizer steps
         self.router: Optional[Tuple[str, torch.nn.Module]] = None  # the router whose forward runs now
         self._params: List[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]] = list(all_parameters(chunks))
+        self.after_step: List = []  # called after the step is recorded (lock-step)
+        self.main_params = {}  # model param -> optimizer_state.MainParam, set by wrap_optimizer
+        self.optimizer = None
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
     # ---- selection
@@ -226,14 +232,27 @@ class Recorder(Feature):
             return
         it = self.clock.iteration
         if self._wants(keys.OPTIMIZER_MODULE, -1):
-            for name, value in ((keys.GRAD_NORM, grad_norm), (keys.CLIP_COEFFICIENT, clip_coefficient)):
+            scalars = [(keys.GRAD_NORM, grad_norm), (keys.CLIP_COEFFICIENT, clip_coefficient),
+                       (keys.STEP_COUNT, step_count(self.optimizer))]
+            for group, settings in sorted(group_settings(self.optimizer).items()):
+                scalars += [(keys.step_setting(group, name), value) for name, value in settings.items()]
+            for name, value in scalars:
                 if value is not None:
                     self._add(TensorKey(it, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, name),
                               torch.tensor([float(value)], dtype=torch.float64), Site(keys.OPTIMIZER_MODULE))
         for mname, pname, module, param in self._params:
             if param.requires_grad and self._wants(mname, -1):
-                self._add(TensorKey(it, -1, mname, keys.OPTIMIZER, keys.updated_param(pname)), param,
-                          Site(mname, module, pname, param))
+                site = Site(mname, module, pname, param)
+                self._add(TensorKey(it, -1, mname, keys.OPTIMIZER, keys.updated_param(pname)), param, site)
+                main = self.main_params.get(param)
+                states = main.states() if main is not None else {}
+                for name in expected_states(self.optimizer.config, param):
+                    value = states.get(name)
+                    if value is None:
+                        if param not in self.layouts.owned_ranges:
+                            raise RuntimeError(f"the optimizer holds no {name} for {mname}.{pname}")
+                        value = param.new_empty((0,), dtype=torch.float32)  # this rank owns none of it
+                    self._add(TensorKey(it, -1, mname, keys.OPTIMIZER, keys.optimizer_state(pname, name)), value, site)
 
     def wrap_optimizer(self, optimizer) -> None:
         """Record main grads as ``optimizer.step()`` starts, grad norm and parameters after it.
@@ -242,6 +261,8 @@ class Recorder(Feature):
         ``optimizer.step()``) goes through it; :meth:`unwrap_optimizer` restores the method.
         """
         original = optimizer.step
+        self.optimizer = optimizer
+        self.main_params = main_params(optimizer)
 
         def step(*args, **kwargs):
             self.record_main_grads()
@@ -252,6 +273,8 @@ class Recorder(Feature):
             result_tuple = result if isinstance(result, tuple) else ()
             grad_norm = result_tuple[1] if len(result_tuple) >= 2 else None
             self.record_optimizer_step(grad_norm, clipping.coefficient)
+            for callback in self.after_step:
+                callback()
             return result
 
         step.ttrace_original = original

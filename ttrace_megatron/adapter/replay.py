@@ -52,16 +52,48 @@ class _Substitute(torch.autograd.Function):
         return grad, None
 
 
+class ReferenceValues:
+    """The reference trace's values, sliced to this rank as it stores them: what the replay and the
+    lock-step put into the candidate."""
+
+    def __init__(self, reference_dir: str, coords: Coords):
+        self.reader = TraceReader(reference_dir)
+        self._groups = group_records(self.reader)
+        self.coords = coords
+        self.substituted = 0
+        self.absent = 0
+
+    def shard(self, key: TensorKey, layout: Layout, like: torch.Tensor) -> Optional[torch.Tensor]:
+        """The reference's value of ``key`` as this rank stores it (``layout``), shaped like ``like``;
+        None when the reference did not record it (selective recording)."""
+        pieces = self._groups.get(key)
+        if pieces is None:
+            self.absent += 1
+            return None
+        full = logical_tensor(self.reader, pieces).tensor
+        try:
+            shard = slice_logical(full, layout, self.coords, like.shape).to(dtype=like.dtype, device=like.device)
+            mask = logical_mask(layout, self.coords, tuple(like.shape))
+            if mask is not None:
+                # padding (the vocabulary padded per TP size) is not in the logical tensor: keep the
+                # candidate's own values there (padding logits take part in the softmax and their
+                # grads reach the output layer's padding rows and the grad norm)
+                shard = torch.where(mask.to(like.device), shard, like.detach())
+        except PlacementError as e:
+            raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reader.dir,
+                             tensor=str(key)) from None
+        self.substituted += 1
+        return shard
+
+
 class Replayer(Feature):
     name = SUBSTITUTE
 
     def __init__(self, reference_dir: str, recorder: Recorder, key_layouts: KeyLayouts, coords: Coords):
-        self.reference = TraceReader(reference_dir)
-        self._groups = group_records(self.reference)
+        self.reference = ReferenceValues(reference_dir, coords)
         self.recorder = recorder
         self.layouts = key_layouts
         self.coords = coords
-        self.substituted = 0
         recorder.before_step.append(self.substitute_main_grads)
 
     def hooks(self, site: Site) -> bool:
@@ -97,21 +129,4 @@ class Replayer(Feature):
                     mine.copy_(value)
 
     def _reference_shard(self, key: TensorKey, layout: Layout, like: torch.Tensor) -> Optional[torch.Tensor]:
-        """The reference's value of ``key`` as this rank stores it (``layout``), shaped like ``like``."""
-        pieces = self._groups.get(key)
-        if pieces is None:
-            return None  # not recorded by the reference (selective recording): leave the candidate's value
-        full = logical_tensor(self.reference, pieces).tensor
-        try:
-            shard = slice_logical(full, layout, self.coords, like.shape).to(dtype=like.dtype, device=like.device)
-            mask = logical_mask(layout, self.coords, tuple(like.shape))
-            if mask is not None:
-                # padding (the vocabulary padded per TP size) is not in the logical tensor: keep the
-                # candidate's own values there (padding logits take part in the softmax and their
-                # grads reach the output layer's padding rows and the grad norm)
-                shard = torch.where(mask.to(like.device), shard, like.detach())
-        except PlacementError as e:
-            raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
-                             tensor=str(key)) from None
-        self.substituted += 1
-        return shard
+        return self.reference.shard(key, layout, like)

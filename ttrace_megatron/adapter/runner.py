@@ -138,11 +138,14 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     signature = build.model_signature(chunks, config, cfg.optimizer_config(recipe), facts, {
         "seed": recipe.data.seed, "seq_length": recipe.data.seq_length,
         "micro_batch_size": recipe.data.micro_batch_size, "global_batch_size": recipe.data.global_batch_size,
-        "iterations": recipe.train.iterations})
+        "iterations": recipe.train.iterations, "lr_decay_style": recipe.train.lr_decay_style,
+        "lr_warmup_iters": recipe.train.lr_warmup_iters,
+        "lr_decay_iters": recipe.train.lr_decay_iters or recipe.train.iterations})
     model = build.wrap_for_training(chunks, config, recipe)
     for bug in spec.inject if spec.role == CANDIDATE else []:
         bugs.inject(model, bug)  # before the optimizer copies the weights into its main params
     optimizer = build.optimizer(recipe, model, config)
+    scheduler = build.scheduler(recipe, optimizer, cfg.optimizer_config(recipe))
 
     def attach_tracer():
         options = dataclasses.replace(spec.trace, role=spec.role, seed_checkpoint=None)  # weights are shared above
@@ -153,7 +156,8 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     if probes.trace and not probes.alternate_idle:
         attach_tracer()
 
-    losses, timings, close_s = _train(recipe, model, optimizer, spec.cpu, dp_rank, dp_size, probes, attach_tracer)
+    losses, timings, close_s = _train(recipe, model, optimizer, scheduler, spec.cpu, dp_rank, dp_size, probes,
+                                      attach_tracer)
     if probes.dump_state:
         _dump_state(spec, rank, model, losses)
     if probes.timings:
@@ -162,10 +166,11 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
             json.dump({"iterations": timings, "close_s": close_s}, f)
 
 
-def _train(recipe: Recipe, model, optimizer, cpu: bool, dp_rank: int, dp_size: int, probes: Probes,
+def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int, dp_size: int, probes: Probes,
            attach_tracer):
     """The training loop of megatron.training's ``train``: zero the grad buffers, one
-    ``forward_backward`` over this DP rank's microbatches, ``optimizer.step()``; the trace calls
+    ``forward_backward`` over this DP rank's microbatches, ``optimizer.step()``, the lr schedule's
+    step after a successful update; the trace calls
     around it. Returns the losses per iteration and microbatch, the timings and the final flush time."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -206,7 +211,9 @@ def _train(recipe: Recipe, model, optimizer, cpu: bool, dp_rank: int, dp_size: i
         reduced = forward_backward(forward_step_func=forward_step, data_iterator=data, model=model,
                                    num_microbatches=len(batches), seq_length=seq, micro_batch_size=mbs,
                                    forward_only=False)
-        optimizer.step()
+        update_successful, _, _ = optimizer.step()
+        if update_successful:
+            scheduler.step(increment=1)
         stepped = time.perf_counter()
         integration.end_iteration(iteration)
         timings.append({"iteration": iteration, "step_s": stepped - start, "flush_s": time.perf_counter() - stepped,

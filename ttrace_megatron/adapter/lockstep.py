@@ -1,0 +1,65 @@
+"""Lock-step: every judged iteration of the candidate starts from the reference's state.
+
+Two correct runs drift apart by round-off, and an optimizer can amplify the drift: Adam's update
+is scale-free, so an element whose gradient is pure round-off moves by about ±lr whatever its
+sign, and the next iteration's forward and backward then see weights that differ by 2·lr there.
+Judged end to end, iteration 2 onwards would compare runs that no longer share their inputs.
+
+In lock-step, once the candidate's step is recorded, its parameters and optimizer state — the
+model parameters, the fp32 main copies, Adam's moments, SGD's momentum — are replaced by the
+reference's after the same step, sliced to this rank through the layouts the recorder gives those
+keys (owned ranges of the distributed optimizer included). Each iteration is then judged given
+identical weights and state, and its step given identical prior state: the differences it shows
+are that iteration's own. Recorded values are the candidate's own, before the replacement.
+
+Like the localization replay, this changes the candidate's numerics on purpose; the observed
+training is the run without it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .. import keys
+from ..keys import TensorKey
+from ..placement import Coords
+from .layouts import KeyLayouts, Site
+from .recorder import Recorder
+from .replay import ReferenceValues
+
+
+class LockStep:
+    def __init__(self, reference_dir: str, recorder: Recorder, key_layouts: KeyLayouts, coords: Coords):
+        self.reference = ReferenceValues(reference_dir, coords)
+        self.recorder = recorder
+        self.layouts = key_layouts
+        self.coords = coords
+        recorder.after_step.append(self.align)
+
+    @torch.no_grad()
+    def align(self) -> None:
+        """After the step: the reference's parameters and optimizer state of this iteration."""
+        clock = self.recorder.clock
+        if not clock.in_iteration:
+            return
+        absent = self.reference.absent
+        for mname, pname, module, param in self.recorder._params:
+            if not param.requires_grad:
+                continue
+            site = Site(mname, module, pname, param)
+            key = TensorKey(clock.iteration, -1, mname, keys.OPTIMIZER, keys.updated_param(pname))
+            value = self.reference.shard(key, self.layouts.of(key, site, tuple(param.shape)), param)
+            if value is not None:
+                param.copy_(value)
+            main = self.recorder.main_params.get(param)
+            if main is None:
+                continue
+            for name, tensor in main.states().items():
+                key = TensorKey(clock.iteration, -1, mname, keys.OPTIMIZER, keys.optimizer_state(pname, name))
+                value = self.reference.shard(key, self.layouts.of(key, site, tuple(tensor.shape)), tensor)
+                if value is not None:
+                    tensor.copy_(value)
+        if self.reference.absent > absent:
+            print(f"[ttrace] rank {self.recorder.rank}: lock-step: the reference recorded "
+                  f"{self.reference.absent - absent} parameter or state tensor(s) of iteration {clock.iteration} "
+                  f"not: those stay the candidate's own (record every iteration of the reference)", flush=True)
