@@ -52,6 +52,14 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("gpt_tp2", "column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",
      "decoder.layers.1.self_attention.linear_qkv", "backward", ("fp8",)),
 ]
+BUGS += [  # the optimizer (issue #16), under Adam with megatron's defaults
+    ("gpt_tp2_dp2_adam", "clip_applied_twice", "embedding.word_embeddings", "optimizer"),
+    ("gpt_tp2_dp2_adam", "weight_decay_ignores_param_groups", "optimizer", "optimizer"),
+    ("gpt_tp2_dp2_adam", "lr_schedule_skipped_on_one_rank", "optimizer", "optimizer"),
+    ("gpt_dp2_distopt", "param_allgather_skipped", "embedding.word_embeddings", "optimizer"),
+    ("gpt_dp2_distopt", "adam_state_stepped_on_wrong_shard", "decoder.layers.0.self_attention.linear_qkv", "optimizer"),
+    ("moe_tp2_sp_ep2", "grad_norm_misses_expert_ranks", "optimizer", "optimizer"),
+]
 BUG_DTYPES = ("fp32", "bf16")  # unless the entry names its own (FP8 bugs need the FP8 emulation)
 DTYPES = ("fp32", "bf16", "fp8")  # fp8: TE's hybrid FP8 GEMMs emulated on CPU (adapter.fp8_emulation)
 CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_dp2_adam", "gpt_tp2_sp_dp2",
@@ -73,10 +81,11 @@ def recipe(name: str, dtype: str, seed: int):
     return recipe_from_dict(raw, source=path)
 
 
-def pair(r, tmp, inject=(), calibrate=False):
+def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
     """End-to-end comparison as the recipe ships (with the perturbation estimate where it asks
-    for it), then the localization replay of iteration 1. ``calibrate``: also the perturbation
-    run, for every recipe, and the analytic-only comparison."""
+    for it), then the localization replay of iteration 1, the candidate in lock-step with the
+    reference as ``ttrace run`` runs it (``lockstep=False``: on its own weights). ``calibrate``:
+    also the perturbation run, for every recipe, and the analytic-only comparison."""
     from ttrace_megatron.adapter.launch import launch
     from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces, localize
@@ -87,11 +96,12 @@ def pair(r, tmp, inject=(), calibrate=False):
     def spec(role, trace_dir, bugs=(), **trace):
         return RunSpec(recipe=r.to_json(), role=role, inject=list(bugs), trace=trace_options(trace_dir, seed, **trace))
 
+    step = dict(lockstep=ref) if lockstep else {}
     launch(spec(REFERENCE, ref))
-    launch(spec(CANDIDATE, cand, inject))
+    launch(spec(CANDIDATE, cand, inject, **step))
     if calibrate or r.tolerance.perturbation:
         launch(spec(REFERENCE, pert, perturb=1))
-    launch(spec(CANDIDATE, os.path.join(tmp, "replay"), inject, replay=ref, iterations=[1]))
+    launch(spec(CANDIDATE, os.path.join(tmp, "replay"), inject, replay=ref, iterations=[1], **step))
     shipped = compare_traces(ref, cand, perturbed=pert if r.tolerance.perturbation else None)
     extra = {}
     if calibrate:
@@ -111,6 +121,7 @@ def main():
     parser.add_argument("--recipes", nargs="*", help="only these recipes (default: all)")
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), help=f"only these dtypes (default: {DTYPES})")
     parser.add_argument("--bugs-only", action="store_true", help="only the bug-zoo table")
+    parser.add_argument("--no-lockstep", action="store_true", help="candidates train on their own weights")
     args = parser.parse_args()
     wanted = (lambda name: name in args.recipes) if args.recipes else (lambda name: True)
 
@@ -128,7 +139,7 @@ def main():
             analytic_fps, over_observed = 0, 0.0
             for seed in range(1, args.seeds + 1):
                 with tempfile.TemporaryDirectory() as tmp:
-                    c, loc, extra = pair(recipe(name, dtype, seed), tmp, calibrate=True)
+                    c, loc, extra = pair(recipe(name, dtype, seed), tmp, calibrate=True, lockstep=not args.no_lockstep)
                 analytic_fps += extra["analytic_fps"]
                 over_observed = max(over_observed, extra["worst_over_observed"])
                 fps += len(c.failures)
@@ -149,7 +160,7 @@ def main():
     for name, bug, module, phase, *dtypes in (b for b in BUGS if wanted(b[0])):
         for dtype in (d for d in (dtypes[0] if dtypes else BUG_DTYPES) if d in args.dtypes):
             with tempfile.TemporaryDirectory() as tmp:
-                c, loc, _ = pair(recipe(name, dtype, 1), tmp, [bug])
+                c, loc, _ = pair(recipe(name, dtype, 1), tmp, [bug], lockstep=not args.no_lockstep)
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"

@@ -53,14 +53,19 @@ class Runs:
             launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace), timeout_s=300)
         return trace_dir
 
-    def candidate(self, recipe, inject=(), name="candidate", probes=None, **trace_kwargs):
+    def candidate(self, recipe, inject=(), name="candidate", probes=None, lockstep=True, **trace_kwargs):
         """A candidate run next to the recipe's reference; ``trace_kwargs`` are TraceOptions fields
-        (iterations, modules, replay, reference, keep_tensors, ...)."""
+        (iterations, modules, replay, reference, keep_tensors, ...). ``lockstep``: in lock-step with
+        the reference, as ``ttrace run`` runs it (False: on its own weights)."""
         from ttrace_megatron.adapter.launch import launch
         from ttrace_megatron.adapter.runner import CANDIDATE, Probes, RunSpec, trace_options
 
         out = self.reference(recipe)
         trace_dir = os.path.join(out, f"{name}-{'-'.join(inject) or 'clean'}".replace(":", "_").replace("*", "x"))
+        if lockstep:
+            trace_kwargs["lockstep"] = os.path.join(out, "reference")
+        else:
+            trace_dir += "-own-weights"
         trace = trace_options(trace_dir, os.path.join(out, "seed.safetensors"), **trace_kwargs)
         launch(RunSpec(recipe=recipe.to_json(), role=CANDIDATE, trace=trace, inject=list(inject)), timeout_s=300,
                probes=probes or Probes())

@@ -188,6 +188,22 @@ def test_megatron_lm_replay_localizes_nothing_on_a_clean_run(megatron_lm_runs, t
     assert any(r.tolerance_source.startswith("local") for r in loc.comparison.results)
 
 
+@pytest.mark.multiprocess
+def test_megatron_lm_lockstep_with_adam(tmp_path):
+    """`--ttrace-lockstep REF` through Megatron-LM's loop: with Adam the candidate takes the
+    reference's weights and moments after each step, and its updated parameters are judged
+    element by element: the clean run passes."""
+    seed = ("--ttrace-seed-checkpoint", "seed.safetensors")
+    adam = ("--optimizer", "adam", "--lr", "1e-3")
+    _torchrun(1, "--bf16", *adam, "--ttrace", "--ttrace-dir", "ref", *seed, cwd=tmp_path)
+    _torchrun(2, *CANDIDATE, *adam, "--ttrace", "--ttrace-dir", "cand", *seed, "--ttrace-lockstep", "ref",
+              cwd=tmp_path)
+    c = compare_traces(str(tmp_path / "ref"), str(tmp_path / "cand"))
+    assert c.verdict == "pass", c.first_mismatch
+    updated = [r for r in c.results if r.key.kind.name == "PARAM"]
+    assert updated and all(r.tolerance_source.startswith("Adam update, element-wise") for r in updated)
+
+
 def _flat_keys(obj, prefix=""):
     if isinstance(obj, dict):
         return {k for key, v in obj.items() for k in _flat_keys(v, f"{prefix}{key}.")}

@@ -50,7 +50,7 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     ("gpt_tp2", "fp32", "cross_entropy_mask_missing", "loss", "forward (loss)", "per_token_loss"),
     ("gpt_pp2", "fp32", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction",
      "weight.main_grad"),
-    ("gpt_dp2_distopt", "fp32", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer", "weight"),
+    ("gpt_dp2_distopt", "fp32", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer", "weight.exp_avg"),
     ("moe_tp2_sp_ep2", "fp32", "moe_aux_loss_scaled_by_tp", "decoder.layers.0.mlp.router", "forward",
      "load_balancing_loss"),
     ("moe_ep2", "fp32", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1",

@@ -339,3 +339,120 @@ def inject(chunks: List[torch.nn.Module], spec: str) -> None:
         entry.inject(chunks)
     else:
         entry.inject(chunks, pattern or entry.default_pattern)
+
+
+# ---- the optimizer (issue #16): bugs in the step, judged under Adam
+
+
+@bug()
+def clip_applied_twice(chunks) -> None:
+    """Gradient clipping scales the grads by the clip coefficient twice (a clip inside a loop over
+    chained optimizers that also clips outside it): the step uses grads scaled by c² instead of c.
+    Adam's update hardly changes (it normalizes), its moments do."""
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    original = optimizer_module.clip_grad_by_total_norm_fp32
+
+    def twice(parameters, max_norm, total_norm, *args, **kwargs):
+        original(parameters, max_norm, total_norm, *args, **kwargs)
+        return original(parameters, max_norm, total_norm, *args, **kwargs)
+
+    optimizer_module.clip_grad_by_total_norm_fp32 = twice
+
+
+@bug()
+def weight_decay_ignores_param_groups(chunks) -> None:
+    """The lr scheduler sets every param group's weight decay without its ``wd_mult``: biases and
+    norms, which megatron's default groups exempt, decay too."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    def step(self, increment: int) -> None:
+        self.num_steps += increment
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.get_lr(group)
+            group["weight_decay"] = self.get_wd(group)  # the bug: no wd_mult
+
+    OptimizerParamScheduler.step = step
+
+
+@bug()
+def lr_schedule_skipped_on_one_rank(chunks) -> None:
+    """One rank (global rank 1) skips the lr scheduler's step: from the second iteration on it
+    steps with the previous iteration's lr while the others decay it."""
+    import torch.distributed as dist
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        raise ValueError("bug injection: lr_schedule_skipped_on_one_rank needs two ranks or more")
+    original = OptimizerParamScheduler.step
+
+    def step(self, increment: int) -> None:
+        if increment > 0 and dist.get_rank() == 1:
+            return
+        original(self, increment)
+
+    OptimizerParamScheduler.step = step
+
+
+@bug()
+def param_allgather_skipped(chunks) -> None:
+    """The distributed optimizer updates each rank's owned range of the parameters but skips the
+    all-gather that sends it to the other DP ranks: every rank's copy of a parameter is stale
+    outside its own range, and the next forward runs on them."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.optimizer.optimizer import MixedPrecisionOptimizer
+
+    if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
+        raise ValueError("bug injection: param_allgather_skipped needs the distributed optimizer")
+    DistributedOptimizer.step_with_ready_grads = MixedPrecisionOptimizer.step_with_ready_grads
+
+
+@bug()
+def adam_state_stepped_on_wrong_shard(chunks) -> None:
+    """The distributed optimizer on DP rank 1 hands two of its main-parameter shards each other's
+    grads: their Adam moments and updates accumulate the wrong shard's gradient."""
+    from megatron.core import parallel_state
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
+        raise ValueError("bug injection: adam_state_stepped_on_wrong_shard needs the distributed optimizer")
+    original = DistributedOptimizer._copy_model_grads_to_main_grads
+
+    def copy_model_grads_to_main_grads(self):
+        original(self)
+        if parallel_state.get_data_parallel_rank() != 1:
+            return
+        shards = [p for group in self.shard_fp32_from_float16_groups + self.shard_fp32_groups for p in group
+                  if p.grad is not None]
+        by_shape = {}
+        for p in shards:
+            by_shape.setdefault(tuple(p.shape), []).append(p)
+        pair = next((ps for ps in by_shape.values() if len(ps) >= 2), None)
+        if pair is not None:
+            pair[0].grad, pair[1].grad = pair[1].grad, pair[0].grad
+
+    DistributedOptimizer._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
+
+
+@bug()
+def grad_norm_misses_expert_ranks(chunks) -> None:
+    """The grad norm leaves out the expert parameters' grads (the expert optimizer's contribution
+    is dropped, as when the norm is reduced over a group that has no expert ranks): clipping then
+    uses too small a norm."""
+    from megatron.core.optimizer.optimizer import ChainedOptimizer
+
+    original = ChainedOptimizer.get_grad_norm
+
+    def get_grad_norm(self):
+        experts = [o for o in self.chained_optimizers  # the optimizer of megatron's expert-parallel groups
+                   if any(g.get("is_expert_parallel") for g in getattr(getattr(o, "optimizer", None), "param_groups", []))]
+        saved = [(o, o.get_main_grads_for_grad_norm) for o in experts]
+        for o in experts:
+            o.get_main_grads_for_grad_norm = lambda: []
+        try:
+            return original(self)
+        finally:
+            for o, fn in saved:
+                o.get_main_grads_for_grad_norm = fn
+
+    ChainedOptimizer.get_grad_norm = get_grad_norm
