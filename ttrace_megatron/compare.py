@@ -366,8 +366,10 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         pieces = cand_groups[key]
         layout = _common_layout(pieces)
         replica_max_abs_diff = None
-        if any(isinstance(p, Partial) for p in layout.placements):
-            # partial sums can only be judged once added up: merge them, then judge one piece
+        element_wise = update_check is not None and keys.is_updated_value(key)
+        if element_wise or any(isinstance(p, Partial) for p in layout.placements):
+            # merged first, then judged as one piece: partial sums only mean something added up, and
+            # an updated parameter is judged element by element on the merged tensor too
             cand_merged = logical_tensor(cand, pieces)
             notes += [replica_note("candidate", m.ranks, m.max_abs_diff, m.axis)
                       for m in cand_merged.replica_mismatches]
@@ -390,9 +392,8 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
 
         result = combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
                                 replica_max_abs_diff, observed)
-        if update_check is not None and keys.is_updated_value(key):
-            result = update_check.judge(result, key, logical_tensor(cand, pieces).tensor, ref_merged.tensor,
-                                        pieces[0][1].dtype)
+        if element_wise:
+            result = update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
         results.append(result)
         if progress:
             progress(i + 1, len(common))
@@ -415,6 +416,7 @@ class UpdateCheck:
         self.rule, self.ref, self.ref_groups, self.cand, self.cand_groups = rule, ref, ref_groups, cand, cand_groups
         self.k = tol_config.k
         self.param_groups = ref.run.get("param_groups") or {}
+        self._scalars: Dict[TensorKey, Optional[float]] = {}  # the reference's lr and step, read once
 
     @staticmethod
     def for_runs(ref: TraceReader, ref_groups, cand: TraceReader, cand_groups,
@@ -424,6 +426,12 @@ class UpdateCheck:
         if rule is None or not lockstep or not _same_dir(lockstep, ref.dir):
             return None
         return UpdateCheck(rule, ref, ref_groups, cand, cand_groups, tol_config)
+
+    def _scalar(self, key: TensorKey) -> Optional[float]:
+        if key not in self._scalars:
+            value = self._value(self.ref, self.ref_groups, key)
+            self._scalars[key] = None if value is None else float(value.reshape(-1)[0])
+        return self._scalars[key]
 
     def _value(self, reader, groups, key) -> Optional[torch.Tensor]:
         pieces = groups.get(key)
@@ -437,9 +445,8 @@ class UpdateCheck:
         group = self.param_groups.get(f"{key.module}.{param}")
         scalars = {}
         for name, tensor in (("lr", keys.step_setting(group, keys.LR) if group else None), ("step", keys.STEP_COUNT)):
-            value = None if tensor is None else self._value(
-                self.ref, self.ref_groups, TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, tensor))
-            scalars[name] = None if value is None else float(value.reshape(-1)[0])
+            scalars[name] = None if tensor is None else self._scalar(
+                TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, tensor))
         moments = []
         for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups)):
             moments.append(tuple(self._value(reader, groups, keys.sibling(key, keys.optimizer_state(param, s)))

@@ -47,7 +47,6 @@ LR = "lr"
 WEIGHT_DECAY = "weight_decay"
 STEP_SETTINGS = (LR, WEIGHT_DECAY)
 WEIGHT = "weight"  # a GEMM's weight operand (with INPUT and GRAD_OUTPUT, the operands an amax summarizes)
-GEMM_OPERANDS = (INPUT, WEIGHT, GRAD_OUTPUT)
 
 _GRAD_SUFFIX = ".grad"
 _MAIN_GRAD_SUFFIX = ".main_grad"
@@ -146,9 +145,6 @@ def amax(operand: str) -> str:
     return operand + _AMAX_SUFFIX
 
 
-def activation_phase(kind: TensorKind) -> str:
-    return FORWARD if kind in (TensorKind.INPUT, TensorKind.OUTPUT) else BACKWARD
-
 
 # ---- readers
 
@@ -191,14 +187,10 @@ def param_name_of(tensor: str) -> str:
     return tensor
 
 
-def sibling(key: TensorKey, tensor: str, **changes) -> TensorKey:
-    """Another tensor of the same module (and iteration, microbatch, phase unless changed)."""
-    return dataclasses.replace(key, tensor=tensor, **changes)
+def sibling(key: TensorKey, tensor: str) -> TensorKey:
+    """Another tensor of the same module, iteration, microbatch and phase."""
+    return dataclasses.replace(key, tensor=tensor)
 
-
-def statistic_operand(tensor: str) -> str:
-    """The operand an AMAX summarizes (``input_amax`` → ``input``)."""
-    return tensor[:-len(_AMAX_SUFFIX)]
 
 
 def operand_kind(operand: str) -> TensorKind:

@@ -97,9 +97,6 @@ class Feature:
         recorder, for parameter grads)."""
         return False
 
-    def begin_iteration(self, iteration: int) -> None:
-        pass
-
     def end_iteration(self, iteration: int) -> None:
         pass
 
@@ -111,7 +108,6 @@ INPUT_ARRIVES = "input_arrives"
 OUTPUT_LEAVES = "output_leaves"
 GRAD_ARRIVES = "grad_arrives"
 GRAD_LEAVES = "grad_leaves"
-EVENTS = (INPUT_ARRIVES, OUTPUT_LEAVES, GRAD_ARRIVES, GRAD_LEAVES)
 
 
 def hooked_modules(chunks: Sequence[torch.nn.Module]) -> List[layouts.Site]:
@@ -145,8 +141,6 @@ class Dispatcher:
         self.clock.iteration = iteration
         self.clock.in_iteration = True
         self._local_microbatch = [0] * len(self.chunks)
-        for f in self._ordered():
-            f.begin_iteration(iteration)
 
     def end_iteration(self, iteration: int) -> None:
         self.clock.in_iteration = False

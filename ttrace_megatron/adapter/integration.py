@@ -326,7 +326,7 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
     if options.replay:
         from .replay import Replayer
 
-        dispatcher.add(Replayer(options.replay, recorder, key_layouts, coords))
+        dispatcher.add(Replayer(options.replay, recorder))
     if options.perturb:
         from .perturb import Perturber
 
@@ -334,7 +334,7 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
     if options.lockstep:
         from .lockstep import LockStep
 
-        LockStep(options.lockstep, recorder, key_layouts, coords)
+        LockStep(options.lockstep, recorder)
     _SESSION = Session(options, dispatcher.attach(), recorder, optimizer, rank)
     return _SESSION
 

@@ -22,18 +22,16 @@ import torch
 
 from .. import keys
 from ..keys import TensorKey
-from ..placement import Coords
-from .layouts import KeyLayouts, Site
+from .layouts import Site
 from .recorder import Recorder
 from .replay import ReferenceValues
 
 
 class LockStep:
-    def __init__(self, reference_dir: str, recorder: Recorder, key_layouts: KeyLayouts, coords: Coords):
-        self.reference = ReferenceValues(reference_dir, coords)
+    def __init__(self, reference_dir: str, recorder: Recorder):
+        self.reference = ReferenceValues(reference_dir, recorder.coords)
         self.recorder = recorder
-        self.layouts = key_layouts
-        self.coords = coords
+        self.layouts = recorder.layouts
         recorder.after_step.append(self.align)
 
     @torch.no_grad()

@@ -115,10 +115,10 @@ def main_params(optimizer) -> Dict[torch.nn.Parameter, MainParam]:
     return out
 
 
-def step_count(optimizer) -> Optional[float]:
+def step_count(mains: Dict[torch.nn.Parameter, MainParam]) -> Optional[float]:
     """Adam's step count after the step (the same for every parameter), or None (SGD, or no
-    parameter on this rank)."""
-    for param in main_params(optimizer).values():
+    parameter on this rank). ``mains``: :func:`main_params`."""
+    for param in mains.values():
         step = param.optimizer.state.get(param.main, {}).get("step")
         if step is not None:
             return float(step)

@@ -233,7 +233,7 @@ class Recorder(Feature):
         it = self.clock.iteration
         if self._wants(keys.OPTIMIZER_MODULE, -1):
             scalars = [(keys.GRAD_NORM, grad_norm), (keys.CLIP_COEFFICIENT, clip_coefficient),
-                       (keys.STEP_COUNT, step_count(self.optimizer))]
+                       (keys.STEP_COUNT, step_count(self.main_params))]
             for group, settings in sorted(group_settings(self.optimizer).items()):
                 scalars += [(keys.step_setting(group, name), value) for name, value in settings.items()]
             for name, value in scalars:

@@ -36,7 +36,7 @@ from ..keys import TensorKey
 from ..placement import Coords, Layout, PlacementError, logical_mask, owned_piece, slice_logical
 from ..trace_store import TraceReader
 from .hooks import GRAD_ARRIVES, INPUT_ARRIVES, SUBSTITUTE, Call, Feature
-from .layouts import KeyLayouts, Site
+from .layouts import Site
 from .recorder import Recorder, skips_per_microbatch
 
 
@@ -89,11 +89,10 @@ class ReferenceValues:
 class Replayer(Feature):
     name = SUBSTITUTE
 
-    def __init__(self, reference_dir: str, recorder: Recorder, key_layouts: KeyLayouts, coords: Coords):
-        self.reference = ReferenceValues(reference_dir, coords)
+    def __init__(self, reference_dir: str, recorder: Recorder):
+        self.reference = ReferenceValues(reference_dir, recorder.coords)
         self.recorder = recorder
-        self.layouts = key_layouts
-        self.coords = coords
+        self.layouts = recorder.layouts  # the recorder's: a substituted value has its key's recorded layout
         recorder.before_step.append(self.substitute_main_grads)
 
     def hooks(self, site: Site) -> bool:
@@ -106,12 +105,12 @@ class Replayer(Feature):
         if not x.is_floating_point():
             return x  # token ids: nothing to substitute
         key = TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.FORWARD, keys.INPUT)
-        value = self._reference_shard(key, self.layouts.of(key, call.site, tuple(x.shape)), x)
+        value = self.reference.shard(key, self.layouts.of(key, call.site, tuple(x.shape)), x)
         return x if value is None else _Substitute.apply(x, value)
 
     def grad_arrives(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
         key = TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.BACKWARD, keys.GRAD_OUTPUT)
-        value = self._reference_shard(key, self.layouts.of(key, call.site, tuple(grad.shape)), grad)
+        value = self.reference.shard(key, self.layouts.of(key, call.site, tuple(grad.shape)), grad)
         return grad if value is None else value
 
     def substitute_main_grads(self) -> None:
@@ -123,10 +122,7 @@ class Replayer(Feature):
             return
         with torch.no_grad():
             for key, site, layout in self.recorder.main_grad_keys():
-                mine = owned_piece(site.param.main_grad, layout, self.coords)
-                value = self._reference_shard(key, layout, mine)
+                mine = owned_piece(site.param.main_grad, layout, self.reference.coords)
+                value = self.reference.shard(key, layout, mine)
                 if value is not None:
                     mine.copy_(value)
-
-    def _reference_shard(self, key: TensorKey, layout: Layout, like: torch.Tensor) -> Optional[torch.Tensor]:
-        return self.reference.shard(key, layout, like)
