@@ -136,6 +136,8 @@ def test_moe_router_and_experts(runs, name):
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad",
      "weight.main_grad"),
     ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward", "output"),
+    # a top-k that skips each token's best expert: the choice is not the top k of its scores
+    ("moe_tp2_sp_ep2", "router_topk_skips_best", "decoder.layers.0.mlp.router", "forward", "topk_choice"),
     ("gpt_tp2_sp_pp2", "row_allreduce_dropped:decoder.layers.3.mlp.linear_fc2", "decoder.layers.3.mlp.linear_fc2",
      "forward", "output"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad", "weight.main_grad"),

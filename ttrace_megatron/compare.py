@@ -14,9 +14,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import keys
+from . import keys, selection
 from .errors import ConfigMismatchError, TraceError
-from .keys import TensorKey, phase_label  # noqa: F401  (phase_label: part of this module's face)
+from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label: part of this module's face)
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
                         content_digest, logical_mask, merge_shards, slice_logical)
 from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
@@ -367,7 +367,8 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         layout = _common_layout(pieces)
         replica_max_abs_diff = None
         element_wise = update_check is not None and keys.is_updated_value(key)
-        if element_wise or any(isinstance(p, Partial) for p in layout.placements):
+        choice = key.kind is TensorKind.SELECTION
+        if element_wise or choice or any(isinstance(p, Partial) for p in layout.placements):
             # merged first, then judged as one piece: partial sums only mean something added up, and
             # an updated parameter is judged element by element on the merged tensor too
             cand_merged = logical_tensor(cand, pieces)
@@ -394,6 +395,9 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                                 replica_max_abs_diff, observed)
         if element_wise:
             result = update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
+        if choice:
+            result = judge_choice(result, key, cand_merged.tensor, ref_merged.tensor, (cand, cand_groups),
+                                  (ref, ref_groups))
         results.append(result)
         if progress:
             progress(i + 1, len(common))
@@ -466,6 +470,26 @@ class UpdateCheck:
                   f"step {scalars['step']:g})")
         return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
                                    tolerance_source=source)
+
+
+def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor, ref_choice: torch.Tensor,
+                 cand_side, ref_side) -> TensorResult:
+    """A top-k choice judged by the scores each side took it on (``selection``), not by its
+    relative error: a near-tie that round-off flips passes, a choice that is not the top k fails."""
+    scores_key = keys.sibling(key, keys.TOPK_SCORES)
+    scores = [None if scores_key not in groups else logical_tensor(reader, groups[scores_key]).tensor
+              for reader, groups in (cand_side, ref_side)]
+    if any(s is None for s in scores) or tuple(cand_choice.shape) != tuple(ref_choice.shape):
+        why = "no scores recorded" if any(s is None for s in scores) else "the shapes differ"
+        return dataclasses.replace(result, verdict=FAIL, reason=result.reason or f"top-k choice not judged: {why}")
+    v = selection.judge_topk_choice(cand_choice, ref_choice, scores[0], scores[1])
+    ok = not v.problem and not result.reason and v.worst_ratio <= 1.0
+    # the ratio shown is the worst near-tie's margin over the scores' differences (0: an exact tie)
+    tolerance_eps = (result.tolerance_eps if result.error_eps == 0 or not ok else
+                     result.error_eps / v.worst_ratio if v.worst_ratio > 0 else math.inf)
+    return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
+                               reason=result.reason or v.problem,
+                               tolerance_source=f"top-k choice judged by its scores: {selection.describe(v)}")
 
 
 def _same_dir(a: str, b: str) -> bool:

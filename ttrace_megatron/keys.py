@@ -46,6 +46,9 @@ OPTIMIZER_STATES = (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, MAIN_PARAM)
 LR = "lr"
 WEIGHT_DECAY = "weight_decay"
 STEP_SETTINGS = (LR, WEIGHT_DECAY)
+# a top-k selection (an MoE router's): the scores it is taken on, and the choice as a 0/1 map over them
+TOPK_SCORES = "topk_scores"
+TOPK_CHOICE = "topk_choice"
 WEIGHT = "weight"  # a GEMM's weight operand (with INPUT and GRAD_OUTPUT, the operands an amax summarizes)
 
 _GRAD_SUFFIX = ".grad"
@@ -70,6 +73,8 @@ class TensorKind(enum.Enum):
     LOSS = "loss"  # the per-token loss
     AUX_LOSS = "aux_loss"  # an MoE router's load-balancing or z-loss
     AMAX = "amax"  # an FP8 GEMM operand's amax: a statistic of that operand
+    SELECTION_SCORES = "selection_scores"  # what a top-k selection is taken on, per token
+    SELECTION = "selection"  # a top-k choice: 1 where chosen, 0 elsewhere; judged by its scores
 
 
 _ACTIVATIONS = {(FORWARD, INPUT): TensorKind.INPUT, (FORWARD, OUTPUT): TensorKind.OUTPUT,
@@ -171,6 +176,10 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
         return TensorKind.PARAM
     if phase == FORWARD and tensor == PER_TOKEN_LOSS:
         return TensorKind.LOSS
+    if phase == FORWARD and tensor == TOPK_SCORES:
+        return TensorKind.SELECTION_SCORES
+    if phase == FORWARD and tensor == TOPK_CHOICE:
+        return TensorKind.SELECTION
     if phase == FORWARD and tensor.endswith(_AUX_LOSS_SUFFIX):
         return TensorKind.AUX_LOSS
     raise ValueError(f"unknown recorded tensor {tensor!r} in phase {phase!r}")

@@ -11,7 +11,9 @@ No rank talks to another: the combination happens after the run, from the per-ra
 A partial sum (a :class:`~ttrace_megatron.placement.Partial` placement) cannot be judged on one
 rank; such tensors are listed as skipped. The reduced value they feed (``main_grad``) is judged.
 So are a lock-stepped Adam run's updated parameters (judged element by element against their
-moments, offline); the moments themselves are judged online.
+moments, offline); the moments themselves are judged online. A top-k choice (an MoE router's) is
+judged against both sides' scores (``selection``) offline only: online it is skipped, and its
+scores are judged.
 
 Knows nothing about megatron.
 """
@@ -31,7 +33,7 @@ from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .tolerance import ToleranceConfig
 from . import keys
-from .keys import TensorKey
+from .keys import TensorKey, TensorKind
 from .update_rules import AdamRule
 from .trace_store import RUN_FILE, TraceReader, atomic_write_json, read_json
 
@@ -78,6 +80,9 @@ class OnlineComparer:
         if self.updates_offline and keys.is_updated_value(key):
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
                                     detail="an Adam update in lock-step, judged element by element offline"))
+        if key.kind is TensorKind.SELECTION:
+            return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
+                                    detail="a top-k choice is judged against both sides' scores: offline only"))
         ref_full = logical_tensor(self.reference, pieces).tensor
         try:
             return shard_sums(key, cand, layout, self.coords, ref_full)

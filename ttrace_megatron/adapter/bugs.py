@@ -294,6 +294,21 @@ def moe_aux_loss_scaled_by_tp(chunks) -> None:
     config.moe_aux_loss_coeff *= config.tensor_model_parallel_size
 
 
+@bug("*.mlp.router")
+def router_topk_skips_best(chunks, pattern: str) -> None:
+    """The router's top-k is one position off: it takes the k+1 best experts and drops the first,
+    as a slice meant to drop a shared expert would (``[:, 1:]``): every token skips its best expert."""
+    from megatron.core.transformer.moe.router import Router
+
+    class _SkipsBest:
+        def get_replay_topk(self, scores, topk, num_groups=None, group_topk=None, default_compute_topk=None):
+            values, indices = default_compute_topk(scores, topk + 1, num_groups=num_groups, group_topk=group_topk)
+            return values[:, 1:], indices[:, 1:]
+
+    for _, router in _modules(chunks, pattern, Router):
+        router.router_replay = _SkipsBest()
+
+
 @bug()
 def expert_tp_partials_not_reduced(chunks) -> None:
     """With expert-TP, the alltoall dispatcher's combine forgets to sum the experts' partial outputs

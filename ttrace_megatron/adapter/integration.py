@@ -299,6 +299,14 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
 
             info["update_rule"] = update_rule(opt_config)
             info["param_groups"] = param_groups_by_name(optimizer, chunks)
+        from .routing import unobserved_routing
+
+        unobserved = unobserved_routing(config)
+        if unobserved:
+            # the comparison lists this in the report; routing flips then go unexplained
+            info["unjudged"] = [{"what": "MoE routers' top-k choices", "why": unobserved}]
+            print(f"[ttrace] the MoE routers' top-k choices are not recorded, judged or followed: {unobserved}",
+                  flush=True)
         if facts.experts_mix_microbatches:
             info["not_recorded"] = [{"modules": "*.local_experts.*", "why": (
                 "expert parallelism over data-parallel ranks: an expert's tokens come from several "

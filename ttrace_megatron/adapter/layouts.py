@@ -107,6 +107,9 @@ class KeyLayouts:
         facts = self.facts
         if kind in (TensorKind.INPUT, TensorKind.OUTPUT, TensorKind.GRAD_INPUT, TensorKind.GRAD_OUTPUT):
             layout = activation_layout(kind, site.module_name, site.module, facts, shape)
+        elif kind in (TensorKind.SELECTION_SCORES, TensorKind.SELECTION):
+            # [tokens, experts], the tokens the router sees: laid out like its probs
+            layout = activation_layout(TensorKind.OUTPUT, site.module_name, site.module, facts, shape)
         elif kind is TensorKind.PARAM_GRAD:
             layout = param_layout(site, facts, microbatch_grad=True)
         elif kind in (TensorKind.MAIN_GRAD, TensorKind.OPTIMIZER_STATE):

@@ -12,6 +12,11 @@ keys (owned ranges of the distributed optimizer included). Each iteration is the
 identical weights and state, and its step given identical prior state: the differences it shows
 are that iteration's own. Recorded values are the candidate's own, before the replacement.
 
+MoE routers follow the reference's top-k choice where theirs differs (``routing``): a near-tie
+that round-off flips would otherwise send a token to another expert, and everything after it
+would differ by far more than round-off. The candidate's own choice is recorded and judged
+against its scores.
+
 Like the localization replay, this changes the candidate's numerics on purpose; the observed
 training is the run without it.
 """
@@ -33,6 +38,8 @@ class LockStep:
         self.recorder = recorder
         self.layouts = recorder.layouts
         recorder.after_step.append(self.align)
+        for tap in recorder.routing_taps:  # MoE routers take the reference's choice where theirs differs
+            tap.follow = self.reference
 
     @torch.no_grad()
     def align(self) -> None:

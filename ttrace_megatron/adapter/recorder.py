@@ -82,6 +82,7 @@ class Recorder(Feature):
         self._params: List[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]] = list(all_parameters(chunks))
         self.after_step: List = []  # called after the step is recorded (lock-step)
         self.main_params = {}  # model param -> optimizer_state.MainParam, set by wrap_optimizer
+        self.routing_taps = []  # routing.RoutingTap per MoE router, set by attach
         self.optimizer = None
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
@@ -164,6 +165,10 @@ class Recorder(Feature):
                 self._handles.append(param.register_hook(self._param_grad_hook(site)))
         if any(layouts.is_router(m) for chunk in self.chunks for m in chunk.modules()):
             self._handles.append(_AuxLossTap(self))
+            from .routing import attach_routing_taps
+
+            self.routing_taps = attach_routing_taps(self, self.chunks)
+            self._handles.extend(self.routing_taps)
         return self
 
     def _add(self, key: TensorKey, tensor: torch.Tensor, site: Site, *, arrival: bool = False,

@@ -8,7 +8,9 @@ hooked module (the SUBSTITUTE feature of the :class:`~.hooks.Dispatcher`):
 * backward: the grad arriving at the module's first output is replaced by the reference's
   logical output-grad, sliced likewise;
 * optimizer: once the candidate's main grads are recorded, they are replaced by the reference's,
-  so the step is judged given the reference's inputs.
+  so the step is judged given the reference's inputs;
+* MoE routing: a router whose top-k choice differs from the reference's takes the reference's
+  (``routing``), so each expert receives the tokens it received in the reference.
 
 Each module's outputs — forward output, grad w.r.t. its input, its parameters' grads — then
 depend only on the module itself and on inputs both runs share, so they are judged under the
@@ -94,6 +96,8 @@ class Replayer(Feature):
         self.recorder = recorder
         self.layouts = recorder.layouts  # the recorder's: a substituted value has its key's recorded layout
         recorder.before_step.append(self.substitute_main_grads)
+        for tap in recorder.routing_taps:  # the reference's tokens reach the experts (``routing``)
+            tap.follow = self.reference
 
     def hooks(self, site: Site) -> bool:
         return not skips_per_microbatch(site, self.layouts.facts)

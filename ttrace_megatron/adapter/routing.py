@@ -1,0 +1,114 @@
+"""MoE routing: each router's top-k choice recorded, and followed from the reference when asked.
+
+A router picks each token's top-k experts from its scores. Two correct runs compute those scores
+with different round-off, so a token whose k-th and (k+1)-th scores are within round-off of each
+other (a near-tie) may go to another expert in the candidate. Nothing is wrong, yet from there the
+two runs disagree by a whole expert's output on that token: every later tensor of the layer, and
+every later layer, differs by far more than round-off (bf16 makes near-ties common).
+
+So the choice is judged on its own, and not by what follows from it:
+
+* every router's scores (what the top-k is taken on) and its choice (a 0/1 map over tokens ×
+  experts) are recorded per microbatch (``keys.TOPK_SCORES``, ``keys.TOPK_CHOICE``); the
+  comparison (``selection.judge_topk_choice``) accepts a different choice only where each side's
+  choice is the top k of its own scores — the flip is then explained by the scores' differences,
+  which are judged under their own tolerance — and fails a choice that is not;
+* when the candidate runs in lock-step (or is a localization replay), it *follows* the
+  reference's choice: on each token where its own choice differs, the reference's experts are
+  taken, weighted by the candidate's own scores. Everything after the router then sees the tokens
+  the reference saw. Tokens whose choice agrees keep the candidate's own indices, in its own order:
+  with no flip, the run is bitwise the run without following.
+
+The tap sits in megatron's own hook for this, the router's ``router_replay`` slot, which
+``topk_routing_with_score_function`` consults around its top-k (megatron-core ≥ 0.16). It always
+calls megatron's top-k first; a ``RouterReplay`` the user installed runs inside it, unchanged.
+Routing it cannot see — sinkhorn, the fused TE kernel, group-limited top-k (not a plain top k of
+the scores) — is listed in the run's ``not_recorded`` by :func:`unobserved_routing`.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, List, Optional
+
+import torch
+
+from .. import keys
+from ..keys import TensorKey
+from .layouts import Site, is_router
+from .naming import canonical_module_names
+
+
+def unobserved_routing(config) -> Optional[str]:
+    """Why the routers' choices of this model cannot be recorded, or None when they can."""
+    if getattr(config, "num_moe_experts", None) is None:
+        return None
+    if getattr(config, "moe_router_load_balancing_type", "") == "sinkhorn":
+        return "moe_router_load_balancing_type=sinkhorn routes outside megatron's top-k hook"
+    if getattr(config, "moe_router_fusion", False):
+        return "moe_router_fusion: TE's fused top-k kernel has no hook"
+    if getattr(config, "moe_router_group_topk", None):
+        return "moe_router_group_topk: a group-limited choice is not the top k of the scores"
+    return None
+
+
+class RoutingTap:
+    """One router's top-k hook (megatron's ``router_replay`` slot). ``follow`` is set by the
+    lock-step and the replay: the reference's values, sliced to this rank."""
+
+    def __init__(self, recorder, name: str, router: torch.nn.Module):
+        self.recorder = recorder
+        self.site = Site(name, router)
+        self.router = router
+        self.inner = router.router_replay  # a RouterReplay the user installed, or None
+        self.follow = None  # replay.ReferenceValues
+        self.followed_tokens = 0
+        router.router_replay = self
+
+    def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
+                        group_topk: Optional[int] = None, default_compute_topk: Callable = None):
+        if self.inner is not None:
+            values, indices = self.inner.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
+        else:
+            values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        rec = self.recorder
+        clock = rec.clock
+        if not clock.in_iteration or group_topk:
+            return values, indices
+        mb = clock.microbatch
+        choice = torch.zeros_like(scores, dtype=torch.float32).scatter(1, indices, 1.0)
+        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, keys.TOPK_CHOICE)
+        if rec._wants(self.site.module_name, mb):
+            rec._add(keys.sibling(key, keys.TOPK_SCORES), scores.detach(), self.site)
+            rec._add(key, choice, self.site)
+        if self.follow is None:
+            return values, indices
+        reference = self.follow.shard(key, rec.layouts.of(key, self.site, tuple(choice.shape)), choice)
+        if reference is None:
+            return values, indices
+        differ = (reference != choice).any(dim=1)
+        if not bool(differ.any()):
+            return values, indices
+        rows = differ.nonzero().squeeze(1)
+        # the reference's experts on those tokens, best first by the candidate's own scores
+        theirs = reference[rows].to(scores.dtype) * 2 - 1  # chosen 1, not chosen -1
+        ranked = torch.where(theirs > 0, scores[rows].detach(), torch.full_like(scores[rows], float("-inf")))
+        picked = ranked.topk(topk, dim=1).indices
+        indices = indices.clone()
+        indices[rows] = picked
+        values = torch.where(differ.unsqueeze(1), scores.gather(1, indices), values)
+        self.followed_tokens += int(rows.numel())
+        return values, indices
+
+    def remove(self) -> None:
+        if self.router.router_replay is self:
+            self.router.router_replay = self.inner
+
+
+def attach_routing_taps(recorder, chunks: List[torch.nn.Module]) -> List[RoutingTap]:
+    """A tap on every router of these chunks whose choices can be observed."""
+    taps = []
+    for chunk in chunks:
+        for module, name in canonical_module_names(chunk).items():
+            if is_router(module) and hasattr(module, "router_replay") and unobserved_routing(module.config) is None:
+                taps.append(RoutingTap(recorder, name, module))
+    return taps
