@@ -46,6 +46,7 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad"),
     ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward"),
     ("moe_tp2_sp_ep2", "router_topk_skips_best", "decoder.layers.0.mlp.router", "forward"),
+    ("qwen3_tp2", "qk_layernorm_grads_not_reduced", "decoder.layers.0.self_attention.q_layernorm", "main_grad"),
     ("gpt_tp2_sp", "fp8_amax_wrong_group:decoder.layers.0.self_attention.linear_qkv",
      "decoder.layers.0.self_attention.linear_qkv", "forward", ("fp8",)),
     ("gpt_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2",
@@ -64,7 +65,7 @@ BUGS += [  # the optimizer (issue #16), under Adam with megatron's defaults
 BUG_DTYPES = ("fp32", "bf16")  # unless the entry names its own (FP8 bugs need the FP8 emulation)
 DTYPES = ("fp32", "bf16", "fp8")  # fp8: TE's hybrid FP8 GEMMs emulated on CPU (adapter.fp8_emulation)
 CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_dp2_adam", "gpt_tp2_sp_dp2",
-         "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2")
+         "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2", "qwen3_tp2")
 
 
 def recipe(name: str, dtype: str, seed: int):

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_sp"])
+@pytest.mark.parametrize("name", ["gpt_tp2", "gpt_tp2_sp", "qwen3_tp2"])
 def test_clean_recipe_passes(runs, name, dtype):
     ref, cand = runs.candidate(load(name, dtype=dtype))
     c = compare_traces(ref, cand)
@@ -136,6 +136,9 @@ def test_moe_router_and_experts(runs, name):
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad",
      "weight.main_grad"),
     ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward", "output"),
+    # q/k layernorms (qk_layernorm) built, recorded, and their TP-partial grads left unsummed
+    ("qwen3_tp2", "qk_layernorm_grads_not_reduced", "decoder.layers.0.self_attention.q_layernorm", "main_grad",
+     "weight.main_grad"),
     # a top-k that skips each token's best expert: the choice is not the top k of its scores
     ("moe_tp2_sp_ep2", "router_topk_skips_best", "decoder.layers.0.mlp.router", "forward", "topk_choice"),
     ("gpt_tp2_sp_pp2", "row_allreduce_dropped:decoder.layers.3.mlp.linear_fc2", "decoder.layers.3.mlp.linear_fc2",

@@ -294,6 +294,27 @@ def moe_aux_loss_scaled_by_tp(chunks) -> None:
     config.moe_aux_loss_coeff *= config.tensor_model_parallel_size
 
 
+@bug()
+def qk_layernorm_grads_not_reduced(chunks) -> None:
+    """The grad finalization sums the TP-partial grads of sequence-parallel parameters only and
+    forgets the q/k layernorms (each TP rank normalizes its own heads): without SP their grads stay
+    each rank's partial sum. megatron-core sums them by name when ``qk_layernorm`` is set; the bug
+    is that check missing."""
+    import importlib
+
+    module = importlib.import_module("megatron.core.distributed.finalize_model_grads")  # the package exports
+    original = module._allreduce_non_tensor_model_parallel_grads  # a function of the same name
+
+    def without_qk_norms(model, config, *args, **kwargs):
+        saved, config.qk_layernorm = config.qk_layernorm, False
+        try:
+            return original(model, config, *args, **kwargs)
+        finally:
+            config.qk_layernorm = saved
+
+    module._allreduce_non_tensor_model_parallel_grads = without_qk_norms
+
+
 @bug("*.mlp.router")
 def router_topk_skips_best(chunks, pattern: str) -> None:
     """The router's top-k is one position off: it takes the k+1 best experts and drops the first,

@@ -1,6 +1,8 @@
 """Build a recipe's model and optimizer the way megatron.training builds them.
 
-The model is a megatron-core GPTModel (local spec), one chunk per virtual pipeline stage, wrapped
+The model is a megatron-core GPTModel with the layer spec Megatron-LM's ``pretrain_gpt.py`` builds
+for the local implementation (:func:`layer_spec`), checked against the recipe's fields before
+anything runs (``structure``), one chunk per virtual pipeline stage, wrapped
 as megatron.training wraps it (Float16Module for bf16, DistributedDataParallel); its optimizer
 comes from ``get_megatron_optimizer``. :func:`model_signature` describes what was built, from the
 built objects, for ``ttrace run`` and ``--ttrace`` alike, so traces of either compare.
@@ -13,8 +15,11 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
+from ..errors import RecipeError
 from ..recipe import Recipe
 from . import config as cfg
+from .model_fields import STRUCTURE
+from .structure import check_built_as_described
 from .naming import all_parameters, full_param_name, unwrap
 
 
@@ -26,31 +31,67 @@ def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True):
     """
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     vpp = cfg.parallel_sizes(parallel)["vpp"]
     torch.manual_seed(recipe.data.seed)
     model_parallel_cuda_manual_seed(recipe.data.seed)
     config = cfg.transformer_config(recipe, parallel)
-    spec_module = get_gpt_layer_local_spec(num_experts=config.num_moe_experts, moe_grouped_gemm=False,
-                                           normalization=config.normalization)
     # one chunk per virtual stage, as megatron.training's get_model builds them
     stages = [None] if vpp == 1 else list(range(vpp))
     chunks = []
     for vp_stage in stages:
-        chunk = GPTModel(config=config, transformer_layer_spec=spec_module, vocab_size=cfg.padded_vocab_size(recipe),
-                         max_sequence_length=recipe.data.seq_length,
-                         pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                         post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                         vp_stage=vp_stage, **cfg.gpt_model_kwargs(recipe))
+        try:
+            chunk = GPTModel(config=config, transformer_layer_spec=layer_spec(config, vp_stage),
+                             vocab_size=cfg.padded_vocab_size(recipe),
+                             max_sequence_length=recipe.data.seq_length,
+                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                             vp_stage=vp_stage, **cfg.gpt_model_kwargs(recipe))
+        except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
+            raise RecipeError(f"{recipe.source}: megatron-core refuses to build this model: {megatron_frame(e)}: "
+                              f"{e}") from None
         if not cpu:
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
+    problems = check_built_as_described(chunks, config, cfg.gpt_model_kwargs(recipe))
+    if problems:
+        raise RecipeError(f"{recipe.source}: the model megatron built is not the model the recipe describes: "
+                          + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
     for mname, pname, _, param in all_parameters(chunks):
         if any(fnmatch.fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
             param.requires_grad_(False)
     return chunks, config
+
+
+def megatron_frame(error: BaseException) -> str:
+    """Where in megatron-core an exception was raised (its innermost megatron frame), for a message
+    that tells the user which of megatron's checks the recipe failed."""
+    import traceback
+
+    frames = [f for f in traceback.extract_tb(error.__traceback__)
+              if "/megatron/core/" in f.filename.replace("\\", "/")]
+    if not frames:
+        return "(not inside megatron-core)"
+    f = frames[-1]
+    path = f.filename.replace("\\", "/")
+    return f"{path[path.rfind('/megatron/core/') + 1:]}:{f.lineno}"
+
+
+def layer_spec(config, vp_stage):
+    """The decoder spec Megatron-LM's ``pretrain_gpt.py`` builds for ``--transformer-impl local``
+    (its ``gpt_builder``): with experts, megatron's decoder block spec (the MoE layer pattern of
+    ``moe_layer_freq``, this stage's layers); without, the local layer spec with the spec-level
+    choices (q/k layernorm, normalization) read from the config, so no field is dropped here."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+
+    if config.num_moe_experts:
+        return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
+                                          qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
+    return get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
+                                    config.multi_latent_attention,
+                                    moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,
+                                    normalization=config.normalization)
 
 
 def wrap_for_training(chunks: List[torch.nn.Module], config, recipe: Recipe) -> List[torch.nn.Module]:
@@ -105,6 +146,7 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                 "moe_router_score_function", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
                 "calculate_per_token_loss", "apply_query_key_layer_scaling", "attention_softmax_in_fp32")
+MODEL_FIELDS += tuple(f for f in STRUCTURE if f not in MODEL_FIELDS)
 GPT_MODEL_ATTRIBUTES = ("vocab_size", "max_sequence_length", "position_embedding_type",
                         "share_embeddings_and_output_weights", "rotary_percent", "rotary_base")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import RecipeError
 from ..recipe import Recipe
+from . import model_fields
 
 # GPTModel constructor arguments (not TransformerConfig fields) a recipe may set under `model:`.
 GPT_MODEL_KEYS = {
@@ -46,9 +47,12 @@ def validate_recipe(recipe: Recipe) -> None:
         if key not in tc and key not in GPT_MODEL_KEYS:
             raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field "
                               f"nor one of {sorted(GPT_MODEL_KEYS)})")
+    model_fields.check_fields(recipe.model, where)
     for key in recipe.parallel:
         if key not in pc:
             raise RecipeError(f"{where}: parallel: unknown key '{key}' (not a ModelParallelConfig field)")
+        if key in PRECISION_FIELDS:
+            raise RecipeError(f"{where}: parallel: '{key}' is not supported by ttrace: {PRECISION_FIELDS[key]}")
     for key in recipe.optimizer:
         if key not in _fields(OptimizerConfig):
             raise RecipeError(f"{where}: optimizer: unknown key '{key}' (not an OptimizerConfig field)")
@@ -73,6 +77,16 @@ def validate_recipe(recipe: Recipe) -> None:
     if groups < sizes["tp"]:
         raise RecipeError(f"{where}: model: num_query_groups {groups} < tensor_model_parallel_size {sizes['tp']} "
                           f"(replicated key/value heads) is not supported by this version of ttrace")
+
+
+# ModelParallelConfig fields that set the precision: the recipe's ``dtype`` sets them
+PRECISION_FIELDS = {
+    "fp16": "fp16 trains with megatron's dynamic loss scaler, whose skipped steps and scale changes ttrace "
+            "does not record yet; use dtype: bf16",
+    "bf16": "set by the recipe's dtype (bf16 or fp8)",
+    "params_dtype": "set by the recipe's dtype",
+    "pipeline_dtype": "set by the recipe's dtype",
+}
 
 
 def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
@@ -106,7 +120,10 @@ def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     dtype = torch_dtype(recipe.dtype)
-    kwargs = {k: v for k, v in recipe.model.items() if k not in GPT_MODEL_KEYS}
+    model = recipe.model
+    if parallel_sizes(parallel)["pp"] == 1:  # e.g. the one-rank reference: no pipeline split to describe
+        model = model_fields.without_layout(model)
+    kwargs = {k: v for k, v in model.items() if k not in GPT_MODEL_KEYS}
     kwargs.setdefault("hidden_dropout", 0.0)
     kwargs.setdefault("attention_dropout", 0.0)
     kwargs.update(parallel)

@@ -223,7 +223,8 @@ def param_layout(site: Site, facts: ModelFacts, *, microbatch_grad: bool = False
     else:
         _check_attr(param, full_name, False, -1, 1)
         sp_partial = microbatch_grad and facts.sequence_parallel and sees_sequence_shard(module, param_name)
-        placements = (Partial(tp_axis) if sp_partial else Replicate(tp_axis),)
+        head_partial = microbatch_grad and sees_head_shard(module_name)
+        placements = (Partial(tp_axis) if sp_partial or head_partial else Replicate(tp_axis),)
     if dp_ranges is not None:
         placements = placements + (RangeShard(dp_axis, dp_ranges, local),)
     elif not microbatch_grad:
@@ -318,6 +319,16 @@ def grad_computed_outside(module: torch.nn.Module, param_name: str) -> bool:
     if not isinstance(module, recorded_module_types()):
         return True
     return param_name == "bias" and bool(getattr(module, "skip_bias_add", False))
+
+
+QK_NORMS = ("q_layernorm", "k_layernorm")
+
+
+def sees_head_shard(module_name: str) -> bool:
+    """A norm attention applies to each query/key head (``qk_layernorm``): a replicated weight
+    applied to this rank's heads only, so, with or without SP, its per-microbatch grad is a partial
+    sum over TP that ``finalize_model_grads`` must sum (megatron does, by these names)."""
+    return module_name.rpartition(".")[2] in QK_NORMS
 
 
 def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:

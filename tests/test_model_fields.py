@@ -1,0 +1,140 @@
+"""The model under test is the model the recipe describes (issue #23).
+
+Every TransformerConfig field of the installed megatron-core has a role in
+``adapter/model_fields.py``; refused fields are refused naming the field; each structure field is
+built (its parameters exist in the built model) and the structure check sees it: the same variant
+built with the layer spec ttrace used to build, which dropped spec-level fields, is caught.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+from ttrace_megatron.adapter import model_fields  # noqa: E402
+from ttrace_megatron.adapter.config import validate_recipe  # noqa: E402
+from ttrace_megatron.errors import RecipeError  # noqa: E402
+from ttrace_megatron.recipe import recipe_from_dict  # noqa: E402
+
+BASE = {"num_layers": 2, "hidden_size": 32, "num_attention_heads": 4, "ffn_hidden_size": 64}
+
+
+def test_every_transformer_config_field_has_exactly_one_role():
+    tables = (model_fields.STRUCTURE, model_fields.NUMERICS, model_fields.LAYOUT, model_fields.NEUTRAL,
+              tuple(model_fields.REFUSED))
+    for name in model_fields.transformer_fields():
+        assert sum(name in t for t in tables) == 1, f"TransformerConfig.{name}: decide its role in model_fields.py"
+    for t in tables:
+        for name in t:
+            assert name in model_fields.transformer_fields(), f"{name} is not a field of this megatron-core"
+
+
+@pytest.mark.parametrize("field,value", [("mtp_num_layers", 1), ("recompute_granularity", "selective"),
+                                         ("multi_latent_attention", True), ("moe_grouped_gemm", True),
+                                         ("moe_input_jitter_eps", 0.01)])
+def test_refused_field_is_refused_naming_it(field, value):
+    recipe = recipe_from_dict({"model": dict(BASE, **{field: value}), "world_size": 1})
+    with pytest.raises(RecipeError, match=f"'{field}' is not supported by ttrace"):
+        validate_recipe(recipe)
+
+
+def test_refused_field_at_megatrons_default_is_accepted():
+    validate_recipe(recipe_from_dict({"model": dict(BASE, mtp_num_layers=None, recompute_granularity=None),
+                                      "world_size": 1}))
+
+
+def test_fp16_is_refused_with_the_reason():
+    recipe = recipe_from_dict({"model": BASE, "parallel": {"fp16": True}, "world_size": 1})
+    with pytest.raises(RecipeError, match="'fp16' is not supported by ttrace: fp16 trains with megatron's dynamic"):
+        validate_recipe(recipe)
+
+
+def test_the_reference_drops_only_the_pipeline_layout_fields():
+    model = dict(BASE, num_layers=3, num_layers_in_last_pipeline_stage=1, qk_layernorm=True)
+    assert model_fields.without_layout(model) == dict(BASE, num_layers=3, qk_layernorm=True)
+
+
+MOE = dict(BASE, num_moe_experts=4, moe_ffn_hidden_size=16, moe_router_topk=2)
+VARIANTS = {
+    "qk_layernorm": dict(BASE, qk_layernorm=True),
+    "biases": dict(BASE, add_bias_linear=True),
+    "qkv_bias_only": dict(BASE, add_bias_linear=False, add_qkv_bias=True),
+    "swiglu_rmsnorm_gqa": dict(BASE, gated_linear_unit=True, normalization="RMSNorm", num_query_groups=2,
+                               add_bias_linear=False),
+    "mqa_kv_channels": dict(BASE, num_query_groups=1, kv_channels=16),
+    "learned_positions_tied": dict(BASE, position_embedding_type="learned_absolute",
+                                   share_embeddings_and_output_weights=True),
+    "moe_layer_freq": dict(MOE, moe_layer_freq=[0, 1]),
+    "moe_shared_expert": dict(MOE, moe_shared_expert_intermediate_size=16, moe_shared_expert_gate=True,
+                              qk_layernorm=True, add_bias_linear=False),
+    "moe_shared_expert_with_bias": dict(MOE, moe_shared_expert_intermediate_size=16),
+}
+# what each variant must have built (and must not)
+EXPECTED = {
+    "qk_layernorm": (["decoder.layers.0.self_attention.q_layernorm.weight",
+                      "decoder.layers.1.self_attention.k_layernorm.weight"], []),
+    "biases": (["decoder.layers.0.self_attention.linear_qkv.bias", "decoder.layers.0.mlp.linear_fc2.bias"], []),
+    "qkv_bias_only": (["decoder.layers.0.self_attention.linear_qkv.bias"],
+                      ["decoder.layers.0.self_attention.linear_proj.bias", "decoder.layers.0.mlp.linear_fc1.bias"]),
+    "swiglu_rmsnorm_gqa": ([], ["decoder.layers.0.input_layernorm.bias"]),
+    "mqa_kv_channels": ([], []),
+    "learned_positions_tied": (["embedding.position_embeddings.weight"], ["output_layer.weight"]),
+    "moe_layer_freq": (["decoder.layers.0.mlp.linear_fc1.weight", "decoder.layers.1.mlp.router.weight"],
+                       ["decoder.layers.0.mlp.router.weight"]),
+    "moe_shared_expert": (["decoder.layers.0.mlp.shared_experts.linear_fc1.weight",
+                           "decoder.layers.0.mlp.shared_experts.gate_weight",
+                           "decoder.layers.1.self_attention.q_layernorm.weight"], []),
+}
+SHAPES = {
+    "swiglu_rmsnorm_gqa": {"decoder.layers.0.mlp.linear_fc1.weight": [128, 32],
+                           "decoder.layers.0.self_attention.linear_qkv.weight": [64, 32]},
+    "mqa_kv_channels": {"decoder.layers.0.self_attention.linear_qkv.weight": [96, 32]},
+}
+# the layer spec ttrace used to build dropped these: the structure check must say so
+OLD_SPEC_DROPPED = {"qk_layernorm": "qk_layernorm", "moe_layer_freq": "moe_layer_freq",
+                    "moe_shared_expert": "qk_layernorm"}
+
+
+@pytest.fixture(scope="module")
+def built():
+    worker = os.path.join(os.path.dirname(__file__), "structure_worker.py")
+    proc = subprocess.run([sys.executable, worker, json.dumps(VARIANTS)], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(l for l in proc.stdout.splitlines() if l.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def test_megatrons_own_refusal_is_named(built):
+    refused = built["moe_shared_expert_with_bias"].get("refused", "")
+    assert "megatron-core refuses to build this model: megatron/core/transformer/moe/shared_experts.py:" in refused
+    assert "bias is not supported in the shared experts" in refused
+
+
+BUILT = sorted(v for v in VARIANTS if v != "moe_shared_expert_with_bias")
+
+
+@pytest.mark.parametrize("variant", BUILT)
+def test_structure_field_is_built(built, variant):
+    entry = built[variant]
+    assert "refused" not in entry, entry.get("refused")
+    params = entry["params"]
+    present, absent = EXPECTED[variant]
+    for name in present:
+        assert name in params, f"{variant}: {name} not built ({sorted(params)})"
+    for name in absent:
+        assert name not in params, f"{variant}: {name} built"
+    for name, shape in SHAPES.get(variant, {}).items():
+        assert params[name] == shape, f"{variant}: {name} {params[name]} != {shape}"
+
+
+@pytest.mark.parametrize("variant", BUILT)
+def test_structure_check_catches_the_old_spec(built, variant):
+    problems = built[variant]["old_problems"]
+    if variant in OLD_SPEC_DROPPED:
+        assert any(OLD_SPEC_DROPPED[variant] in p for p in problems), problems
+    else:
+        assert problems == [], problems

@@ -1,0 +1,205 @@
+"""Every field of megatron-core's TransformerConfig, and what ttrace does with it.
+
+A recipe's ``model:`` section is a TransformerConfig (plus GPTModel's own arguments). A field ttrace
+accepts and then does not build is the worst kind of bug: the user believes the feature was
+checked. So every field of the installed megatron-core's TransformerConfig has one role here
+(``tests/test_model_fields.py`` fails on a field this table does not name, so a new megatron
+release forces a decision):
+
+* ``STRUCTURE``: changes the module tree or the parameter set. Honoured, and checked on the built
+  model before any run starts (``structure.check_built_as_described``).
+* ``NUMERICS``: changes what the model computes, through megatron's own code, in reference and
+  candidate alike; nothing to build.
+* ``LAYOUT``: how the candidate splits the model over ranks (uneven pipeline stages): kept for the
+  candidate, removed for the one-rank reference.
+* ``NEUTRAL``: kernels, fusions, logging, memory: no effect on the math on CPU.
+* ``REFUSED``: not supported by ttrace; a recipe that sets it to anything but megatron's default is
+  refused before any run starts, with the reason.
+
+The ParallelConfig fields of TransformerConfig belong under ``parallel:`` and are not listed here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any, Dict, List, Optional, Tuple
+
+from ..errors import RecipeError
+
+
+class Role(enum.Enum):
+    STRUCTURE = "structure"
+    NUMERICS = "numerics"
+    LAYOUT = "layout"
+    NEUTRAL = "neutral"
+    REFUSED = "refused"
+
+
+STRUCTURE = (
+    "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
+    "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "normalization", "qk_layernorm", "num_moe_experts",
+    "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
+)
+
+NUMERICS = (
+    "hidden_dropout", "attention_dropout",  # must be 0: refused otherwise by validate_recipe
+    "softmax_scale", "fp32_residual_connection", "apply_residual_connection_post_layernorm", "layernorm_epsilon",
+    "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value", "rotary_interleaved",
+    "window_size", "window_attn_skip_freq", "calculate_per_token_loss", "init_method_std",
+    "embedding_init_method_std", "apply_query_key_layer_scaling", "attention_softmax_in_fp32",
+    "bias_activation_fusion",  # megatron's fused bias-GeLU is the tanh approximation: both runs use it
+    "moe_router_load_balancing_type", "moe_router_topk", "moe_router_num_groups", "moe_router_group_topk",
+    "moe_router_pre_softmax", "moe_router_topk_scaling_factor", "moe_router_score_function", "moe_router_dtype",
+    "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+    "moe_token_dropping", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
+    "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_enable_routing_replay",
+)
+
+LAYOUT = (
+    "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage", "pipeline_model_parallel_layout",
+    "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+)
+
+NEUTRAL = (
+    "masked_softmax_fusion", "persist_layer_norm", "memory_efficient_layer_norm", "bias_dropout_fusion",
+    "disable_bf16_reduced_precision_matmul", "clone_scatter_output_in_embedding", "disable_parameter_transpose_cache",
+    "config_logger_dir", "moe_per_layer_logging", "transformer_impl",
+)
+
+_UNVERIFIED = "not verified by ttrace yet: no test shows reference and candidate agree with it"
+_TE = "needs TransformerEngine or a CUDA kernel (ttrace runs megatron's local layers)"
+_RNG = "draws random numbers during training: reference and candidate could not be compared"
+_CALLABLE = "a Python callable: a YAML recipe cannot set it (megatron's default is used)"
+_FP8 = "TransformerEngine FP8/FP4: use `dtype: fp8`, ttrace's emulation of TE's FP8 GEMMs, on CPU"
+
+REFUSED: Dict[str, str] = {
+    "mtp_num_layers": "multi-token prediction: its block and loss are not recorded or compared yet",
+    "mtp_loss_scaling_factor": "multi-token prediction is not supported yet",
+    "attention_backend": _TE,
+    "softmax_type": _UNVERIFIED + " (the learnable softmax offset is a parameter ttrace does not place)",
+    "activation_func": _CALLABLE + "; choose GeLU/SwiGLU with gated_linear_unit",
+    "activation_func_fp8_input_store": _FP8,
+    "qk_l2_norm": "Megatron-LM's local layer spec drops it for dense models; " + _UNVERIFIED,
+    "qk_clip": _UNVERIFIED + " (it rescales weights in the optimizer)",
+    "qk_clip_alpha": _UNVERIFIED,
+    "qk_clip_threshold": _UNVERIFIED,
+    "log_max_attention_logit": _UNVERIFIED,
+    "attention_output_gate": _UNVERIFIED + " (a gate projection in attention)",
+    "test_mode": "megatron's internal test switch",
+    "multi_latent_attention": "multi-latent attention needs MLATransformerConfig's fields (q_lora_rank, "
+                              "kv_lora_rank, ...), which a recipe cannot set yet",
+    "no_rope_freq": _UNVERIFIED,
+    "experimental_attention_variant": _UNVERIFIED,
+    "dsa_indexer_n_heads": _UNVERIFIED, "dsa_indexer_head_dim": _UNVERIFIED, "dsa_indexer_topk": _UNVERIFIED,
+    "dsa_indexer_loss_coeff": _UNVERIFIED, "dsa_indexer_use_sparse_loss": _UNVERIFIED,
+    "linear_attention_freq": _UNVERIFIED, "linear_conv_kernel_dim": _UNVERIFIED,
+    "linear_key_head_dim": _UNVERIFIED, "linear_value_head_dim": _UNVERIFIED,
+    "linear_num_key_heads": _UNVERIFIED, "linear_num_value_heads": _UNVERIFIED,
+    "init_method": _CALLABLE, "output_layer_init_method": _CALLABLE, "embedding_init_method": _CALLABLE,
+    "init_model_with_meta_device": _UNVERIFIED,
+    "apply_rope_fusion": _TE, "use_fused_weighted_squared_relu": _TE, "fused_single_qkv_rope": _TE,
+    "recompute_granularity": "activation recomputation re-runs hooked modules in backward; " + _UNVERIFIED,
+    "recompute_method": "activation recomputation: " + _UNVERIFIED,
+    "recompute_num_layers": "activation recomputation: " + _UNVERIFIED,
+    "distribute_saved_activations": "activation recomputation: " + _UNVERIFIED,
+    "recompute_modules": "activation recomputation: " + _UNVERIFIED,
+    "fp8": _FP8, "fp8_recipe": _FP8, "fp8_param": _FP8, "fp8_quantizer_factory": _FP8, "fp8_margin": _FP8,
+    "fp8_interval": _FP8, "fp8_amax_history_len": _FP8, "fp8_amax_compute_algo": _FP8, "fp8_wgrad": _FP8,
+    "fp8_dot_product_attention": _FP8, "fp8_multi_head_attention": _FP8, "tp_only_amax_red": _FP8,
+    "first_last_layers_bf16": _FP8, "num_layers_at_start_in_bf16": _FP8, "num_layers_at_end_in_bf16": _FP8,
+    "fp4": _FP8, "fp4_recipe": _FP8, "fp4_param": _FP8, "fp4_quantizer_factory": _FP8,
+    "use_kitchen": _TE, "use_kitchen_attention": _TE, "kitchen_attention_backend": _TE,
+    "moe_shared_expert_overlap": "overlaps the shared expert on CUDA streams; " + _UNVERIFIED,
+    "moe_router_topk_limited_devices": _UNVERIFIED,
+    "moe_router_padding_for_quantization": _FP8, "moe_router_padding_for_fp8": _FP8,
+    "moe_router_force_load_balancing": _RNG + " (random router logits)",
+    "moe_grouped_gemm": "grouped GEMM experts need TransformerEngine or the grouped_gemm package; "
+                        "ttrace builds SequentialMLP experts",
+    "moe_use_legacy_grouped_gemm": "grouped GEMM experts: see moe_grouped_gemm",
+    "moe_input_jitter_eps": _RNG + " (router input jitter)",
+    "moe_enable_deepep": _TE, "moe_flex_dispatcher_backend": _TE, "moe_deepep_num_sms": _TE,
+    "moe_hybridep_num_sms": _TE,
+    "moe_layer_recompute": "activation recomputation: " + _UNVERIFIED,
+    "moe_permute_fusion": _TE, "moe_router_fusion": _TE,
+    "moe_apply_probs_on_input": _UNVERIFIED,
+    "moe_latent_size": _UNVERIFIED,
+    "cp_comm_type": "context parallelism is not supported yet",
+    "enable_cuda_graph": _TE, "cuda_graph_use_single_mempool": _TE, "cuda_graph_retain_backward_graph": _TE,
+    "cuda_graph_warmup_steps": _TE, "external_cuda_graph": _TE, "cuda_graph_impl": _TE, "cuda_graph_scope": _TE,
+    "flash_decode": "inference only", "batch_invariant_mode": _TE,
+    "use_te_activation_func": _TE, "inference_rng_tracker": "inference only",
+    "inference_sampling_seed": "inference only", "symmetric_ar_type": _TE,
+    "use_inference_optimized_layers": "inference only", "inference_fuse_tp_communication": "inference only",
+    "mrope_section": "multimodal rotary embedding: " + _UNVERIFIED,
+    "is_hybrid_model": "HybridModel (Mamba) is not supported yet",
+    "mamba_state_dim": "HybridModel (Mamba) is not supported yet",
+    "mamba_head_dim": "HybridModel (Mamba) is not supported yet",
+    "mamba_num_groups": "HybridModel (Mamba) is not supported yet",
+    "mamba_num_heads": "HybridModel (Mamba) is not supported yet",
+    "use_mamba_mem_eff_path": "HybridModel (Mamba) is not supported yet",
+    "mlp_chunks_for_prefill": "inference only",
+    "heterogeneous_block_specs": _UNVERIFIED, "hetereogenous_dist_checkpoint": _UNVERIFIED,
+    "quant_recipe": _FP8,
+    "fine_grained_activation_offloading": _UNVERIFIED, "offload_modules": _UNVERIFIED,
+    "min_offloaded_tensor_size": _UNVERIFIED,
+}
+
+
+
+def role_of(name: str) -> Role:
+    for role, names in ((Role.STRUCTURE, STRUCTURE), (Role.NUMERICS, NUMERICS), (Role.LAYOUT, LAYOUT),
+                        (Role.NEUTRAL, NEUTRAL), (Role.REFUSED, REFUSED)):
+        if name in names:
+            return role
+    raise KeyError(name)
+
+
+def transformer_fields() -> Dict[str, dataclasses.Field]:
+    """The installed megatron-core's TransformerConfig fields that are not parallel settings."""
+    from megatron.core.model_parallel_config import ModelParallelConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel = {f.name for f in dataclasses.fields(ModelParallelConfig)}
+    return {f.name: f for f in dataclasses.fields(TransformerConfig) if f.name not in parallel}
+
+
+def _default(field: dataclasses.Field) -> Any:
+    if field.default is not dataclasses.MISSING:
+        return field.default
+    if field.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return field.default_factory()  # type: ignore[misc]
+    return dataclasses.MISSING
+
+
+def refusals(model: Dict[str, Any]) -> List[Tuple[str, str]]:
+    """(field, why) for every field of a recipe's ``model:`` section ttrace cannot honour: a
+    refused field set to anything but megatron's default."""
+    fields = transformer_fields()
+    out = []
+    for name, value in model.items():
+        if name not in fields:
+            continue
+        try:
+            role = role_of(name)
+        except KeyError:
+            out.append((name, "a field of this megatron-core that ttrace does not know yet"))
+            continue
+        if role is Role.REFUSED and value != _default(fields[name]):
+            out.append((name, REFUSED[name]))
+    return out
+
+
+def check_fields(model: Dict[str, Any], where: str) -> None:
+    """Refuse a recipe whose ``model:`` sets a field ttrace cannot honour, naming the field."""
+    refused = refusals(model)
+    if refused:
+        name, why = refused[0]
+        more = f" (and {', '.join(n for n, _ in refused[1:])})" if len(refused) > 1 else ""
+        raise RecipeError(f"{where}: model: '{name}' is not supported by ttrace: {why}{more}")
+
+
+def without_layout(model: Dict[str, Any]) -> Dict[str, Any]:
+    """A candidate's ``model:`` fields as the one-rank reference takes them: without the fields that
+    only say how the candidate's pipeline splits the layers."""
+    return {k: v for k, v in model.items() if k not in LAYOUT}

@@ -1,0 +1,110 @@
+"""Is the built model the model the recipe describes?
+
+Checked on the built chunks of every rank before the first iteration, field by field for the
+``STRUCTURE`` fields of ``model_fields`` and the GPTModel arguments: what each field implies for the
+module tree and the parameter set (a q/k layernorm with parameters, a bias on every linear, the MoE
+layer pattern, a shared expert, the fused QKV's width). A model built other than described is
+refused with the field, the module and what was found, never compared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+
+from .naming import unwrap
+
+
+def moe_layer_pattern(config) -> List[bool]:
+    """Which of the model's layers are MoE, as megatron reads ``moe_layer_freq``: an int N makes
+    every N-th layer MoE starting with the first, a list gives one 0/1 per layer."""
+    freq = config.moe_layer_freq
+    if isinstance(freq, int):
+        return [i % freq == 0 for i in range(config.num_layers)]
+    return [bool(x) for x in freq]
+
+
+def _has_params(module: Optional[torch.nn.Module]) -> bool:
+    return module is not None and any(True for _ in module.parameters(recurse=True))
+
+
+def _bias(module: Optional[torch.nn.Module]) -> bool:
+    return getattr(module, "bias", None) is not None
+
+
+def _expect(problems: List[str], where: str, field: str, expected, found) -> None:
+    if expected != found:
+        problems.append(f"{where}: {field} asks for {expected!r}, the built model has {found!r}")
+
+
+def _check_linears(problems: List[str], where: str, mlp: torch.nn.Module, config, ffn: int) -> None:
+    fc1, fc2 = getattr(mlp, "linear_fc1", None), getattr(mlp, "linear_fc2", None)
+    if fc1 is None or fc2 is None:
+        problems.append(f"{where}: no linear_fc1/linear_fc2 (an MLP megatron's local spec would build)")
+        return
+    _expect(problems, f"{where}.linear_fc1", "add_bias_linear", bool(config.add_bias_linear), _bias(fc1))
+    _expect(problems, f"{where}.linear_fc2", "add_bias_linear", bool(config.add_bias_linear), _bias(fc2))
+    width = ffn * (2 if config.gated_linear_unit else 1)
+    _expect(problems, f"{where}.linear_fc1 output size", "ffn size × (2 if gated_linear_unit)", width,
+            int(fc1.output_size))
+
+
+def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwargs: Dict[str, Any]) -> List[str]:
+    """What differs between the built chunks of this rank and the recipe's fields ("" list: none)."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    problems: List[str] = []
+    pattern = moe_layer_pattern(config) if config.num_moe_experts else [False] * config.num_layers
+    kv = config.kv_channels or config.hidden_size // config.num_attention_heads
+    groups = config.num_query_groups or config.num_attention_heads
+    norm_kind = "RMSNorm" if config.normalization == "RMSNorm" else "LayerNorm"
+    for chunk in chunks:
+        model = unwrap(chunk)
+        for a in ("share_embeddings_and_output_weights", "position_embedding_type"):
+            if a in gpt_kwargs:
+                _expect(problems, "model", a, gpt_kwargs[a], getattr(model, a, None))
+        if getattr(model, "pre_process", False):
+            learned = gpt_kwargs.get("position_embedding_type") == "learned_absolute"
+            _expect(problems, "embedding", "position_embedding_type learned_absolute (position_embeddings)", learned,
+                    _has_params(getattr(model.embedding, "position_embeddings", None)))
+        for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
+            n = layer.layer_number  # global, 1-based
+            where = f"decoder.layers.{n - 1}"
+            if not 1 <= n <= config.num_layers:
+                problems.append(f"{where}: layer number {n} outside num_layers {config.num_layers}")
+                continue
+            for norm in ("input_layernorm", "pre_mlp_layernorm"):
+                found = type(getattr(layer, norm)).__name__
+                if norm_kind not in found:
+                    problems.append(f"{where}.{norm}: normalization asks for {norm_kind}, the built model has {found}")
+            attn = layer.self_attention
+            for qk in ("q_layernorm", "k_layernorm"):
+                _expect(problems, f"{where}.self_attention.{qk}", "qk_layernorm", bool(config.qk_layernorm),
+                        _has_params(getattr(attn, qk, None)))
+            _expect(problems, f"{where}.self_attention.linear_qkv", "add_bias_linear or add_qkv_bias",
+                    bool(config.add_bias_linear or config.add_qkv_bias), _bias(attn.linear_qkv))
+            _expect(problems, f"{where}.self_attention.linear_proj", "add_bias_linear", bool(config.add_bias_linear),
+                    _bias(attn.linear_proj))
+            _expect(problems, f"{where}.self_attention.linear_qkv output size",
+                    "kv_channels × (num_attention_heads + 2·num_query_groups)",
+                    kv * (config.num_attention_heads + 2 * groups), int(attn.linear_qkv.output_size))
+            is_moe = isinstance(layer.mlp, MoELayer)
+            _expect(problems, f"{where}.mlp", "num_moe_experts / moe_layer_freq (MoE layer)", pattern[n - 1], is_moe)
+            if not is_moe:
+                _check_linears(problems, f"{where}.mlp", layer.mlp, config, config.ffn_hidden_size)
+                continue
+            experts = getattr(layer.mlp.experts, "local_experts", None) or []
+            for i, expert in enumerate(experts):
+                _check_linears(problems, f"{where}.mlp.experts.local_experts.{i}", expert, config,
+                               config.moe_ffn_hidden_size)
+            shared = getattr(layer.mlp, "shared_experts", None)
+            _expect(problems, f"{where}.mlp.shared_experts", "moe_shared_expert_intermediate_size (a shared expert)",
+                    bool(config.moe_shared_expert_intermediate_size), shared is not None)
+            if shared is not None:
+                _check_linears(problems, f"{where}.mlp.shared_experts", shared, config,
+                               config.moe_shared_expert_intermediate_size)
+                _expect(problems, f"{where}.mlp.shared_experts", "moe_shared_expert_gate (a gate weight)",
+                        bool(config.moe_shared_expert_gate), getattr(shared, "gate_weight", None) is not None)
+    return problems
