@@ -138,3 +138,9 @@ def test_structure_check_catches_the_old_spec(built, variant):
         assert any(OLD_SPEC_DROPPED[variant] in p for p in problems), problems
     else:
         assert problems == [], problems
+
+
+def test_the_field_table_in_docs_is_current():
+    path = os.path.join(os.path.dirname(__file__), "..", "docs", "model_fields.md")
+    with open(path) as f:
+        assert f.read() == model_fields.markdown(), "regenerate: python -m ttrace_megatron.adapter.model_fields"
