@@ -64,6 +64,13 @@ class LockStep:
                 value = self.reference.shard(key, self.layouts.of(key, site, tuple(tensor.shape)), tensor)
                 if value is not None:
                     tensor.copy_(value)
+        followed = sum(tap.followed_tokens for tap in self.recorder.routing_taps)
+        if followed:
+            print(f"[ttrace] rank {self.recorder.rank}: lock-step: MoE routers followed the reference's top-k choice "
+                  f"on {followed} token(s) of iteration {clock.iteration} where theirs differed (their own choice "
+                  f"is recorded and judged against their scores)", flush=True)
+            for tap in self.recorder.routing_taps:
+                tap.followed_tokens = 0
         if self.reference.absent > absent:
             print(f"[ttrace] rank {self.recorder.rank}: lock-step: the reference recorded "
                   f"{self.reference.absent - absent} parameter or state tensor(s) of iteration {clock.iteration} "
