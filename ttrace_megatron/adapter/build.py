@@ -138,7 +138,7 @@ def scheduler(recipe: Recipe, opt, optimizer_config):
 
 # TransformerConfig fields that define the computation (parallel layout and performance knobs are
 # left out: they are what reference and candidate legitimately differ in)
-MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
+MODEL_FIELDS = tuple(dict.fromkeys(("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups",
                 "kv_channels", "normalization", "layernorm_epsilon", "layernorm_zero_centered_gamma",
                 "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "hidden_dropout",
                 "attention_dropout", "apply_residual_connection_post_layernorm", "init_method_std",
@@ -146,7 +146,7 @@ MODEL_FIELDS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_h
                 "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
                 "moe_router_score_function", "moe_router_enable_expert_bias", "moe_shared_expert_intermediate_size",
                 "calculate_per_token_loss", "apply_query_key_layer_scaling", "attention_softmax_in_fp32")
-MODEL_FIELDS += tuple(f for f in STRUCTURE if f not in MODEL_FIELDS)
+                                 + STRUCTURE))  # every structure field (model_fields) is part of it
 GPT_MODEL_ATTRIBUTES = ("vocab_size", "max_sequence_length", "position_embedding_type",
                         "share_embeddings_and_output_weights", "rotary_percent", "rotary_base")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",

@@ -75,9 +75,12 @@ class RoutingTap:
         if not clock.in_iteration or group_topk:
             return values, indices
         mb = clock.microbatch
+        record = rec._wants(self.site.module_name, mb)
+        if not record and self.follow is None:
+            return values, indices  # nothing asked of this router now: no map built
         choice = torch.zeros_like(scores, dtype=torch.float32).scatter(1, indices, 1.0)
         key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, keys.TOPK_CHOICE)
-        if rec._wants(self.site.module_name, mb):
+        if record:
             rec._add(keys.sibling(key, keys.TOPK_SCORES), scores.detach(), self.site)
             rec._add(key, choice, self.site)
         if self.follow is None:
@@ -90,8 +93,8 @@ class RoutingTap:
             return values, indices
         rows = differ.nonzero().squeeze(1)
         # the reference's experts on those tokens, best first by the candidate's own scores
-        theirs = reference[rows].to(scores.dtype) * 2 - 1  # chosen 1, not chosen -1
-        ranked = torch.where(theirs > 0, scores[rows].detach(), torch.full_like(scores[rows], float("-inf")))
+        theirs = reference[rows] > 0.5
+        ranked = torch.where(theirs, scores[rows].detach(), torch.full_like(scores[rows], float("-inf")))
         picked = ranked.topk(topk, dim=1).indices
         indices = indices.clone()
         indices[rows] = picked
