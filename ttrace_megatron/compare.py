@@ -14,7 +14,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import keys, selection
+from . import coverage, keys, selection
 from .errors import ConfigMismatchError, TraceError
 from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label: part of this module's face)
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
@@ -60,6 +60,14 @@ class Comparison:
     reference_run: dict
     candidate_run: dict
     skipped: List[TensorKey] = dataclasses.field(default_factory=list)  # not judgeable (online partial sums)
+    # tensors of parameters a run declares it does not judge (run.json unjudged_params), with why
+    unjudged: List[TensorKey] = dataclasses.field(default_factory=list)
+
+    @property
+    def coverage(self) -> dict:
+        """Which of the model's parameters were judged, by module type (:mod:`.coverage`)."""
+        return coverage.summary(coverage.param_coverage(self.reference_run, self.candidate_run,
+                                                        (r.key for r in self.results)))
 
     @property
     def failures(self) -> List[TensorResult]:
@@ -142,14 +150,22 @@ def arrives_at_module(key: TensorKey, rec: Optional[Record] = None) -> bool:
 
 
 def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config: ToleranceConfig,
-           shape: Tuple[int, ...], error: float, reason: str = "", observed: Optional[float] = None) -> TensorResult:
+           shape: Tuple[int, ...], error: float, reason: str = "", observed: Optional[float] = None,
+           cancellation: float = 1.0) -> TensorResult:
     """The verdict on one logical tensor: a stated reason fails it, else error against tolerance.
 
     ``observed``: the perturbation estimate's relative error for this tensor, if one was run.
+    ``cancellation``: for a tensor added up from partial sums, Σᵢ‖partialᵢ‖ / ‖Σᵢ partialᵢ‖
+    (:func:`cancellation_factor`): each partial was computed and rounded relative to its own
+    magnitude, so where they cancel the round-off of the sum is that much larger relative to the
+    sum (the tolerance scales by it).
     """
     arrival = arrives_at_module(key, rec)
     tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config,
                         propagate=not (tol_config.replay and not arrival), power=keys.value_power(key))
+    if cancellation > 1.0 and math.isfinite(cancellation):
+        tol = dataclasses.replace(tol, tolerance_eps=tol.tolerance_eps * cancellation,
+                                  source=f"{tol.source} × {cancellation:.3g} (partial sums that cancel)")
     if observed is not None:
         tol = with_perturbation(tol, observed, tol_config)
     ok = not reason and error / tol.eps <= tol.tolerance_eps
@@ -183,6 +199,7 @@ class ShardSums:
     logical_shape: Tuple[int, ...]
     status: str = "ok"  # ok | shape | partial | missing_reference
     detail: str = ""
+    partial_norm: float = 0.0  # a partial sum's ‖piece‖ in logical units (status partial): piece_norm
 
     def to_json(self) -> dict:
         obj = dataclasses.asdict(self)
@@ -200,6 +217,7 @@ class ShardSums:
             fields[name] = int(obj[name])
         for name in ("diff_sq", "ref_sq"):
             fields[name] = float(obj[name])
+        fields["partial_norm"] = float(obj.get("partial_norm", 0.0))
         return ShardSums(**fields)
 
 
@@ -249,7 +267,7 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
 def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Record, num_layers: int, order: int,
                    tol_config: ToleranceConfig, where: str, notes: Sequence[str] = (),
                    replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None,
-                   observed: Optional[float] = None) -> TensorResult:
+                   observed: Optional[float] = None, cancellation: float = 1.0) -> TensorResult:
     """The verdict on one logical tensor from its pieces' sums (``entries``: (rank, sums)).
 
     The one place where the rules of a verdict live: a shape that does not fit, pieces that do not
@@ -259,7 +277,7 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     args = (key, rec, num_layers, order, tol_config, shape)
     shaped = [e for _, e in entries if e.status == "shape"]
     if shaped:
-        return decide(*args, math.inf, shaped[0].detail, observed=observed)
+        return decide(*args, math.inf, shaped[0].detail, observed=observed, cancellation=cancellation)
     positions: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
     for rank, e in entries:
         positions.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
@@ -291,7 +309,42 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     else:
         error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
     nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
-    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes), observed=observed)
+    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes), observed=observed,
+                  cancellation=cancellation)
+
+
+def piece_norm(piece: torch.Tensor, layout: Layout) -> float:
+    """‖piece‖ of one rank's partial sum, in logical units (the layout's scale divided out)."""
+    return float(torch.linalg.vector_norm(piece.detach().to(torch.float64))) / layout.scale
+
+
+def cancellation_factor(magnitude: float, total: torch.Tensor) -> float:
+    """Σᵢ‖partialᵢ‖ / ‖Σᵢ partialᵢ‖ (≥ 1): how much larger than the sum its round-off may be, each
+    partial having been rounded relative to its own magnitude. Σ‖pᵢ‖ bounds ‖Σ|pᵢ|‖ from above and
+    is what online compare can add up from per-rank norms, so both modes use it."""
+    norm = float(torch.linalg.vector_norm(total.to(torch.float64)))
+    return max(1.0, magnitude / norm) if norm > 0 else 1.0
+
+
+def note_grad_magnitude(grad_magnitude: Dict[Tuple[int, str], float], key: TensorKey, magnitude: float) -> None:
+    """Add a per-microbatch grad's partial magnitude to its parameter's, for its main grad."""
+    if key.kind is TensorKind.PARAM_GRAD:
+        at = (key.iteration, coverage.param_of(key))
+        grad_magnitude[at] = grad_magnitude.get(at, 0.0) + magnitude
+
+
+def reduced_cancellation(key: TensorKey, grad_magnitude: Dict[Tuple[int, str], float],
+                         main_grad_cancellation: Dict[Tuple[int, str], float], reference: torch.Tensor) -> float:
+    """The cancellation factor of a main grad summed from per-microbatch grads that were themselves
+    sums of partials (Σ of their magnitudes over the reference main grad), and of the optimizer
+    states stepped with it (linear in the main grad, or in its square); 1 otherwise."""
+    at = (key.iteration, coverage.param_of(key))
+    if key.kind is TensorKind.MAIN_GRAD and at in grad_magnitude:
+        main_grad_cancellation[at] = cancellation_factor(grad_magnitude[at], reference)
+        return main_grad_cancellation[at]
+    if key.kind is TensorKind.OPTIMIZER_STATE:
+        return main_grad_cancellation.get(at, 1.0)
+    return 1.0
 
 
 def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
@@ -354,8 +407,15 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     cand_groups = group_records(cand)
     update_check = UpdateCheck.for_runs(ref, ref_groups, cand, cand_groups, tol_config)
     order = reference_order(ref_groups)
-    common = sorted(set(ref_groups) & set(cand_groups), key=lambda k: order[k])
+    unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand.run)}
+    both = set(ref_groups) & set(cand_groups)
+    unjudged = sorted((k for k in both if coverage.param_of(k) in unjudged_params), key=lambda k: order[k])
+    common = sorted(both - set(unjudged), key=lambda k: order[k])
     results: List[TensorResult] = []
+    # per (iteration, parameter): Σ over microbatches of ‖Σ|partialᵢ|‖ of its per-microbatch grads,
+    # when they were added up from partial sums: the magnitude its main grad's round-off is relative to
+    grad_magnitude: Dict[Tuple[int, str], float] = {}
+    main_grad_cancellation: Dict[Tuple[int, str], float] = {}
     for i, key in enumerate(common):
         rec = ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, ref_groups[key])
@@ -366,6 +426,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         pieces = cand_groups[key]
         layout = _common_layout(pieces)
         replica_max_abs_diff = None
+        cancellation = 1.0
         element_wise = update_check is not None and keys.is_updated_value(key)
         choice = key.kind is TensorKind.SELECTION
         if element_wise or choice or any(isinstance(p, Partial) for p in layout.placements):
@@ -375,6 +436,10 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
             notes += [replica_note("candidate", m.ranks, m.max_abs_diff, m.axis)
                       for m in cand_merged.replica_mismatches]
             whole = Layout((), tuple(cand_merged.tensor.shape))
+            if any(isinstance(p, Partial) for p in layout.placements):
+                magnitude = sum(piece_norm(cand.load(rt, r), r.layout) for rt, r in pieces)
+                cancellation = cancellation_factor(magnitude, cand_merged.tensor)
+                note_grad_magnitude(grad_magnitude, key, magnitude)
             entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, ref_merged.tensor))]
         else:
             # shard by shard: never more than the reference, one candidate piece and its slice in memory
@@ -391,8 +456,10 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                 loaded = [cand.load(*by_rank[r]) for r in ranks]
                 return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
 
+        cancellation = max(cancellation, reduced_cancellation(key, grad_magnitude, main_grad_cancellation,
+                                                              ref_merged.tensor))
         result = combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
-                                replica_max_abs_diff, observed)
+                                replica_max_abs_diff, observed, cancellation)
         if element_wise:
             result = update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
         if choice:
@@ -407,7 +474,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     missing_in_candidate = [k for k in absent if not not_recorded_by(cand.run, k)]
     missing_in_reference = sorted(set(cand_groups) - set(ref_groups), key=str)
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
-                      ref.run, cand.run, skipped=skipped)
+                      ref.run, cand.run, skipped=skipped, unjudged=unjudged)
 
 
 class UpdateCheck:

@@ -27,12 +27,12 @@ from typing import Dict, List, Optional, Tuple
 import torch
 
 from .compare import (FAIL, Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible,
-                      combine_shards, decide, group_records, logical_tensor, missing_reference, reference_order,
-                      shard_sums)
+                      combine_shards, decide, group_records, logical_tensor, missing_reference, note_grad_magnitude,
+                      piece_norm, reduced_cancellation, reference_order, shard_sums)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .tolerance import ToleranceConfig
-from . import keys
+from . import coverage, keys
 from .keys import TensorKey, TensorKind
 from .update_rules import AdamRule
 from .trace_store import RUN_FILE, TraceReader, atomic_write_json, read_json
@@ -76,7 +76,7 @@ class OnlineComparer:
             return missing_reference(key, cand, layout, self.coords)
         if any(isinstance(p, Partial) for p in layout.placements):
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
-                                    detail="a partial sum; judge it offline"))
+                                    detail="a partial sum; judge it offline", partial_norm=piece_norm(cand, layout)))
         if self.updates_offline and keys.is_updated_value(key):
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
                                     detail="an Adam update in lock-step, judged element by element offline"))
@@ -182,14 +182,24 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
 
     results: List[TensorResult] = []
     skipped: List[TensorKey] = []
+    unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand_run)}
+    unjudged = sorted((k for k in by_key if k in ref_groups and coverage.param_of(k) in unjudged_params),
+                      key=lambda k: order[k])
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
-    for key in sorted((k for k in by_key if k in ref_groups), key=lambda k: order[k]):
+    grad_magnitude: Dict[Tuple[int, str], float] = {}  # as compare_traces keeps them
+    main_grad_cancellation: Dict[Tuple[int, str], float] = {}
+    for key in sorted((k for k in by_key if k in ref_groups and k not in set(unjudged)), key=lambda k: order[k]):
         entries = by_key[key]
         if any(e.status == "partial" for _, e in entries):
+            note_grad_magnitude(grad_magnitude, key, sum(e.partial_norm for _, e in entries))
             skipped.append(key)
             continue
+        cancellation = 1.0
+        if coverage.param_of(key) and (key.iteration, coverage.param_of(key)) in grad_magnitude:
+            cancellation = reduced_cancellation(key, grad_magnitude, main_grad_cancellation,
+                                                logical_tensor(ref, ref_groups[key]).tensor)
         results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
-                                      candidate_dir))
+                                      candidate_dir, cancellation=cancellation))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
-                      ref.run, cand_run, skipped=skipped)
+                      ref.run, cand_run, skipped=skipped, unjudged=unjudged)

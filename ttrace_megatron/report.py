@@ -11,6 +11,7 @@ from rich.console import Console
 from rich.panel import Panel
 from rich.table import Table
 
+from . import coverage
 from .compare import FAIL, PASS, Comparison, TensorResult
 from .keys import PHASES
 
@@ -52,6 +53,8 @@ def to_json(c: Comparison) -> dict:
         "missing_in_candidate": [str(k) for k in c.missing_in_candidate],
         "missing_in_reference": [str(k) for k in c.missing_in_reference],
         "skipped": [str(k) for k in c.skipped],
+        "unjudged": [str(k) for k in c.unjudged],
+        "coverage": c.coverage,
         "tensors": [dict(_mismatch_json(r), verdict=r.verdict, error=_num(r.error), eps=r.eps, depth=r.depth,
                          order=r.order, shape=list(r.shape))
                     for r in c.results],
@@ -88,6 +91,41 @@ def headline(report: dict) -> str:
     return text
 
 
+def render_coverage(cov: Optional[dict], console: Console, max_rows: int = 10) -> None:
+    """Which parameters were judged, by module type, and the ones that were not, with why."""
+    if not cov:
+        return
+    console.print(coverage.headline(cov))
+    partial = {t: row for t, row in cov["by_module_type"].items() if row["params_judged"] < row["params"]}
+    if partial:
+        table = Table(title="module types with parameters not judged")
+        for col in ("module type", "parameters judged", "elements judged"):
+            table.add_column(col)
+        for t, row in partial.items():
+            table.add_row(t, f"{row['params_judged']} of {row['params']}",
+                          f"{row['elements_judged']:,} of {row['elements']:,}")
+        console.print(table)
+        for entry in cov["not_judged"][:max_rows]:
+            console.print(f"  [yellow]not judged[/] {entry['param']} ({entry['module_type']}): {entry['why']}")
+        if len(cov["not_judged"]) > max_rows:
+            console.print(f"  … and {len(cov['not_judged']) - max_rows} more (report.json: coverage.not_judged)")
+
+
+def _coverage_html(cov: Optional[dict]) -> str:
+    import html
+
+    if not cov:
+        return ""
+    rows = "".join(f"<tr><td>{html.escape(t)}</td><td>{r['params_judged']} of {r['params']}</td>"
+                   f"<td>{r['elements_judged']:,} of {r['elements']:,}</td></tr>"
+                   for t, r in cov["by_module_type"].items())
+    missing = "".join(f"<li><code>{html.escape(e['param'])}</code> ({html.escape(e['module_type'])}): "
+                      f"{html.escape(e['why'])}</li>" for e in cov["not_judged"])
+    return (f"<h2>Coverage</h2><p>{html.escape(coverage.headline(cov))}</p><table><tr><th>module type</th>"
+            f"<th>parameters judged</th><th>elements judged</th></tr>{rows}</table>"
+            + (f"<h3>Not judged</h3><ul>{missing}</ul>" if missing else ""))
+
+
 def _layer_label(depth: int, num_layers: int) -> str:
     if depth == 0:
         return "embedding"
@@ -103,6 +141,7 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
     color = "green" if ok else "red"
     title = "PASS" if ok else "FAIL"
     console.print(Panel(headline(report), title=f"[bold {color}]ttrace: {title}[/]", border_style=color))
+    render_coverage(report.get("coverage"), console, max_rows)
     tensors = report["tensors"]
     if not tensors:
         return
@@ -276,6 +315,7 @@ tr.fail td {{ background: #fdd; }}
 <h1>ttrace: {"PASS" if ok else "FAIL"}</h1>
 <div class="verdict">{html.escape(headline(report))}</div>
 {culprit_html}
+{_coverage_html(report.get("coverage"))}
 <h2>{html.escape(plot_title)}</h2>{plots}
 <h2>Every tensor ({len(tensors)}), in execution order</h2>
 <table><tr><th>iter</th><th>mb</th><th>module</th><th>phase</th><th>tensor</th><th>error ε</th><th>tol ε</th>
