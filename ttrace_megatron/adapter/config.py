@@ -23,6 +23,16 @@ GPT_MODEL_KEYS = {
 }
 
 
+def activations() -> Dict[str, Any]:
+    """``activation_func`` by name: the functions Megatron-LM's arguments select (``--swiglu`` is
+    ``gated_linear_unit`` with ``silu``, ``--squared-relu``, ``--quick-geglu``; gelu is the default).
+    A recipe is YAML, so it names the function; the name is what the model signature records."""
+    import torch.nn.functional as F
+    from megatron.core.activations import quick_gelu, squared_relu
+
+    return {"gelu": F.gelu, "silu": F.silu, "relu": F.relu, "squared_relu": squared_relu, "quick_gelu": quick_gelu}
+
+
 def _fields(cls) -> Dict[str, dataclasses.Field]:
     return {f.name: f for f in dataclasses.fields(cls)}
 
@@ -48,6 +58,9 @@ def validate_recipe(recipe: Recipe) -> None:
             raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field "
                               f"nor one of {sorted(GPT_MODEL_KEYS)})")
     model_fields.check_fields(recipe.model, where)
+    if "activation_func" in recipe.model and recipe.model["activation_func"] not in activations():
+        raise RecipeError(f"{where}: model: 'activation_func' must name one of {sorted(activations())}, "
+                          f"got {recipe.model['activation_func']!r}")
     for key in recipe.parallel:
         if key not in pc:
             raise RecipeError(f"{where}: parallel: unknown key '{key}' (not a ModelParallelConfig field)")
@@ -67,16 +80,51 @@ def validate_recipe(recipe: Recipe) -> None:
     if recipe.data.global_batch_size % (recipe.data.micro_batch_size * dp):
         raise RecipeError(f"{where}: data: global_batch_size must be a multiple of micro_batch_size × DP "
                           f"({recipe.data.micro_batch_size} × {dp})")
+    experts = sizes["ep"] * sizes["etp"]
+    if recipe.model.get("num_moe_experts") and (recipe.world_size // sizes["pp"]) % experts:
+        raise RecipeError(f"{where}: parallel: expert_model_parallel_size × expert_tensor_parallel_size = "
+                          f"{sizes['ep']} × {sizes['etp']} does not divide world_size / PP = "
+                          f"{recipe.world_size // sizes['pp']} (expert_tensor_parallel_size defaults to the TP size, "
+                          f"as in megatron)")
+    if (recipe.model.get("num_moe_experts") and recipe.model.get("moe_expert_capacity_factor") is not None
+            and sizes["tp"] > 1 and recipe.parallel.get("sequence_parallel")):
+        raise RecipeError(
+            f"{where}: model: 'moe_expert_capacity_factor' with sequence parallelism is not supported by ttrace: "
+            f"megatron drops tokens by a capacity computed over the tokens each router sees, here one rank's "
+            f"sequence shard (megatron/core/transformer/moe/moe_utils.py, topk_routing_with_score_function), so which "
+            f"tokens are dropped depends on the TP size and no one-rank reference trains the same model; compare "
+            f"without sequence_parallel or without the capacity factor")
     unsupported = {"cp": "context parallelism"}
     for axis, what in unsupported.items():
         if sizes[axis] > 1:
             raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
     if sizes["vpp"] > 1 and sizes["pp"] == 1:
         raise RecipeError(f"{where}: parallel: virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
-    groups = recipe.model.get("num_query_groups") or recipe.model.get("num_attention_heads", 1)
-    if groups < sizes["tp"]:
-        raise RecipeError(f"{where}: model: num_query_groups {groups} < tensor_model_parallel_size {sizes['tp']} "
-                          f"(replicated key/value heads) is not supported by this version of ttrace")
+    for section, key, why in megatron_cannot_run(recipe):
+        raise RecipeError(f"{where}: {section}: '{key}' is not supported by ttrace: {why}")
+
+
+def megatron_cannot_run(recipe: Recipe):
+    """(section, field, why) for configurations megatron-core 0.16.1's config rules accept and its
+    code then cannot run, in the one-rank reference or the candidate (found by the configuration
+    sweep, benchmarks/sweep.py): refused before any run starts, naming megatron's file and line and
+    what to change, instead of a traceback from inside megatron."""
+    model, opt = recipe.model, recipe.optimizer
+    if opt.get("use_distributed_optimizer") and opt.get("optimizer", "adam") != "adam":
+        yield ("optimizer", "use_distributed_optimizer",
+               "megatron-core's DistributedOptimizer supports only Adam (megatron/core/optimizer/distrib_optimizer.py "
+               "asserts it); use optimizer: adam or drop the distributed optimizer")
+    if model.get("num_moe_experts") and model.get("add_bias_linear", True):
+        yield ("model", "add_bias_linear",
+               "MoE experts with biases: megatron-core adds an expert's bias in place to its fc2 output "
+               "(megatron/core/transformer/mlp.py, `output += output_bias ...`), which at expert-parallel 1 and "
+               "expert-TP 1 (the one-rank reference) is a view autograd refuses to modify; set add_bias_linear: "
+               "false for MoE models")
+    if model.get("fp32_residual_connection") and recipe.dtype != "fp32":
+        yield ("model", "fp32_residual_connection",
+               f"with dtype {recipe.dtype}, megatron-core's local layers hand the fp32 residual stream through "
+               "torch's norms (which keep fp32) to bf16 GEMMs that refuse it (megatron/core/tensor_parallel/"
+               "layers.py); TransformerEngine's layers cast it. Use dtype: fp32 or drop the field")
 
 
 # ModelParallelConfig fields that set the precision: the recipe's ``dtype`` sets them
@@ -96,7 +144,8 @@ def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
         "cp": int(parallel.get("context_parallel_size", 1)),
         "ep": int(parallel.get("expert_model_parallel_size", 1)),
         "vpp": int(parallel.get("virtual_pipeline_model_parallel_size") or 1),
-        "etp": int(parallel.get("expert_tensor_parallel_size") or 1),
+        # megatron's rule (TransformerConfig and Megatron-LM's arguments): unset means the TP size
+        "etp": int(parallel.get("expert_tensor_parallel_size") or parallel.get("tensor_model_parallel_size", 1)),
     }
 
 
@@ -124,6 +173,11 @@ def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
     if parallel_sizes(parallel)["pp"] == 1:  # e.g. the one-rank reference: no pipeline split to describe
         model = model_fields.without_layout(model)
     kwargs = {k: v for k, v in model.items() if k not in GPT_MODEL_KEYS}
+    if "activation_func" in kwargs:
+        if kwargs["activation_func"] not in activations():
+            raise RecipeError(f"{recipe.source}: model: 'activation_func' must name one of {sorted(activations())}, "
+                              f"got {kwargs['activation_func']!r}")
+        kwargs["activation_func"] = activations()[kwargs["activation_func"]]
     kwargs.setdefault("hidden_dropout", 0.0)
     kwargs.setdefault("attention_dropout", 0.0)
     kwargs.update(parallel)

@@ -30,6 +30,8 @@ SHIMS = (
     "(the router's gating GEMM then falls back to torch, as megatron intends)",
     "moe_utils.maybe_move_tensor_to_cpu(as_numpy=True) converts CPU tensors too (megatron converts only "
     "CUDA ones; gloo's all_to_all_single takes split sizes as sequences, not tensors)",
+    "torch.distributed.all_gather with pieces of different sizes on gloo (NCCL takes them; megatron's "
+    "expert-TP token gathers send them): every piece padded to the largest, gathered, trimmed",
     "WrappedTorchNorm accepts sequence_parallel (as apex's FusedLayerNorm does) and tags its "
     "params sequence_parallel=True so finalize_model_grads all-reduces their grads over TP",
 )
@@ -165,6 +167,39 @@ def _install_moe_without_te():
     token_dispatcher.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
 
 
+def _install_uneven_all_gather():
+    """gloo's all_gather requires every rank's piece to have one size; NCCL's does not, and
+    megatron-core's token gathers over expert-TP ranks (``gather_from_sequence_parallel_region``
+    with ``output_split_sizes``) send pieces of different sizes. Pad each piece to the largest,
+    gather, and copy each piece's own elements out: the same values arrive, by another route."""
+    import torch.distributed as dist
+
+    original = dist.all_gather
+
+    def all_gather(tensor_list, tensor, group=None, async_op=False):
+        if len({t.numel() for t in tensor_list}) <= 1 or dist.get_backend(group) != "gloo":
+            return original(tensor_list, tensor, group=group, async_op=async_op)
+        width = max(t.numel() for t in tensor_list)
+        padded = tensor.new_zeros(width)
+        padded[:tensor.numel()] = tensor.reshape(-1)
+        gathered = [tensor.new_empty(width) for _ in tensor_list]
+        original(gathered, padded, group=group)
+        for out, got in zip(tensor_list, gathered):
+            out.copy_(got[:out.numel()].view(out.shape))
+        return _DoneWork() if async_op else None
+
+    all_gather._ttrace_shim = True
+    dist.all_gather = all_gather
+
+
+class _DoneWork:
+    def wait(self, *args, **kwargs):
+        return True
+
+    def is_completed(self):
+        return True
+
+
 def install() -> None:
     """Apply every shim to this process. Idempotent."""
     global _installed
@@ -183,5 +218,6 @@ def install() -> None:
     _install_rng_tracker()
     _install_sequence_parallel_norm()
     _install_moe_without_te()
+    _install_uneven_all_gather()
     _CudaToCpuMode().__enter__()
     _installed = True

@@ -172,7 +172,7 @@ def _parallel_sizes() -> Dict[str, int]:
 
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
             "cp": ps.get_context_parallel_world_size(), "ep": ps.get_expert_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size()}
+            "etp": ps.get_expert_tensor_parallel_world_size(), "dp": ps.get_data_parallel_world_size()}
 
 
 def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: TraceOptions) -> None:
@@ -307,10 +307,26 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
             info["unjudged"] = [{"what": "MoE routers' top-k choices", "why": unobserved}]
             print(f"[ttrace] the MoE routers' top-k choices are not recorded, judged or followed: {unobserved}",
                   flush=True)
-        if facts.experts_mix_microbatches:
-            info["not_recorded"] = [{"modules": "*.local_experts.*", "why": (
-                "expert parallelism over data-parallel ranks: an expert's tokens come from several "
-                "microbatches, so only its main grads and parameters are compared")}]
+        unmatched = layouts.expert_tokens_unmatched(sizes["ep"] * sizes["etp"], sizes["tp"], config.sequence_parallel)
+        if unmatched:
+            info["not_recorded"] = [{"modules": "*.local_experts.*", "why": unmatched}]
+
+        from .naming import all_parameters, full_param_name
+
+        # coverage: the parameters this rank holds (the one-rank reference: all of them), and the
+        # ones no comparison can judge, with why
+        info["parameters"] = [{"param": full_param_name(m, n), "module": m, "name": n,
+                               "module_type": type(module).__name__, "numel": int(p.numel()),
+                               "requires_grad": bool(p.requires_grad)}
+                              for m, n, module, p in all_parameters(chunks)]
+        info["unjudged_params"] = [{"param": name, "why": why}
+                                   for name, why in layouts.zero_gradient_params(chunks, facts).items()]
+        by_why: Dict[str, List[str]] = {}
+        for entry in info["unjudged_params"]:
+            by_why.setdefault(entry["why"], []).append(entry["param"])
+        for why, names in by_why.items():
+            print(f"[ttrace] not judged: {len(names)} parameter(s) ({names[0]}{', …' if len(names) > 1 else ''}): "
+                  f"{why}", flush=True)
         info.update(run_info or {})
         write_run_info(options.dir, info)
 

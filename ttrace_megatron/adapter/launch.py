@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import RunFailed
+from ..errors import RecipeError, RunFailed
 from .runner import Probes, RunSpec, run_rank
 
 __all__ = ["RunFailed", "free_port", "launch"]
@@ -44,10 +44,31 @@ def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
         if spec.cpu:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         run_rank(rank, spec, probes)
-    except BaseException:
-        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
-            f.write(traceback.format_exc())
+    except RecipeError as e:  # a refusal (megatron's own build-time checks, the structure check): no traceback
+        with open(os.path.join(error_dir, f"rank{rank}.refused"), "w") as f:
+            f.write(str(e))
         os._exit(1)
+    except BaseException as e:
+        with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
+            f.write(_where(e) + traceback.format_exc())
+        os._exit(1)
+
+
+def _where(error: BaseException) -> str:
+    """A first line that says whether a rank failed inside megatron-core or torch (a configuration
+    megatron accepts and then cannot run: name its file and line) or in ttrace's own code."""
+    frames = traceback.extract_tb(error.__traceback__)
+    for f in reversed(frames):
+        path = f.filename.replace("\\", "/")
+        if path.endswith("/ttrace_megatron/adapter/cuda_shim.py"):
+            continue  # the CPU shim passes every torch call through
+        if "/ttrace_megatron/" in path:
+            return ""
+        if "/megatron/core/" in path:
+            return (f"megatron-core fails on this configuration at {path[path.rfind('/megatron/core/') + 1:]}:"
+                    f"{f.lineno} ({type(error).__name__}: {error}); not a ttrace error: change the recipe's "
+                    f"fields that reach this line\n")
+    return ""
 
 
 def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = Probes()) -> None:
@@ -79,6 +100,14 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
             if p.is_alive():
                 p.kill()
             p.join()
+        refusals = []
+        for r in range(len(procs)):
+            path = os.path.join(error_dir, f"rank{r}.refused")
+            if os.path.exists(path):
+                with open(path) as f:
+                    refusals.append(f.read())
+        if refusals:
+            raise RecipeError(refusals[0])
         errors = []
         for r, p in enumerate(procs):
             path = os.path.join(error_dir, f"rank{r}.txt")

@@ -49,9 +49,14 @@ class ModelFacts:
     tokens_per_microbatch: int = 0  # micro_batch_size × seq_length
     tokens_per_iteration: int = 0  # global_batch_size × seq_length
     pp_size: int = 1
-    # the tokens an expert sees on one rank come from several DP ranks' microbatches (EP·ETP > TP):
-    # its per-microbatch tensors have no counterpart in the reference, only its main grads do
+    # the tokens an expert sees on one rank are not one microbatch's tokens (EXPERT_TOKENS_MIXED,
+    # EXPERT_TOKENS_SPLIT): its per-microbatch tensors have no counterpart in the reference, only its
+    # main grads and values do
     experts_mix_microbatches: bool = False
+    # calculate_per_token_loss: megatron does not scale a microbatch's loss by 1/num_microbatches
+    # (finalize_model_grads divides the grads by the batch's tokens instead), so backward tensors
+    # carry no DP-dependent scale
+    per_token_loss: bool = False
 
 
 def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
@@ -67,8 +72,27 @@ def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
                       tp_size=tp, hidden_size=config.hidden_size,
                       tokens_per_microbatch=int(tokens_per_microbatch), tokens_per_iteration=int(tokens_per_iteration),
                       pp_size=ps.get_pipeline_model_parallel_world_size(),
-                      experts_mix_microbatches=(ps.get_expert_model_parallel_world_size()
-                                                * ps.get_expert_tensor_parallel_world_size() > tp))
+                      experts_mix_microbatches=expert_tokens_unmatched(
+                          ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size(), tp,
+                          config.sequence_parallel) is not None,
+                      per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)))
+
+
+EXPERT_TOKENS_MIXED = ("expert parallelism over data-parallel ranks (EP × expert-TP > TP): an expert's tokens come "
+                       "from several microbatches, so only its main grads and parameters are compared")
+EXPERT_TOKENS_SPLIT = ("experts split over fewer ranks than TP with sequence parallelism (EP × expert-TP < TP): "
+                       "each rank sends its own sequence shard's tokens to a whole expert, a routing-dependent "
+                       "piece of the microbatch, so only the experts' main grads and parameters are compared")
+
+
+def expert_tokens_unmatched(expert_ranks: int, tp: int, sequence_parallel: bool) -> Optional[str]:
+    """Why an expert's per-microbatch tensors on one rank are not a placement of the reference's
+    (``expert_ranks``: EP × expert-TP), or None when they are."""
+    if expert_ranks > tp:
+        return EXPERT_TOKENS_MIXED
+    if expert_ranks < tp and sequence_parallel:
+        return EXPERT_TOKENS_SPLIT
+    return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +118,9 @@ class KeyLayouts:
     parameter (:func:`param_layout`), the loss and the optimizer's scalars as replicas. Backward
     tensors carry the loss scale 1/num_microbatches of this run, ``dp`` times that of a DP=1 run
     (megatron scales each microbatch's loss by 1/num_microbatches of its DP rank, and DDP divides
-    by dp again when it reduces): the layout's ``scale``, which merge and slice apply.
+    by dp again when it reduces): the layout's ``scale``, which merge and slice apply. With
+    ``calculate_per_token_loss`` there is no such scale (the grads are divided by the batch's tokens
+    in ``finalize_model_grads``, after the per-microbatch tensors are recorded).
     """
 
     def __init__(self, facts: ModelFacts, dp_size: int = 1, owned_ranges: Optional[OwnedRanges] = None):
@@ -130,7 +156,7 @@ class KeyLayouts:
             layout = replicated_layout(shape, (tensor_parallel_axis(site.module, facts)[0],))
         else:
             raise ValueError(f"no layout rule for {kind} ({key})")
-        scale = float(self.dp_size) if key.phase == BACKWARD else 1.0
+        scale = float(self.dp_size) if key.phase == BACKWARD and not facts.per_token_loss else 1.0
         return dataclasses.replace(layout, scale=scale) if scale != 1.0 else layout
 
     def param_value(self, site: Site) -> Layout:
@@ -345,6 +371,28 @@ def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:
         return param_name == "bias" and module.sequence_parallel
     return (isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or "Norm" in type(module).__name__
             or is_router(module))
+
+
+KEY_NORM_BIAS_ZERO = ("its gradient is zero by construction: without rotary embeddings a key-norm bias "
+                      "shifts every key of a head by the same vector, which moves each query's scores by one "
+                      "constant, and softmax ignores constants; both sides hold round-off only, and Adam turns "
+                      "round-off into updates of either sign")
+
+
+def zero_gradient_params(chunks, facts: ModelFacts) -> Dict[str, str]:
+    """{parameter: why} for parameters whose exact gradient is zero whatever the data, so that
+    reference and candidate each hold their own round-off there (a relative error against a zero
+    is meaningless): listed as not judged (``run.json`` ``unjudged_params``), never silently."""
+    from .naming import all_parameters, full_param_name, unwrap
+
+    out = {}
+    rotary = any(getattr(unwrap(c), "position_embedding_type", "") in ("rope", "mrope", "yarn") for c in chunks)
+    if rotary:
+        return out
+    for mname, pname, _, _ in all_parameters(chunks):
+        if mname.endswith(".self_attention.k_layernorm") and pname == "bias":
+            out[full_param_name(mname, pname)] = KEY_NORM_BIAS_ZERO
+    return out
 
 
 def is_moe_layer(module: Optional[torch.nn.Module]) -> bool:

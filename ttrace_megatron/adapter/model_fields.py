@@ -54,6 +54,7 @@ NUMERICS = (
     "moe_router_enable_expert_bias", "moe_router_bias_update_rate", "moe_aux_loss_coeff", "moe_z_loss_coeff",
     "moe_token_dropping", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
     "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_enable_routing_replay",
+    "activation_func",  # by name, as Megatron-LM's --swiglu / --squared-relu / --quick-geglu set it (config.ACTIVATIONS)
 )
 
 LAYOUT = (
@@ -78,7 +79,6 @@ REFUSED: Dict[str, str] = {
     "mtp_loss_scaling_factor": "multi-token prediction is not supported yet",
     "attention_backend": _TE,
     "softmax_type": _UNVERIFIED + " (the learnable softmax offset is a parameter ttrace does not place)",
-    "activation_func": _CALLABLE + "; choose GeLU/SwiGLU with gated_linear_unit",
     "activation_func_fp8_input_store": _FP8,
     "qk_l2_norm": "Megatron-LM's local layer spec drops it for dense models; " + _UNVERIFIED,
     "qk_clip": _UNVERIFIED + " (it rescales weights in the optimizer)",

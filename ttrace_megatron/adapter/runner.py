@@ -184,8 +184,13 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
         position_ids = position_ids.cuda()
 
     def loss_func(output_tensor):
-        loss = output_tensor.float().mean()
-        return loss, {"lm loss": loss.detach()}
+        # Megatron-LM's pretrain_gpt loss: the sum over the microbatch's tokens and their count;
+        # megatron's schedule divides by the count unless calculate_per_token_loss, in which case
+        # finalize_model_grads divides the grads by the tokens of the whole batch
+        losses = output_tensor.float().reshape(-1)
+        loss = losses.sum()
+        num_tokens = torch.tensor(losses.numel(), dtype=torch.int)
+        return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
     def forward_step(data_iterator, model):
         _, tokens, labels = next(data_iterator)
@@ -220,7 +225,7 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
                         "attached": attached_now or (probes.trace and not probes.alternate_idle)})
         if attached_now:
             integration.flush()
-        losses.append([float(r["lm loss"]) for r in reduced])
+        losses.append([float(r["lm loss"][0] / r["lm loss"][1]) for r in reduced])
     closing = time.perf_counter()
     integration.flush()  # waits for the trace's background writes
     return losses, timings, time.perf_counter() - closing

@@ -1,0 +1,478 @@
+"""The configuration sweep: megatron-core GPT configurations nobody tuned ttrace to.
+
+A seeded generator draws recipes from megatron-core's own config space: every structure and
+numerics field of TransformerConfig (``adapter.model_fields``) that has a domain in ``FIELDS``
+below (the rest are listed in ``NOT_DRAWN`` with why; ``tests/test_sweep.py`` fails on a field in
+neither), GPTModel's arguments, the layouts (TP 1/2/4, SP, PP even and uneven, VPP, DP, the
+distributed optimizer, EP, expert-TP), the optimizer and the dtype. Each configuration ends in one
+of:
+
+* ``pass``: reference and candidate agree (the model built was checked against the recipe's
+  fields before the run: ``structure.check_built_as_described``);
+* ``refused``: ttrace refused it before any run started, naming the field (a ``RecipeError``);
+* ``megatron rejects``: megatron-core refuses to build it (its checks in the model's constructors;
+  the configs its TransformerConfig rules reject are redrawn, counted apart);
+* ``megatron fails``: megatron-core accepts it and then fails inside its own code (named with
+  file and line by the launcher); each is read and either refused up front or fixed;
+* ``megatron bug detected`` / ``missed``: the configuration hits a real megatron-core bug
+  (``MEGATRON_BUGS``, each read in megatron's code): a failing verdict there is a detection, a pass
+  a miss;
+* ``not as described``: megatron built a model other than the recipe describes;
+* ``false positive``: a clean run judged different;
+* ``crash``: anything else (a traceback, an internal error).
+
+The last three are failures of the sweep, to be fixed.
+
+    python benchmarks/sweep.py --n 200 --seed 0 [--jsonl out.jsonl] > sweep.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+PASS, REFUSED, MEGATRON_REJECTS, MEGATRON_FAILS, NOT_AS_DESCRIBED, FALSE_POSITIVE, CRASH = (
+    "pass", "refused", "megatron rejects", "megatron fails", "not as described", "false positive", "crash")
+BUG_DETECTED, BUG_MISSED = "megatron bug detected", "megatron bug missed"
+OUTCOMES = (PASS, REFUSED, MEGATRON_REJECTS, MEGATRON_FAILS, BUG_DETECTED, NOT_AS_DESCRIBED, FALSE_POSITIVE, CRASH,
+            BUG_MISSED)
+FAILURES = (NOT_AS_DESCRIBED, FALSE_POSITIVE, CRASH, BUG_MISSED)
+
+Draw = Callable[[random.Random, Dict[str, Any]], Any]
+
+
+def _choice(*values) -> Draw:
+    return lambda rng, model: rng.choice(values)
+
+
+def _sometimes(p: float, value: Any, otherwise: Any = None) -> Draw:
+    return lambda rng, model: value if rng.random() < p else otherwise
+
+
+def _moe(draw: Draw) -> Draw:
+    """A draw that only applies to MoE models (None: the field is left out)."""
+    return lambda rng, model: draw(rng, model) if model.get("num_moe_experts") else None
+
+
+def _query_groups(rng, model):
+    heads = model["num_attention_heads"]
+    return rng.choice([None, heads // 2, 2, 1])  # MHA, GQA, GQA (often < TP), MQA
+
+
+def _experts(rng, model):
+    return rng.choice([None, None, 4, 8])
+
+
+def _router_bias(rng, model):
+    # megatron: expert bias needs a sigmoid (or softmax) router and aux-loss-free balancing works with it
+    return rng.random() < 0.5 if model.get("num_moe_experts") else None
+
+
+def _capacity(rng, model):
+    return rng.choice([None, None, 1.0, 1.5]) if model.get("num_moe_experts") else None
+
+
+# TransformerConfig fields (model_fields.STRUCTURE and NUMERICS) and GPTModel arguments the sweep
+# draws, in this order (later draws may read earlier ones); None means "megatron's default"
+FIELDS: Dict[str, Draw] = {
+    "num_layers": _choice(2, 3, 4),
+    "hidden_size": _choice(64),
+    "num_attention_heads": _choice(4, 8),
+    "num_query_groups": _query_groups,
+    "kv_channels": _choice(None, None, 8),
+    "ffn_hidden_size": _choice(96, 128),
+    "normalization": _choice("LayerNorm", "RMSNorm"),
+    "layernorm_epsilon": _choice(1e-5, 1e-6),
+    "layernorm_zero_centered_gamma": _sometimes(0.2, True),
+    "gated_linear_unit": _choice(False, True),
+    "activation_func": _choice(None, "gelu", "silu", "squared_relu"),
+    "add_bias_linear": _choice(True, False),
+    "add_qkv_bias": _sometimes(0.3, True),
+    "qk_layernorm": _sometimes(0.3, True),
+    "apply_residual_connection_post_layernorm": _sometimes(0.15, True),
+    "fp32_residual_connection": _sometimes(0.15, True),
+    "apply_query_key_layer_scaling": _sometimes(0.15, True),
+    "attention_softmax_in_fp32": _choice(None, False),
+    "softmax_scale": _sometimes(0.1, 0.2),
+    "rotary_interleaved": _sometimes(0.15, True),
+    "calculate_per_token_loss": _sometimes(0.2, True),
+    "init_method_std": _choice(0.02, 0.05),
+    "embedding_init_method_std": _sometimes(0.1, 0.01),
+    "glu_linear_offset": _sometimes(0.1, 1.0),
+    "activation_func_clamp_value": _sometimes(0.1, 7.0),
+    "bias_activation_fusion": _sometimes(0.2, True),
+    "num_moe_experts": _experts,
+    "moe_ffn_hidden_size": _moe(_choice(32, 64)),
+    "moe_router_topk": _moe(_choice(1, 2)),
+    "moe_shared_expert_intermediate_size": _moe(_choice(None, None, 64)),
+    "moe_shared_expert_gate": _moe(_sometimes(0.3, True)),
+    "moe_layer_freq": _moe(_choice(1, 1, "[0,1]", "[1,0,1,1]")),
+    "moe_router_score_function": _moe(_choice("softmax", "sigmoid")),
+    "moe_router_pre_softmax": _moe(_sometimes(0.2, True)),
+    "moe_router_topk_scaling_factor": _moe(_sometimes(0.2, 2.5)),
+    "moe_router_dtype": _moe(_choice(None, "fp32")),
+    "moe_router_enable_expert_bias": _router_bias,
+    "moe_router_bias_update_rate": _moe(_choice(None, 0.01)),
+    "moe_router_load_balancing_type": _moe(_choice("aux_loss", "seq_aux_loss", "global_aux_loss", "none")),
+    "moe_aux_loss_coeff": _moe(_choice(0.0, 0.01)),
+    "moe_z_loss_coeff": _moe(_choice(None, 0.001)),
+    "moe_token_dispatcher_type": _moe(_choice("allgather", "alltoall")),
+    "moe_expert_capacity_factor": _capacity,
+    "moe_pad_expert_input_to_capacity": _moe(_sometimes(0.3, True)),
+    "moe_token_drop_policy": _moe(_choice("probs", "position")),
+    "position_embedding_type": _choice("rope", "learned_absolute"),
+    "share_embeddings_and_output_weights": _choice(True, False),
+    "rotary_percent": _sometimes(0.15, 0.5),
+    "rotary_base": _sometimes(0.15, 500000),
+    "make_vocab_size_divisible_by": _choice(128, 1, 8),
+}
+
+# structure / numerics fields the sweep leaves at megatron's default, and why
+NOT_DRAWN = {
+    "hidden_dropout": "must be 0 (dropout draws random numbers; refused otherwise)",
+    "attention_dropout": "must be 0 (dropout draws random numbers; refused otherwise)",
+    "window_size": "sliding-window attention: megatron's local DotProductAttention refuses it",
+    "window_attn_skip_freq": "sliding-window attention: see window_size",
+    "moe_router_num_groups": "group-limited routing: its choice is not judged (listed as unjudged)",
+    "moe_router_group_topk": "group-limited routing: see moe_router_num_groups",
+    "moe_token_dropping": "megatron-core marks it not implemented (capacity factor drops tokens)",
+    "moe_enable_routing_replay": "ttrace's own router replay slot is used for routing; a user's is chained",
+}
+
+
+def _sizes(raw: Dict[str, Any]) -> Dict[str, int]:
+    p = raw["parallel"]
+    tp = p.get("tensor_model_parallel_size", 1)
+    return {"tp": tp, "pp": p.get("pipeline_model_parallel_size", 1), "ep": p.get("expert_model_parallel_size", 1),
+            "etp": p.get("expert_tensor_parallel_size") or tp, "sp": bool(p.get("sequence_parallel"))}
+
+
+# Configurations megatron-core 0.16.1 accepts and then trains wrongly, each read in its code: the
+# sweep expects ttrace to fail them (a detection), and counts a pass as a miss.
+MEGATRON_BUGS = {
+    "expert grads never reduced over TP (EP 1, expert-TP < TP, SP)": (
+        # tensor_parallel/layers.py sets an expert weight's `allreduce` to `not (is_expert and
+        # expert_model_parallel_size > 1)`: with EP 1 DDP reduces it over the dense DP group, which
+        # leaves out the TP peers whose sequence shards sent it other tokens
+        lambda raw: bool(raw["model"].get("num_moe_experts")) and _sizes(raw)["ep"] == 1
+        and _sizes(raw)["etp"] < _sizes(raw)["tp"] and _sizes(raw)["sp"]),
+}
+
+
+def megatron_bug(raw: Dict[str, Any]) -> Optional[str]:
+    return next((name for name, hits in MEGATRON_BUGS.items() if hits(raw)), None)
+
+
+def _layout(rng: random.Random, model: Dict[str, Any]) -> Tuple[int, Dict[str, Any], Dict[str, Any]]:
+    """(world size, parallel section, the model fields a layout adds: uneven pipeline stages)."""
+    world = rng.choice([2, 4])
+    tp = rng.choice([t for t in (1, 2, 4) if t <= world])
+    pp = rng.choice([p for p in (1, 2) if tp * p <= world])
+    parallel: Dict[str, Any] = {}
+    extra: Dict[str, Any] = {}
+    if tp > 1:
+        parallel["tensor_model_parallel_size"] = tp
+        if rng.random() < 0.5 or model.get("num_moe_experts"):
+            parallel["sequence_parallel"] = True
+    if pp > 1:
+        parallel["pipeline_model_parallel_size"] = pp
+        layers = model["num_layers"]
+        shape = rng.choice(["even", "uneven", "vpp"])
+        if shape == "vpp":
+            model["num_layers"] = 4
+            parallel["virtual_pipeline_model_parallel_size"] = 2
+            # Megatron-LM's arguments with virtual pipelining (--overlap-p2p-communication is on by
+            # default there); megatron-core's own defaults hit its batched-p2p bug at PP = 2
+            # (bug vpp_batched_p2p_at_pp2, detected: BENCHMARKS.md)
+            parallel.update(overlap_p2p_comm=True, batch_p2p_comm=False)
+        elif shape == "uneven" or layers % pp:
+            model["num_layers"] = 3
+            extra[rng.choice(["num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage"])] = 1
+        elif layers == 2 and rng.random() < 0.3:
+            model["num_layers"] = 2
+    if model.get("num_moe_experts"):
+        rest = world // pp
+        ep = rng.choice([e for e in (1, 2, 4) if rest % e == 0 and model["num_moe_experts"] % e == 0])
+        etp = rng.choice([e for e in (1, 2, tp) if (rest // ep) % e == 0])
+        if ep > 1:
+            parallel["expert_model_parallel_size"] = ep
+        if etp != tp:
+            parallel["expert_tensor_parallel_size"] = etp
+    return world, parallel, extra
+
+
+def draw(rng: random.Random, index: int) -> Dict[str, Any]:
+    """One raw recipe (the YAML mapping a user would write)."""
+    model: Dict[str, Any] = {}
+    gpt = {}
+    for name, field_draw in FIELDS.items():
+        value = field_draw(rng, model)
+        if value is not None:
+            model[name] = value
+    if isinstance(model.get("moe_layer_freq"), str):
+        pattern = json.loads(model["moe_layer_freq"])
+        model["num_layers"] = len(pattern)
+        model["moe_layer_freq"] = pattern
+    if model.get("num_moe_experts") and model.get("moe_router_load_balancing_type") == "none":
+        model.pop("moe_aux_loss_coeff", None)
+    del gpt
+    world, parallel, extra = _layout(rng, model)
+    if isinstance(model.get("moe_layer_freq"), list) and len(model["moe_layer_freq"]) != model["num_layers"]:
+        model["moe_layer_freq"] = 1
+    model.update(extra)
+    tp = parallel.get("tensor_model_parallel_size", 1)
+    pp = parallel.get("pipeline_model_parallel_size", 1)
+    dp = world // (tp * pp)
+    optimizer: Dict[str, Any] = {"optimizer": rng.choice(["adam", "adam", "sgd"]), "lr": rng.choice([1e-3, 1e-2])}
+    if dp > 1 and rng.random() < 0.4:
+        optimizer["use_distributed_optimizer"] = True
+    micro = rng.choice([1, 2])
+    nmicro = rng.choice([1, 2]) * (pp if parallel.get("virtual_pipeline_model_parallel_size") else 1)
+    return {
+        "name": f"sweep{index:04d}",
+        "model": model,
+        "parallel": parallel,
+        "world_size": world,
+        "optimizer": optimizer,
+        "data": {"seed": rng.randrange(1, 10_000), "vocab_size": rng.choice([250, 256, 300, 1000]),
+                 "seq_length": rng.choice([16, 32]), "micro_batch_size": micro,
+                 "global_batch_size": micro * dp * nmicro},
+        "train": {"iterations": 2},
+        "dtype": rng.choice(["fp32", "bf16"]),
+    }
+
+
+def features(raw: Dict[str, Any]) -> List[str]:
+    """The tags the sweep's table is grouped by."""
+    m, p = raw["model"], raw["parallel"]
+    tp = p.get("tensor_model_parallel_size", 1)
+    heads = m["num_attention_heads"]
+    groups = m.get("num_query_groups") or heads
+    tags = [m.get("normalization", "LayerNorm"),
+            "SwiGLU/GLU" if m.get("gated_linear_unit") else "plain MLP",
+            "biases" if m.get("add_bias_linear", True) else "no biases",
+            m.get("position_embedding_type", "rope"),
+            "tied" if m.get("share_embeddings_and_output_weights") else "untied",
+            f"TP{tp}", raw["dtype"], raw["optimizer"]["optimizer"]]
+    if m.get("add_qkv_bias"):
+        tags.append("qkv bias")
+    if m.get("qk_layernorm"):
+        tags.append("qk_layernorm")
+    if groups == 1:
+        tags.append("MQA")
+    elif groups < heads:
+        tags.append("GQA")
+    if groups < tp:
+        tags.append("query groups < TP")
+    if m.get("make_vocab_size_divisible_by", 128) * tp and raw["data"]["vocab_size"] % (m.get(
+            "make_vocab_size_divisible_by", 128) * tp):
+        tags.append("padded vocab")
+    if p.get("sequence_parallel"):
+        tags.append("SP")
+    if p.get("pipeline_model_parallel_size", 1) > 1:
+        tags.append("PP")
+    if any(k.startswith("num_layers_in_") for k in m):
+        tags.append("PP uneven")
+    if p.get("virtual_pipeline_model_parallel_size"):
+        tags.append("VPP")
+    dp = raw["world_size"] // (tp * p.get("pipeline_model_parallel_size", 1))
+    if dp > 1:
+        tags.append("DP")
+    if raw["optimizer"].get("use_distributed_optimizer"):
+        tags.append("distributed optimizer")
+    if m.get("num_moe_experts"):
+        tags += ["MoE", f"dispatcher {m.get('moe_token_dispatcher_type', 'allgather')}",
+                 f"router {m.get('moe_router_score_function', 'softmax')}",
+                 f"balancing {m.get('moe_router_load_balancing_type', 'aux_loss')}"]
+        if m.get("moe_shared_expert_intermediate_size"):
+            tags.append("shared expert")
+        if m.get("moe_router_enable_expert_bias"):
+            tags.append("expert bias")
+        if m.get("moe_z_loss_coeff"):
+            tags.append("z-loss")
+        if m.get("moe_expert_capacity_factor"):
+            tags.append("capacity factor")
+        if m.get("moe_layer_freq", 1) != 1:
+            tags.append("MoE layer pattern")
+        if p.get("expert_model_parallel_size", 1) > 1:
+            tags.append("EP")
+        if p.get("expert_tensor_parallel_size", tp) != tp:
+            tags.append("expert-TP ≠ TP")
+    return tags
+
+
+@dataclasses.dataclass
+class Outcome:
+    kind: str
+    detail: str = ""
+    seconds: float = 0.0
+    worst_ratio: float = 0.0
+
+
+def _megatron_accepts(recipe) -> Optional[str]:
+    """None, or megatron-core's reason for rejecting the candidate's config."""
+    from ttrace_megatron.adapter import config as cfg
+    from ttrace_megatron.errors import RecipeError
+
+    try:
+        cfg.transformer_config(recipe, recipe.parallel)
+        cfg.optimizer_config(recipe)
+    except RecipeError as e:
+        return str(e)
+    return None
+
+
+def run_one(raw: Dict[str, Any], tmp: str) -> Outcome:
+    """Classify one configuration: validate, run reference and candidate (lock-step), compare."""
+    from ttrace_megatron.adapter.config import validate_recipe
+    from ttrace_megatron.adapter.launch import launch
+    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.compare import compare_traces
+    from ttrace_megatron.errors import RecipeError, RunFailed
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    start = time.perf_counter()
+    try:
+        recipe = recipe_from_dict(raw, source=raw["name"])
+    except RecipeError as e:
+        return Outcome(REFUSED, str(e))
+    rejected = _megatron_accepts(recipe)
+    if rejected:
+        return Outcome(MEGATRON_REJECTS, rejected)
+    try:
+        validate_recipe(recipe)
+    except RecipeError as e:
+        return Outcome(REFUSED, str(e))
+    seed = os.path.join(tmp, "seed.safetensors")
+    ref, cand, pert = (os.path.join(tmp, d) for d in ("ref", "cand", "pert"))
+
+    def spec(role, trace_dir, **trace):
+        return RunSpec(recipe=recipe.to_json(), role=role, trace=trace_options(trace_dir, seed, **trace))
+
+    try:
+        launch(spec(REFERENCE, ref), timeout_s=600)
+        launch(spec(CANDIDATE, cand, lockstep=ref), timeout_s=600)
+        if recipe.tolerance.perturbation:
+            launch(spec(REFERENCE, pert, perturb=1), timeout_s=600)
+        result = compare_traces(ref, cand, perturbed=pert if recipe.tolerance.perturbation else None)
+    except RecipeError as e:
+        text = str(e)
+        kind = (NOT_AS_DESCRIBED if "not the model the recipe describes" in text
+                else MEGATRON_REJECTS if "megatron-core refuses to build" in text else REFUSED)
+        return Outcome(kind, text, time.perf_counter() - start)
+    except RunFailed as e:
+        text = str(e)
+        kind = MEGATRON_FAILS if "megatron-core fails on this configuration" in text else CRASH
+        return Outcome(kind, _first_line(text.split("\n", 1)[-1]) + " || " + _tail(text), time.perf_counter() - start)
+    except Exception:
+        return Outcome(CRASH, _tail(traceback.format_exc()), time.perf_counter() - start)
+    worst = max((r.ratio for r in result.results), default=0.0)
+    bug = megatron_bug(raw)
+    if bug:
+        kind = BUG_DETECTED if result.verdict == "fail" else BUG_MISSED
+        return Outcome(kind, bug, time.perf_counter() - start, worst)
+    if result.failures:
+        f = result.failures[0]
+        return Outcome(FALSE_POSITIVE, f"{len(result.failures)} failures; first {f.key.module} {f.key.phase} "
+                       f"{f.key.tensor} it{f.key.iteration}: {f.error_eps:.3g} ε vs {f.tolerance_eps:.3g}",
+                       time.perf_counter() - start, worst)
+    return Outcome(PASS, "", time.perf_counter() - start, worst)
+
+
+def _first_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[0] if lines else text
+
+
+def _tail(text: str, lines: int = 6) -> str:
+    return " | ".join(line.strip() for line in text.strip().splitlines()[-lines:])
+
+
+def population(n: int, seed: int) -> Tuple[List[Dict[str, Any]], int]:
+    """The first ``n`` draws megatron-core's TransformerConfig and OptimizerConfig accept (its
+    ``__post_init__`` rules), and how many draws they rejected."""
+    from ttrace_megatron.errors import RecipeError
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    rng = random.Random(seed)
+    out, rejected, index = [], 0, 0
+    while len(out) < n:
+        raw = draw(rng, index)
+        index += 1
+        try:
+            accepted = _megatron_accepts(recipe_from_dict(raw, source=raw["name"])) is None
+        except RecipeError:
+            accepted = True  # ttrace refuses it: part of the population
+        if accepted:
+            out.append(raw)
+        else:
+            rejected += 1
+    return out, rejected
+
+
+def table(rows: List[Tuple[Dict[str, Any], Outcome]]) -> str:
+    """Per feature: how many configurations with it ended in each outcome."""
+    counts: Dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for raw, out in rows:
+        counts["(all)"][out.kind] += 1
+        for tag in features(raw):
+            counts[tag][out.kind] += 1
+    kinds = OUTCOMES
+    lines = ["| feature | configs | " + " | ".join(kinds) + " |", "|---|---|" + "---|" * len(kinds)]
+    for tag in ["(all)"] + sorted(t for t in counts if t != "(all)"):
+        c = counts[tag]
+        lines.append(f"| {tag} | {sum(c.values())} | " + " | ".join(str(c[k]) for k in kinds) + " |")
+    return "\n".join(lines)
+
+
+def main():
+    warnings.filterwarnings("ignore")
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", type=int, nargs="*", help="only these configuration indices")
+    parser.add_argument("--jsonl", help="append each configuration and its outcome here")
+    args = parser.parse_args()
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    print(f"commit {commit}; sweep seed {args.seed}, {args.n} configurations; machine: {os.cpu_count()} CPU cores, "
+          f"gloo, torch {__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}\n",
+          flush=True)
+    rows = []
+    configs, rejected = population(args.n, args.seed)
+    print(f"{len(configs)} configurations megatron-core's config rules accept, of {len(configs) + rejected} drawn\n")
+    for i, raw in enumerate(configs):
+        if args.only and i not in args.only:
+            continue
+        with tempfile.TemporaryDirectory() as tmp:
+            out = run_one(raw, tmp)
+        rows.append((raw, out))
+        print(f"<!-- {raw['name']} {out.kind} {out.seconds:.0f}s ratio {out.worst_ratio:.2f} "
+              f"{' '.join(features(raw))} :: {out.detail[:400]} -->", flush=True)
+        if args.jsonl:
+            with open(args.jsonl, "a") as f:
+                f.write(json.dumps({"recipe": raw, "outcome": dataclasses.asdict(out)}) + "\n")
+    print()
+    print(table(rows))
+    print()
+    for raw, out in rows:
+        if out.kind in FAILURES or out.kind == REFUSED:
+            print(f"- {raw['name']} **{out.kind}**: {out.detail[:300]}")
+
+
+if __name__ == "__main__":
+    main()
