@@ -446,7 +446,19 @@ def main():
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--only", type=int, nargs="*", help="only these configuration indices")
     parser.add_argument("--jsonl", help="append each configuration and its outcome here")
+    parser.add_argument("--shard", default="0/1", help="K/N: only the configurations whose index is K mod N (run N "
+                                                       "shards side by side, then --table on their JSONL files)")
+    parser.add_argument("--table", nargs="*", help="print the table of these JSONL files and exit")
     args = parser.parse_args()
+    if args.table:
+        rows = []
+        for path in args.table:
+            with open(path) as f:
+                rows += [(e["recipe"], Outcome(**e["outcome"])) for e in map(json.loads, f)]
+        rows.sort(key=lambda r: r[0]["name"])
+        report(rows)
+        return
+    shard, shards = (int(x) for x in args.shard.split("/"))
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     print(f"commit {commit}; sweep seed {args.seed}, {args.n} configurations; machine: {os.cpu_count()} CPU cores, "
@@ -456,7 +468,7 @@ def main():
     configs, rejected = population(args.n, args.seed)
     print(f"{len(configs)} configurations megatron-core's config rules accept, of {len(configs) + rejected} drawn\n")
     for i, raw in enumerate(configs):
-        if args.only and i not in args.only:
+        if (args.only and i not in args.only) or i % shards != shard:
             continue
         with tempfile.TemporaryDirectory() as tmp:
             out = run_one(raw, tmp)
@@ -466,11 +478,18 @@ def main():
         if args.jsonl:
             with open(args.jsonl, "a") as f:
                 f.write(json.dumps({"recipe": raw, "outcome": dataclasses.asdict(out)}) + "\n")
+    report(rows)
+
+
+def report(rows: List[Tuple[Dict[str, Any], Outcome]]) -> None:
     print()
     print(table(rows))
     print()
+    seconds = sum(o.seconds for _, o in rows)
+    print(f"{len(rows)} configurations, {seconds / 60:.0f} min of runs; worst clean ratio "
+          f"{max((o.worst_ratio for _, o in rows if o.kind == PASS), default=0):.2f}\n")
     for raw, out in rows:
-        if out.kind in FAILURES or out.kind == REFUSED:
+        if out.kind not in (PASS, MEGATRON_REJECTS):
             print(f"- {raw['name']} **{out.kind}**: {out.detail[:300]}")
 
 

@@ -52,6 +52,55 @@ def test_fp16_is_refused_with_the_reason():
         validate_recipe(recipe)
 
 
+def test_every_ddp_config_field_is_honoured_or_refused():
+    from ttrace_megatron.adapter import config
+
+    fields = set(config.ddp_fields())
+    known = set(config.DDP_HONOURED) | set(config.DDP_REFUSED)
+    assert fields == known, f"DistributedDataParallelConfig fields without a role: {sorted(fields - known)}; " \
+                            f"roles for fields megatron does not have: {sorted(known - fields)}"
+
+
+def test_ddp_section_accepts_megatrons_fields_and_refuses_with_the_reason():
+    from ttrace_megatron.adapter import config
+
+    recipe = recipe_from_dict({"model": BASE, "world_size": 1, "ddp": {"overlap_grad_reduce": True, "bucket_size": 1000}})
+    validate_recipe(recipe)
+    assert config.ddp_config(recipe).overlap_grad_reduce and config.ddp_config(recipe).grad_reduce_in_fp32
+    with pytest.raises(RecipeError, match="'use_megatron_fsdp' is not supported by ttrace: Megatron FSDP"):
+        validate_recipe(recipe_from_dict({"model": BASE, "world_size": 1, "ddp": {"use_megatron_fsdp": True}}))
+    with pytest.raises(RecipeError, match="unknown key 'overlap_everything'"):
+        validate_recipe(recipe_from_dict({"model": BASE, "world_size": 1, "ddp": {"overlap_everything": True}}))
+
+
+def test_megatron_limits_are_refused_up_front_naming_the_field():
+    cases = [({"optimizer": {"optimizer": "sgd", "use_distributed_optimizer": True}, "world_size": 2},
+              "'use_distributed_optimizer' is not supported"),
+             ({"model": dict(BASE, num_moe_experts=4)}, "'add_bias_linear' is not supported"),
+             ({"model": dict(BASE, fp32_residual_connection=True), "dtype": "bf16"},
+              "'fp32_residual_connection' is not supported"),
+             ({"model": dict(BASE, num_moe_experts=4, add_bias_linear=False, moe_expert_capacity_factor=1.0),
+               "parallel": {"tensor_model_parallel_size": 2, "sequence_parallel": True}, "world_size": 2},
+              "'moe_expert_capacity_factor' with sequence parallelism is not supported"),
+             ({"model": dict(BASE, num_moe_experts=4, add_bias_linear=False),
+               "parallel": {"tensor_model_parallel_size": 2, "expert_model_parallel_size": 2}, "world_size": 2},
+              "expert_model_parallel_size × expert_tensor_parallel_size = 2 × 2 does not divide")]
+    for raw, message in cases:
+        raw = dict({"model": BASE, "world_size": 1}, **raw)
+        with pytest.raises(RecipeError, match=message):
+            validate_recipe(recipe_from_dict(raw))
+
+
+def test_activation_func_by_name():
+    from ttrace_megatron.adapter import config
+
+    recipe = recipe_from_dict({"model": dict(BASE, gated_linear_unit=True, activation_func="silu"), "world_size": 1})
+    validate_recipe(recipe)
+    assert config.transformer_config(recipe, {}).activation_func.__name__ == "silu"
+    with pytest.raises(RecipeError, match="'activation_func' must name one of"):
+        validate_recipe(recipe_from_dict({"model": dict(BASE, activation_func="swish2"), "world_size": 1}))
+
+
 def test_the_reference_drops_only_the_pipeline_layout_fields():
     model = dict(BASE, num_layers=3, num_layers_in_last_pipeline_stage=1, qk_layernorm=True)
     assert model_fields.without_layout(model) == dict(BASE, num_layers=3, qk_layernorm=True)

@@ -2,7 +2,7 @@
 
 ``model:`` holds TransformerConfig fields (plus the GPTModel arguments listed in
 ``GPT_MODEL_KEYS``), ``parallel:`` the candidate's ModelParallelConfig fields, ``optimizer:``
-OptimizerConfig fields. Those three sections are checked against megatron-core's dataclasses by
+OptimizerConfig fields, ``ddp:`` DistributedDataParallelConfig fields. Those sections are checked against megatron-core's dataclasses by
 the adapter (:func:`ttrace_megatron.adapter.config.validate_recipe`); this module checks
 everything else. Unknown keys are errors that name the key.
 """
@@ -18,8 +18,8 @@ import yaml
 from .errors import RecipeError
 
 DTYPES = ("fp32", "bf16", "fp8")
-TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "optimizer", "data", "train", "dtype",
-                  "tolerance")
+TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "optimizer", "ddp", "data", "train",
+                  "dtype", "tolerance")
 
 
 @dataclasses.dataclass
@@ -67,10 +67,11 @@ class Recipe:
     description: str = ""
     source: str = "<embedded>"
     tolerance: ToleranceOptions = dataclasses.field(default_factory=ToleranceOptions)
+    ddp: Dict[str, Any] = dataclasses.field(default_factory=dict)  # DistributedDataParallelConfig fields
 
     def to_json(self) -> dict:
         return {"name": self.name, "model": self.model, "parallel": self.parallel, "world_size": self.world_size,
-                "optimizer": self.optimizer, "data": dataclasses.asdict(self.data),
+                "optimizer": self.optimizer, "ddp": self.ddp, "data": dataclasses.asdict(self.data),
                 "train": dataclasses.asdict(self.train), "dtype": self.dtype,
                 "tolerance": dataclasses.asdict(self.tolerance)}
 
@@ -98,7 +99,7 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
     for key in raw:
         if key not in TOP_LEVEL_KEYS:
             raise RecipeError(f"{source}: unknown key '{key}' (known: {', '.join(TOP_LEVEL_KEYS)})")
-    for key in ("model", "parallel", "optimizer"):
+    for key in ("model", "parallel", "optimizer", "ddp"):
         if not isinstance(raw.get(key, {}) or {}, dict):
             raise RecipeError(f"{source}: '{key}' must be a mapping")
     dtype = raw.get("dtype", "fp32")
@@ -131,7 +132,8 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
     name = raw.get("name") or os.path.splitext(os.path.basename(source))[0]
     return Recipe(name=str(name), model=dict(raw.get("model") or {}), parallel=dict(raw.get("parallel") or {}),
                   world_size=world, optimizer=dict(raw.get("optimizer") or {}), data=data, train=train,
-                  dtype=dtype, description=str(raw.get("description", "")), source=source, tolerance=tolerance)
+                  dtype=dtype, description=str(raw.get("description", "")), source=source, tolerance=tolerance,
+                  ddp=dict(raw.get("ddp") or {}))
 
 
 def load_recipe(path: str) -> Recipe:

@@ -95,14 +95,14 @@ def layer_spec(config, vp_stage):
 
 
 def wrap_for_training(chunks: List[torch.nn.Module], config, recipe: Recipe) -> List[torch.nn.Module]:
-    """Float16Module for bf16, then megatron's DistributedDataParallel, as megatron.training does."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    """Float16Module for bf16, then megatron's DistributedDataParallel (the recipe's ``ddp:``
+    fields), as megatron.training does."""
+    from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
     if config.bf16:
         chunks = [Float16Module(config, c) for c in chunks]
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=bool(recipe.optimizer.get("use_distributed_optimizer")))
+    ddp_config = cfg.ddp_config(recipe)
     # megatron.training: only the first chunk's buckets are the first to be reduced
     return [DistributedDataParallel(config, ddp_config, c, disable_bucketing=i > 0) for i, c in enumerate(chunks)]
 
@@ -113,6 +113,13 @@ def optimizer(recipe: Recipe, model: List[torch.nn.Module], config):
     from megatron.core.optimizer import get_megatron_optimizer
 
     opt = get_megatron_optimizer(cfg.optimizer_config(recipe), model)
+    if recipe.ddp.get("overlap_grad_reduce"):
+        # megatron.training: the schedule holds back each chunk's grad reduction until the last
+        # microbatch's backward (no_sync), then starts it per chunk (--align-grad-reduce, its default)
+        no_sync = [chunk.no_sync for chunk in model]
+        start = [chunk.start_grad_sync for chunk in model]
+        config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
+        config.grad_sync_func = start[0] if len(model) == 1 else start
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     return opt

@@ -69,6 +69,7 @@ def validate_recipe(recipe: Recipe) -> None:
     for key in recipe.optimizer:
         if key not in _fields(OptimizerConfig):
             raise RecipeError(f"{where}: optimizer: unknown key '{key}' (not an OptimizerConfig field)")
+    check_ddp_fields(recipe)
     for key in ("hidden_dropout", "attention_dropout"):
         if recipe.model.get(key, 0.0) != 0.0:
             raise RecipeError(f"{where}: model: '{key}' must be 0: dropout makes runs incomparable")
@@ -102,6 +103,67 @@ def validate_recipe(recipe: Recipe) -> None:
         raise RecipeError(f"{where}: parallel: virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
     for section, key, why in megatron_cannot_run(recipe):
         raise RecipeError(f"{where}: {section}: '{key}' is not supported by ttrace: {why}")
+
+
+# DistributedDataParallelConfig: the fields megatron's DDP honours on CPU with the same math
+# (bucketing, overlap, checks and where the division by the DP size happens), and the refused ones
+DDP_HONOURED = (
+    "grad_reduce_in_fp32",  # ttrace's default is true, as Megatron-LM forces it for bf16
+    "overlap_grad_reduce", "check_for_nan_in_grad",
+    "check_for_large_grads", "bucket_size", "pad_buckets_for_high_nccl_busbw", "average_in_collective",
+    "gradient_reduce_div_fusion", "reduce_scatter_with_fp32_accumulation",
+)
+_FSDP = "Megatron FSDP is not supported by ttrace yet (its parameters are sharded by another scheme)"
+DDP_REFUSED = {
+    "use_distributed_optimizer": "set it under optimizer: (OptimizerConfig.use_distributed_optimizer); ttrace "
+                                 "passes it to DDP",
+    "overlap_param_gather": "ttrace records the updated parameters right after the optimizer step; with "
+                            "overlap_param_gather the distributed optimizer gathers them during the next forward",
+    "align_param_gather": "see overlap_param_gather",
+    "num_distributed_optimizer_instances": "several distributed-optimizer instances are not supported by ttrace yet",
+    "fp8_param_gather": "FP8 parameters need TransformerEngine", "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 needs "
+    "TransformerEngine", "keep_fp8_transpose_cache": "FP8 parameters need TransformerEngine",
+    "use_megatron_fsdp": _FSDP, "use_custom_fsdp": _FSDP, "data_parallel_sharding_strategy": _FSDP,
+    "outer_dp_sharding_strategy": _FSDP, "suggested_communication_unit_size": _FSDP,
+    "preserve_fp32_weights": _FSDP, "fsdp_double_buffer": _FSDP, "fsdp_manual_registration": _FSDP,
+    "nccl_ub": "NCCL user buffers need CUDA", "disable_symmetric_registration": "NCCL symmetric memory needs CUDA",
+    "delay_wgrad_compute": "delayed weight-grad computation needs TransformerEngine",
+}
+
+
+def ddp_fields() -> Dict[str, dataclasses.Field]:
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    return _fields(DistributedDataParallelConfig)
+
+
+def check_ddp_fields(recipe: Recipe) -> None:
+    """A recipe's ``ddp:`` section: megatron's DistributedDataParallelConfig fields, each honoured or
+    refused with the reason (never an unknown key for a field megatron has)."""
+    fields = ddp_fields()
+    for key, value in recipe.ddp.items():
+        if key not in fields:
+            raise RecipeError(f"{recipe.source}: ddp: unknown key '{key}' (not a DistributedDataParallelConfig field)")
+        if key in DDP_REFUSED and value != fields[key].default:
+            raise RecipeError(f"{recipe.source}: ddp: '{key}' is not supported by ttrace: {DDP_REFUSED[key]}")
+        if key not in DDP_HONOURED and key not in DDP_REFUSED:
+            raise RecipeError(f"{recipe.source}: ddp: '{key}' is a field of this megatron-core that ttrace does not "
+                              f"know yet")
+
+
+def ddp_config(recipe: Recipe):
+    """megatron's DistributedDataParallelConfig for the recipe: its ``ddp:`` fields over ttrace's
+    defaults (fp32 grad reduction, as Megatron-LM forces for bf16; the distributed optimizer as the
+    optimizer section says)."""
+    from megatron.core.distributed import DistributedDataParallelConfig
+
+    kwargs = dict(grad_reduce_in_fp32=True)
+    kwargs.update(recipe.ddp)
+    kwargs["use_distributed_optimizer"] = bool(recipe.optimizer.get("use_distributed_optimizer"))
+    try:
+        return DistributedDataParallelConfig(**kwargs)
+    except (TypeError, ValueError, AssertionError) as e:
+        raise RecipeError(f"{recipe.source}: megatron-core rejects the ddp config: {e}") from None
 
 
 def megatron_cannot_run(recipe: Recipe):
