@@ -23,6 +23,8 @@ def test_clean_recipe_passes(runs, name, dtype):
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     phases = {r.key.phase for r in c.results}
     assert phases == {"forward", "backward", "main_grad", "optimizer"}
+    cov = c.coverage  # every parameter judged (the q/k layernorms of qwen3 included)
+    assert cov["total"]["params"] > 10 and cov["total"]["params_judged"] == cov["total"]["params"], cov["not_judged"]
     # round-off is really there (the check is not comparing a run with itself) and within bound
     assert 0 < worst.error_eps <= worst.tolerance_eps
 
@@ -240,6 +242,8 @@ def test_frozen_parameters_do_not_train(runs):
                     and r.key.tensor not in ("grad_input", "grad_output")]
     assert layer0_grads == []
     assert any(r.key.module.startswith("decoder.layers.1.") and r.key.phase == "main_grad" for r in c.results)
+    not_judged = {e["param"]: e["why"] for e in c.coverage["not_judged"]}  # listed, with why
+    assert not_judged and all(p.startswith("decoder.layers.0.") and "frozen" in why for p, why in not_judged.items())
 
 
 def test_cli_selective_recording(tmp_path):

@@ -39,3 +39,26 @@ def test_the_accumulation_term_is_what_grows_with_k():
     bf16 = [float(gemm_errors_vs_fp64("bf16", k, 200, g).mean()) for k in (64, 4096)]
     assert 4 < fp32[1] / fp32[0] < 16  # √64 = 8
     assert 0.5 < bf16[1] / bf16[0] < 2
+
+
+def test_partial_sums_that_cancel_scale_the_tolerance():
+    """A tensor added up from partial sums (a TP-partial grad) carries each partial's round-off,
+    relative to the partial: where they cancel, the bound scales by Σ‖pᵢ‖ / ‖Σ pᵢ‖ — and only then."""
+    import torch
+
+    from ttrace_megatron.compare import cancellation_factor, decide
+    from ttrace_megatron.keys import BACKWARD, TensorKey, param_grad
+    from ttrace_megatron.placement import Layout
+    from ttrace_megatron.tolerance import ToleranceConfig
+    from ttrace_megatron.trace_store import Record
+
+    p0, p1 = torch.tensor([1.0, -1.0]), torch.tensor([-0.99, 1.01])
+    assert cancellation_factor(float(p0.norm() + p1.norm()), p0 + p1) > 50
+    assert cancellation_factor(float(2 * p0.norm()), p0 + p0) == 1.0
+    assert cancellation_factor(1.0, torch.zeros(2)) == 1.0  # an exact zero: nothing to scale
+    key = TensorKey(1, 0, "decoder.layers.0.self_attention.q_layernorm", BACKWARD, param_grad("weight"))
+    rec = Record(key=key, layout=Layout((), (2,)), dtype="bfloat16", shape=(2,), seq=0, file="", name="", depth=1,
+                 reduction=64)
+    plain = decide(key, rec, 2, 0, ToleranceConfig(), (2,), 1e-3)
+    scaled = decide(key, rec, 2, 0, ToleranceConfig(), (2,), 1e-3, cancellation=3.0)
+    assert scaled.tolerance_eps == 3.0 * plain.tolerance_eps and "partial sums that cancel" in scaled.tolerance_source
