@@ -347,6 +347,44 @@ def reduced_cancellation(key: TensorKey, grad_magnitude: Dict[Tuple[int, str], f
     return 1.0
 
 
+class BiasTerms:
+    """Σₜ‖…|gₜ|…‖ of a bias grad's terms, from the reference's recorded output-grads of its module.
+
+    A bias grad is the sum over tokens of the grad arriving at the module's output; its round-off,
+    and the round-off those grads carry from upstream, is relative to the terms, not to their sum,
+    which cancels where tokens pull both ways (a correct bf16 run then differs by several ε of the
+    sum). The factor Σ‖|g|‖ / ‖bias grad‖ scales its tolerance (:func:`cancellation_factor`), and its
+    main grad's and moments' with the iteration's microbatches. Read from the reference alone, so
+    offline and online compare use the same factor; 1 where the output-grads were not recorded."""
+
+    def __init__(self, reader: TraceReader, groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]):
+        self.reader, self.groups = reader, groups
+        self._by_iteration: Dict[Tuple[int, str], List[TensorKey]] = {}
+        for k in groups:
+            if k.kind is TensorKind.GRAD_OUTPUT:
+                self._by_iteration.setdefault((k.iteration, k.module), []).append(k)
+        self._magnitudes: Dict[TensorKey, Optional[torch.Tensor]] = {}
+
+    def _magnitude(self, key: TensorKey) -> Optional[torch.Tensor]:
+        if key not in self._magnitudes:
+            g = logical_tensor(self.reader, self.groups[key]).tensor.to(torch.float64)
+            self._magnitudes[key] = g.abs().reshape(-1, g.shape[-1]).sum(0) if g.dim() >= 1 else None
+        return self._magnitudes[key]
+
+    def factor(self, key: TensorKey, reference: torch.Tensor) -> float:
+        if keys.param_name_of(key.tensor) != "bias" or key.kind not in (
+                TensorKind.PARAM_GRAD, TensorKind.MAIN_GRAD, TensorKind.OPTIMIZER_STATE):
+            return 1.0
+        if key.kind is TensorKind.PARAM_GRAD:
+            grads = [k for k in self._by_iteration.get((key.iteration, key.module), []) if k.microbatch == key.microbatch]
+        else:
+            grads = self._by_iteration.get((key.iteration, key.module), [])
+        magnitudes = [self._magnitude(k) for k in grads]
+        if not magnitudes or any(m is None or m.numel() != reference.numel() for m in magnitudes):
+            return 1.0
+        return cancellation_factor(float(torch.linalg.vector_norm(sum(magnitudes))), reference)
+
+
 def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
     first_rt, first = pieces[0]
     for rt, rec in pieces[1:]:
@@ -416,6 +454,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     # when they were added up from partial sums: the magnitude its main grad's round-off is relative to
     grad_magnitude: Dict[Tuple[int, str], float] = {}
     main_grad_cancellation: Dict[Tuple[int, str], float] = {}
+    bias_terms = BiasTerms(ref, ref_groups)
     for i, key in enumerate(common):
         rec = ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, ref_groups[key])
@@ -457,7 +496,8 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                 return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
 
         cancellation = max(cancellation, reduced_cancellation(key, grad_magnitude, main_grad_cancellation,
-                                                              ref_merged.tensor))
+                                                              ref_merged.tensor),
+                           bias_terms.factor(key, ref_merged.tensor))
         result = combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
                                 replica_max_abs_diff, observed, cancellation)
         if element_wise:

@@ -26,7 +26,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (FAIL, Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible,
+from .compare import (FAIL, BiasTerms, Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible,
                       combine_shards, decide, group_records, logical_tensor, missing_reference, note_grad_magnitude,
                       piece_norm, reduced_cancellation, reference_order, shard_sums)
 from .errors import TraceError
@@ -188,6 +188,7 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
     grad_magnitude: Dict[Tuple[int, str], float] = {}  # as compare_traces keeps them
     main_grad_cancellation: Dict[Tuple[int, str], float] = {}
+    bias_terms = BiasTerms(ref, ref_groups)
     for key in sorted((k for k in by_key if k in ref_groups and k not in set(unjudged)), key=lambda k: order[k]):
         entries = by_key[key]
         if any(e.status == "partial" for _, e in entries):
@@ -195,9 +196,11 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
             skipped.append(key)
             continue
         cancellation = 1.0
-        if coverage.param_of(key) and (key.iteration, coverage.param_of(key)) in grad_magnitude:
-            cancellation = reduced_cancellation(key, grad_magnitude, main_grad_cancellation,
-                                                logical_tensor(ref, ref_groups[key]).tensor)
+        if keys.param_name_of(key.tensor) == "bias" or (key.iteration, coverage.param_of(key)) in grad_magnitude:
+            reference = logical_tensor(ref, ref_groups[key]).tensor
+            cancellation = max(bias_terms.factor(key, reference),
+                               reduced_cancellation(key, grad_magnitude, main_grad_cancellation, reference)
+                               if (key.iteration, coverage.param_of(key)) in grad_magnitude else 1.0)
         results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
                                       candidate_dir, cancellation=cancellation))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
