@@ -49,8 +49,9 @@ class TrainConfig:
 @dataclasses.dataclass
 class ToleranceOptions:
     # run the reference a second time with round-off-sized noise and bound each tensor by what the
-    # noise moves it, too (adapter.perturb): for recipes whose round-off is amplified (Adam's first
-    # steps, FP8 quantization). Unset: on for dtype fp8, off otherwise.
+    # noise moves it, too (adapter.perturb): for recipes whose round-off is amplified (FP8
+    # quantization, bf16, a key norm's bias). Unset: on for dtype bf16 and fp8 and for qk_layernorm
+    # with LayerNorm, off otherwise.
     perturbation: Optional[bool] = None
 
 
