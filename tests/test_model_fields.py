@@ -77,6 +77,8 @@ def test_megatron_limits_are_refused_up_front_naming_the_field():
     cases = [({"optimizer": {"optimizer": "sgd", "use_distributed_optimizer": True}, "world_size": 2},
               "'use_distributed_optimizer' is not supported"),
              ({"model": dict(BASE, num_moe_experts=4)}, "'add_bias_linear' is not supported"),
+             ({"model": dict(BASE, activation_func="silu", bias_activation_fusion=True)},
+              "'bias_activation_fusion' is not supported"),
              ({"model": dict(BASE, fp32_residual_connection=True), "dtype": "bf16"},
               "'fp32_residual_connection' is not supported"),
              ({"model": dict(BASE, num_moe_experts=4, add_bias_linear=False, moe_expert_capacity_factor=1.0),

@@ -182,6 +182,16 @@ def megatron_cannot_run(recipe: Recipe):
                "(megatron/core/transformer/mlp.py, `output += output_bias ...`), which at expert-parallel 1 and "
                "expert-TP 1 (the one-rank reference) is a view autograd refuses to modify; set add_bias_linear: "
                "false for MoE models")
+    if model.get("bias_activation_fusion"):
+        act, glu = model.get("activation_func", "gelu"), bool(model.get("gated_linear_unit"))
+        fusable = act == "gelu" or (act == "silu" and glu) or act == "quick_gelu"
+        if model.get("num_moe_experts"):  # the experts' fused path takes per-token scales
+            fusable = (act == "silu" and glu) or act == "quick_gelu"
+        if not fusable:
+            yield ("model", "bias_activation_fusion",
+                   f"megatron-core fuses the bias with gelu or SwiGLU only (with experts: SwiGLU or quick-GeGLU); its "
+                   f"config accepts activation_func {act!r}{' gated' if glu else ''} and its MLP then raises "
+                   f"(megatron/core/transformer/mlp.py, 'Only support fusion of ...'); drop bias_activation_fusion")
     if model.get("fp32_residual_connection") and recipe.dtype != "fp32":
         yield ("model", "fp32_residual_connection",
                f"with dtype {recipe.dtype}, megatron-core's local layers hand the fp32 residual stream through "
