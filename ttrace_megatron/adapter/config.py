@@ -95,6 +95,16 @@ def validate_recipe(recipe: Recipe) -> None:
             f"sequence shard (megatron/core/transformer/moe/moe_utils.py, topk_routing_with_score_function), so which "
             f"tokens are dropped depends on the TP size and no one-rank reference trains the same model; compare "
             f"without sequence_parallel or without the capacity factor")
+    balancing = recipe.model.get("moe_router_load_balancing_type", "aux_loss")
+    balancing = balancing if isinstance(balancing, list) else [balancing]
+    if (recipe.model.get("num_moe_experts") and "global_aux_loss" in balancing
+            and recipe.model.get("moe_aux_loss_coeff", 0.0) and dp > 1):
+        raise RecipeError(
+            f"{where}: model: 'moe_router_load_balancing_type' global_aux_loss with data parallelism is not supported "
+            f"by ttrace: megatron counts the tokens per expert over the TP×DP group and over the microbatches a rank "
+            f"has run so far (megatron/core/transformer/moe/router.py, _apply_global_aux_loss), so the loss depends "
+            f"on the DP size and no one-rank reference trains the same model; compare at DP 1 or with aux_loss / "
+            f"seq_aux_loss")
     unsupported = {"cp": "context parallelism"}
     for axis, what in unsupported.items():
         if sizes[axis] > 1:

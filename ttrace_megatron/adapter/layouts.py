@@ -366,9 +366,12 @@ def sees_sequence_shard(module: torch.nn.Module, param_name: str) -> bool:
     tag: a missing tag is exactly the bug that leaves those grads unsummed.
     """
     from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 
     if isinstance(module, RowParallelLinear):
         return param_name == "bias" and module.sequence_parallel
+    if isinstance(module, SharedExpertMLP):  # its gate is a replicated GEMV on the MoE layer's input
+        return param_name == "gate_weight"
     return (isinstance(module, (torch.nn.LayerNorm, torch.nn.RMSNorm)) or "Norm" in type(module).__name__
             or is_router(module))
 
