@@ -104,7 +104,7 @@ def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
     launch(spec(REFERENCE, ref))
     launch(spec(CANDIDATE, cand, inject, **step))
     if calibrate or r.tolerance.perturbation:
-        launch(spec(REFERENCE, pert, perturb=1))
+        launch(spec(REFERENCE, pert, perturb=1, **step))  # lock-stepped like the candidate
     launch(spec(CANDIDATE, os.path.join(tmp, "replay"), inject, replay=ref, iterations=[1], **step))
     shipped = compare_traces(ref, cand, perturbed=pert if r.tolerance.perturbation else None)
     extra = {}

@@ -368,7 +368,7 @@ def run_one(raw: Dict[str, Any], tmp: str) -> Outcome:
         launch(spec(REFERENCE, ref), timeout_s=600)
         launch(spec(CANDIDATE, cand, lockstep=ref), timeout_s=600)
         if recipe.tolerance.perturbation:
-            launch(spec(REFERENCE, pert, perturb=1), timeout_s=600)
+            launch(spec(REFERENCE, pert, perturb=1, lockstep=ref), timeout_s=600)
         result = compare_traces(ref, cand, perturbed=pert if recipe.tolerance.perturbation else None)
     except RecipeError as e:
         text = str(e)

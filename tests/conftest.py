@@ -49,7 +49,9 @@ class Runs:
         out = self.reference(recipe)
         trace_dir = os.path.join(out, f"reference-perturbed-{seed}")
         if not os.path.exists(trace_dir):
-            trace = trace_options(trace_dir, os.path.join(out, "seed.safetensors"), perturb=seed)
+            # lock-stepped on the reference, as ttrace run runs it
+            trace = trace_options(trace_dir, os.path.join(out, "seed.safetensors"), perturb=seed,
+                                  lockstep=os.path.join(out, "reference"))
             launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace), timeout_s=300)
         return trace_dir
 

@@ -87,7 +87,10 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         shutil.rmtree(perturbed_dir, ignore_errors=True)
         console.print(f"perturbation estimate: the reference again, round-off-sized noise in every module "
                       f"→ {perturbed_dir}")
-        launch(spec(REFERENCE, perturbed_dir, perturb=1))
+        # in lock-step too: the noise's effect on each iteration given the reference's weights and
+        # routing, as the candidate is judged (free-running, MoE routing flips and Adam's drift
+        # would be measured as round-off)
+        launch(spec(REFERENCE, perturbed_dir, perturb=1, **lockstep))
     report = _compare(ref_dir, cand_dir, console, None, perturbed_dir)
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:

@@ -187,8 +187,6 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
     if options.replay and options.reference:
         problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
-    if options.lockstep and options.perturb:
-        problems.append("--ttrace-lockstep with --ttrace-perturb (the perturbation run is a second reference run)")
     if options.perturb and (options.replay or options.reference):
         problems.append("--ttrace-perturb with --ttrace-replay or --ttrace-reference (the perturbation run is a "
                         "second reference run that writes its own trace)")
