@@ -219,7 +219,6 @@ def _layout(rng: random.Random, model: Dict[str, Any]) -> Tuple[int, Dict[str, A
 def draw(rng: random.Random, index: int) -> Dict[str, Any]:
     """One raw recipe (the YAML mapping a user would write)."""
     model: Dict[str, Any] = {}
-    gpt = {}
     for name, field_draw in FIELDS.items():
         value = field_draw(rng, model)
         if value is not None:
@@ -230,7 +229,6 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
         model["moe_layer_freq"] = pattern
     if model.get("num_moe_experts") and model.get("moe_router_load_balancing_type") == "none":
         model.pop("moe_aux_loss_coeff", None)
-    del gpt
     world, parallel, extra = _layout(rng, model)
     if isinstance(model.get("moe_layer_freq"), list) and len(model["moe_layer_freq"]) != model["num_layers"]:
         model["moe_layer_freq"] = 1

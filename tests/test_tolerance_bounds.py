@@ -61,4 +61,4 @@ def test_partial_sums_that_cancel_scale_the_tolerance():
                  reduction=64)
     plain = decide(key, rec, 2, 0, ToleranceConfig(), (2,), 1e-3)
     scaled = decide(key, rec, 2, 0, ToleranceConfig(), (2,), 1e-3, cancellation=3.0)
-    assert scaled.tolerance_eps == 3.0 * plain.tolerance_eps and "partial sums that cancel" in scaled.tolerance_source
+    assert scaled.tolerance_eps == 3.0 * plain.tolerance_eps and "a sum whose terms cancel" in scaled.tolerance_source

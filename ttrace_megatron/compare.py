@@ -155,17 +155,17 @@ def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config:
     """The verdict on one logical tensor: a stated reason fails it, else error against tolerance.
 
     ``observed``: the perturbation estimate's relative error for this tensor, if one was run.
-    ``cancellation``: for a tensor added up from partial sums, Σᵢ‖partialᵢ‖ / ‖Σᵢ partialᵢ‖
-    (:func:`cancellation_factor`): each partial was computed and rounded relative to its own
-    magnitude, so where they cancel the round-off of the sum is that much larger relative to the
-    sum (the tolerance scales by it).
+    ``cancellation``: for a sum whose terms cancel (partial sums over ranks, a bias grad's tokens),
+    Σ‖termᵢ‖ / ‖Σ termᵢ‖ (:class:`Cancellation`): each term was computed and rounded relative to its
+    own magnitude, so where they cancel the round-off of the sum is that much larger relative to
+    the sum (the tolerance scales by it).
     """
     arrival = arrives_at_module(key, rec)
     tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config,
                         propagate=not (tol_config.replay and not arrival), power=keys.value_power(key))
     if cancellation > 1.0 and math.isfinite(cancellation):
         tol = dataclasses.replace(tol, tolerance_eps=tol.tolerance_eps * cancellation,
-                                  source=f"{tol.source} × {cancellation:.3g} (partial sums that cancel)")
+                                  source=f"{tol.source} × {cancellation:.3g} (a sum whose terms cancel)")
     if observed is not None:
         tol = with_perturbation(tol, observed, tol_config)
     ok = not reason and error / tol.eps <= tol.tolerance_eps
@@ -326,27 +326,6 @@ def cancellation_factor(magnitude: float, total: torch.Tensor) -> float:
     return max(1.0, magnitude / norm) if norm > 0 else 1.0
 
 
-def note_grad_magnitude(grad_magnitude: Dict[Tuple[int, str], float], key: TensorKey, magnitude: float) -> None:
-    """Add a per-microbatch grad's partial magnitude to its parameter's, for its main grad."""
-    if key.kind is TensorKind.PARAM_GRAD:
-        at = (key.iteration, coverage.param_of(key))
-        grad_magnitude[at] = grad_magnitude.get(at, 0.0) + magnitude
-
-
-def reduced_cancellation(key: TensorKey, grad_magnitude: Dict[Tuple[int, str], float],
-                         main_grad_cancellation: Dict[Tuple[int, str], float], reference: torch.Tensor) -> float:
-    """The cancellation factor of a main grad summed from per-microbatch grads that were themselves
-    sums of partials (Σ of their magnitudes over the reference main grad), and of the optimizer
-    states stepped with it (linear in the main grad, or in its square); 1 otherwise."""
-    at = (key.iteration, coverage.param_of(key))
-    if key.kind is TensorKind.MAIN_GRAD and at in grad_magnitude:
-        main_grad_cancellation[at] = cancellation_factor(grad_magnitude[at], reference)
-        return main_grad_cancellation[at]
-    if key.kind is TensorKind.OPTIMIZER_STATE:
-        return main_grad_cancellation.get(at, 1.0)
-    return 1.0
-
-
 class BiasTerms:
     """Σₜ‖…|gₜ|…‖ of a bias grad's terms, from the reference's recorded output-grads of its module.
 
@@ -383,6 +362,41 @@ class BiasTerms:
         if not magnitudes or any(m is None or m.numel() != reference.numel() for m in magnitudes):
             return 1.0
         return cancellation_factor(float(torch.linalg.vector_norm(sum(magnitudes))), reference)
+
+
+class Cancellation:
+    """The cancellation factors of one comparison (offline and online keep the same state): a
+    partial-sum tensor's own (:meth:`note_partial`), the main grad summed from per-microbatch grads
+    that were partial sums, the optimizer states stepped with that main grad (linear in it, or in
+    its square), and a bias grad's token terms (:class:`BiasTerms`)."""
+
+    def __init__(self, reader: TraceReader, groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]):
+        self.bias_terms = BiasTerms(reader, groups)
+        self._grad_magnitude: Dict[Tuple[int, str], float] = {}  # Σ over microbatches of Σᵢ‖partialᵢ‖
+        self._main_grad: Dict[Tuple[int, str], float] = {}
+
+    def note_partial(self, key: TensorKey, magnitude: float, total: Optional[torch.Tensor] = None) -> float:
+        """A tensor added up from partials of norms summing to ``magnitude``: kept for its
+        parameter's main grad when it is a per-microbatch grad; its own factor given its ``total``."""
+        if key.kind is TensorKind.PARAM_GRAD:
+            at = (key.iteration, coverage.param_of(key))
+            self._grad_magnitude[at] = self._grad_magnitude.get(at, 0.0) + magnitude
+        return 1.0 if total is None else cancellation_factor(magnitude, total)
+
+    def needs_reference(self, key: TensorKey) -> bool:
+        """Whether :meth:`factor` can be more than 1 for ``key`` (online loads the reference only then)."""
+        return keys.param_name_of(key.tensor) == "bias" or (
+            key.kind in (TensorKind.MAIN_GRAD, TensorKind.OPTIMIZER_STATE)
+            and (key.iteration, coverage.param_of(key)) in self._grad_magnitude)
+
+    def factor(self, key: TensorKey, reference: torch.Tensor) -> float:
+        at = (key.iteration, coverage.param_of(key))
+        reduced = 1.0
+        if key.kind is TensorKind.MAIN_GRAD and at in self._grad_magnitude:
+            reduced = self._main_grad[at] = cancellation_factor(self._grad_magnitude[at], reference)
+        elif key.kind is TensorKind.OPTIMIZER_STATE:
+            reduced = self._main_grad.get(at, 1.0)
+        return max(reduced, self.bias_terms.factor(key, reference))
 
 
 def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
@@ -450,11 +464,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     unjudged = sorted((k for k in both if coverage.param_of(k) in unjudged_params), key=lambda k: order[k])
     common = sorted(both - set(unjudged), key=lambda k: order[k])
     results: List[TensorResult] = []
-    # per (iteration, parameter): Σ over microbatches of ‖Σ|partialᵢ|‖ of its per-microbatch grads,
-    # when they were added up from partial sums: the magnitude its main grad's round-off is relative to
-    grad_magnitude: Dict[Tuple[int, str], float] = {}
-    main_grad_cancellation: Dict[Tuple[int, str], float] = {}
-    bias_terms = BiasTerms(ref, ref_groups)
+    cancellations = Cancellation(ref, ref_groups)
     for i, key in enumerate(common):
         rec = ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, ref_groups[key])
@@ -477,8 +487,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
             whole = Layout((), tuple(cand_merged.tensor.shape))
             if any(isinstance(p, Partial) for p in layout.placements):
                 magnitude = sum(piece_norm(cand.load(rt, r), r.layout) for rt, r in pieces)
-                cancellation = cancellation_factor(magnitude, cand_merged.tensor)
-                note_grad_magnitude(grad_magnitude, key, magnitude)
+                cancellation = cancellations.note_partial(key, magnitude, cand_merged.tensor)
             entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, ref_merged.tensor))]
         else:
             # shard by shard: never more than the reference, one candidate piece and its slice in memory
@@ -495,9 +504,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                 loaded = [cand.load(*by_rank[r]) for r in ranks]
                 return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
 
-        cancellation = max(cancellation, reduced_cancellation(key, grad_magnitude, main_grad_cancellation,
-                                                              ref_merged.tensor),
-                           bias_terms.factor(key, ref_merged.tensor))
+        cancellation = max(cancellation, cancellations.factor(key, ref_merged.tensor))
         result = combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
                                 replica_max_abs_diff, observed, cancellation)
         if element_wise:

@@ -26,9 +26,9 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (FAIL, BiasTerms, Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible,
-                      combine_shards, decide, group_records, logical_tensor, missing_reference, note_grad_magnitude,
-                      piece_norm, reduced_cancellation, reference_order, shard_sums)
+from .compare import (FAIL, Cancellation, Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible,
+                      combine_shards, decide, group_records, logical_tensor, missing_reference, piece_norm,
+                      reference_order, shard_sums)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .tolerance import ToleranceConfig
@@ -185,22 +185,18 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand_run)}
     unjudged = sorted((k for k in by_key if k in ref_groups and coverage.param_of(k) in unjudged_params),
                       key=lambda k: order[k])
+    judged = set(by_key) - set(unjudged)
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
-    grad_magnitude: Dict[Tuple[int, str], float] = {}  # as compare_traces keeps them
-    main_grad_cancellation: Dict[Tuple[int, str], float] = {}
-    bias_terms = BiasTerms(ref, ref_groups)
-    for key in sorted((k for k in by_key if k in ref_groups and k not in set(unjudged)), key=lambda k: order[k]):
+    cancellations = Cancellation(ref, ref_groups)  # as compare_traces keeps them
+    for key in sorted((k for k in judged if k in ref_groups), key=lambda k: order[k]):
         entries = by_key[key]
         if any(e.status == "partial" for _, e in entries):
-            note_grad_magnitude(grad_magnitude, key, sum(e.partial_norm for _, e in entries))
+            cancellations.note_partial(key, sum(e.partial_norm for _, e in entries))  # for its main grad
             skipped.append(key)
             continue
         cancellation = 1.0
-        if keys.param_name_of(key.tensor) == "bias" or (key.iteration, coverage.param_of(key)) in grad_magnitude:
-            reference = logical_tensor(ref, ref_groups[key]).tensor
-            cancellation = max(bias_terms.factor(key, reference),
-                               reduced_cancellation(key, grad_magnitude, main_grad_cancellation, reference)
-                               if (key.iteration, coverage.param_of(key)) in grad_magnitude else 1.0)
+        if cancellations.needs_reference(key):
+            cancellation = cancellations.factor(key, logical_tensor(ref, ref_groups[key]).tensor)
         results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
                                       candidate_dir, cancellation=cancellation))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])

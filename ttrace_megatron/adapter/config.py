@@ -87,30 +87,6 @@ def validate_recipe(recipe: Recipe) -> None:
                           f"{sizes['ep']} × {sizes['etp']} does not divide world_size / PP = "
                           f"{recipe.world_size // sizes['pp']} (expert_tensor_parallel_size defaults to the TP size, "
                           f"as in megatron)")
-    if (recipe.model.get("num_moe_experts") and recipe.model.get("moe_expert_capacity_factor") is not None
-            and sizes["tp"] > 1 and recipe.parallel.get("sequence_parallel")):
-        raise RecipeError(
-            f"{where}: model: 'moe_expert_capacity_factor' with sequence parallelism is not supported by ttrace: "
-            f"megatron drops tokens by a capacity computed over the tokens each router sees, here one rank's "
-            f"sequence shard (megatron/core/transformer/moe/moe_utils.py, topk_routing_with_score_function), so which "
-            f"tokens are dropped depends on the TP size and no one-rank reference trains the same model; compare "
-            f"without sequence_parallel or without the capacity factor")
-    balancing = recipe.model.get("moe_router_load_balancing_type", "aux_loss")
-    balancing = balancing if isinstance(balancing, list) else [balancing]
-    if (recipe.model.get("num_moe_experts") and "global_aux_loss" in balancing
-            and recipe.model.get("moe_aux_loss_coeff", 0.0) and dp > 1):
-        raise RecipeError(
-            f"{where}: model: 'moe_router_load_balancing_type' global_aux_loss with data parallelism is not supported "
-            f"by ttrace: megatron counts the tokens per expert over the TP×DP group and over the microbatches a rank "
-            f"has run so far (megatron/core/transformer/moe/router.py, _apply_global_aux_loss), so the loss depends "
-            f"on the DP size and no one-rank reference trains the same model; compare at DP 1 or with aux_loss / "
-            f"seq_aux_loss")
-    unsupported = {"cp": "context parallelism"}
-    for axis, what in unsupported.items():
-        if sizes[axis] > 1:
-            raise RecipeError(f"{where}: parallel: {what} is not supported by this version of ttrace")
-    if sizes["vpp"] > 1 and sizes["pp"] == 1:
-        raise RecipeError(f"{where}: parallel: virtual_pipeline_model_parallel_size needs pipeline_model_parallel_size > 1")
     for section, key, why in megatron_cannot_run(recipe):
         raise RecipeError(f"{where}: {section}: '{key}' is not supported by ttrace: {why}")
 
@@ -178,10 +154,27 @@ def ddp_config(recipe: Recipe):
 
 def megatron_cannot_run(recipe: Recipe):
     """(section, field, why) for configurations megatron-core 0.16.1's config rules accept and its
-    code then cannot run, in the one-rank reference or the candidate (found by the configuration
-    sweep, benchmarks/sweep.py): refused before any run starts, naming megatron's file and line and
-    what to change, instead of a traceback from inside megatron."""
+    code then cannot run, or runs with semantics that depend on the layout so that no one-rank
+    reference can reproduce them (found by the configuration sweep, benchmarks/sweep.py): refused
+    before any run starts, naming megatron's file and line and what to change."""
     model, opt = recipe.model, recipe.optimizer
+    sizes = parallel_sizes(recipe.parallel)
+    dp = recipe.world_size // (sizes["tp"] * sizes["pp"] * sizes["cp"])
+    if (model.get("num_moe_experts") and model.get("moe_expert_capacity_factor") is not None
+            and sizes["tp"] > 1 and recipe.parallel.get("sequence_parallel")):
+        yield ("model", "moe_expert_capacity_factor",
+               "with sequence parallelism megatron drops tokens by a capacity computed over the tokens each router "
+               "sees, here one rank's sequence shard (megatron/core/transformer/moe/moe_utils.py, "
+               "topk_routing_with_score_function), so which tokens are dropped depends on the TP size and no one-rank "
+               "reference trains the same model; compare without sequence_parallel or without the capacity factor")
+    balancing = model.get("moe_router_load_balancing_type", "aux_loss")
+    if (model.get("num_moe_experts") and "global_aux_loss" in (balancing if isinstance(balancing, list) else [balancing])
+            and model.get("moe_aux_loss_coeff", 0.0) and dp > 1):
+        yield ("model", "moe_router_load_balancing_type",
+               "global_aux_loss with data parallelism: megatron counts the tokens per expert over the TP×DP group and "
+               "over the microbatches a rank has run so far (megatron/core/transformer/moe/router.py, "
+               "_apply_global_aux_loss), so the loss depends on the DP size and no one-rank reference trains the same "
+               "model; compare at DP 1 or with aux_loss / seq_aux_loss")
     if opt.get("use_distributed_optimizer") and opt.get("optimizer", "adam") != "adam":
         yield ("optimizer", "use_distributed_optimizer",
                "megatron-core's DistributedOptimizer supports only Adam (megatron/core/optimizer/distrib_optimizer.py "
