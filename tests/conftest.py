@@ -80,7 +80,8 @@ def runs(tmp_path_factory):
 
 
 def load(name, **overrides):
-    """A shipped recipe, with top-level overrides (e.g. dtype="bf16")."""
+    """A shipped recipe, with top-level overrides (e.g. dtype="bf16"); a dict overrides those fields
+    of its section (model={"moe_expert_capacity_factor": 1.0})."""
     import yaml
 
     from ttrace_megatron.recipe import recipe_from_dict
@@ -88,6 +89,7 @@ def load(name, **overrides):
     path = os.path.join(RECIPES, name + ".yaml")
     with open(path) as f:
         raw = yaml.safe_load(f)
-    raw.update(overrides)
+    for field, value in overrides.items():
+        raw[field] = {**raw.get(field, {}), **value} if isinstance(value, dict) else value
     raw.setdefault("name", name)
     return recipe_from_dict(raw, source=path)

@@ -174,6 +174,25 @@ def test_injected_bug_fails_naming_the_module(runs, name, bug, module, phase, te
     assert first.error_eps > 10 * first.tolerance_eps
 
 
+CAPACITY = {"moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "probs"}
+
+
+def test_capacity_drop_is_judged_by_its_probabilities(runs):
+    """Which tokens an expert keeps at capacity is a top-k over its column of probabilities: judged
+    like the router's top-k. Clean, it passes; keeping the least probable tokens fails there."""
+    recipe = load("moe_ep2", model=CAPACITY)
+    ref, clean = runs.candidate(recipe)
+    c = compare_traces(ref, clean)
+    assert c.verdict == "pass", c.first_mismatch
+    choices = [r for r in c.results if r.key.tensor == "capacity_choice"]
+    assert choices and all("top-k choice judged by its scores" in r.tolerance_source for r in choices)
+    _, buggy = runs.candidate(recipe, name="capacity-bug", inject=["capacity_keeps_least_probable"])
+    first = compare_traces(ref, buggy).first_mismatch
+    assert (first.key.module, first.key.phase, first.key.tensor) == (
+        "decoder.layers.0.mlp.router", "forward", "capacity_choice")
+    assert "not the top" in first.reason and "of its own scores" in first.reason
+
+
 def test_bf16_bug_is_detected(runs):
     ref, cand = runs.candidate(load("gpt_tp2_sp", dtype="bf16"),
                                inject=["row_allreduce_dropped:decoder.layers.0.mlp.linear_fc2"])

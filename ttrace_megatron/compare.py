@@ -590,12 +590,16 @@ def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor
                  cand_side, ref_side) -> TensorResult:
     """A top-k choice judged by the scores each side took it on (``selection``), not by its
     relative error: a near-tie that round-off flips passes, a choice that is not the top k fails."""
-    scores_key = keys.sibling(key, keys.TOPK_SCORES)
+    scores_key = keys.sibling(key, keys.SELECTION_SCORES_OF[key.tensor])
     scores = [None if scores_key not in groups else logical_tensor(reader, groups[scores_key]).tensor
               for reader, groups in (cand_side, ref_side)]
     if any(s is None for s in scores) or tuple(cand_choice.shape) != tuple(ref_choice.shape):
         why = "no scores recorded" if any(s is None for s in scores) else "the shapes differ"
         return dataclasses.replace(result, verdict=FAIL, reason=result.reason or f"top-k choice not judged: {why}")
+    row = "token"
+    if keys.SELECTION_AXIS[key.tensor] == 0:  # a top k of each column: its rows are the columns
+        cand_choice, ref_choice, scores = cand_choice.t(), ref_choice.t(), [s.t() for s in scores]
+        row = "column"
     v = selection.judge_topk_choice(cand_choice, ref_choice, scores[0], scores[1])
     ok = not v.problem and not result.reason and v.worst_ratio <= 1.0
     # the ratio shown is the worst near-tie's margin over the scores' differences (0: an exact tie)
@@ -603,7 +607,7 @@ def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor
                      result.error_eps / v.worst_ratio if v.worst_ratio > 0 else math.inf)
     return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
                                reason=result.reason or v.problem,
-                               tolerance_source=f"top-k choice judged by its scores: {selection.describe(v)}")
+                               tolerance_source=f"top-k choice judged by its scores: {selection.describe(v, row)}")
 
 
 def _same_dir(a: str, b: str) -> bool:

@@ -49,6 +49,14 @@ STEP_SETTINGS = (LR, WEIGHT_DECAY)
 # a top-k selection (an MoE router's): the scores it is taken on, and the choice as a 0/1 map over them
 TOPK_SCORES = "topk_scores"
 TOPK_CHOICE = "topk_choice"
+# a second selection on the same [tokens, experts] map: the tokens each expert keeps at its capacity
+# (the top ``capacity`` of a column of routing probabilities), and those probabilities
+CAPACITY_SCORES = "capacity_scores"
+CAPACITY_CHOICE = "capacity_choice"
+# per choice: the scores it is taken on, and the axis its top-k runs along (1: each token picks
+# among the experts; 0: each expert picks among the tokens)
+SELECTION_SCORES_OF = {TOPK_CHOICE: TOPK_SCORES, CAPACITY_CHOICE: CAPACITY_SCORES}
+SELECTION_AXIS = {TOPK_CHOICE: 1, CAPACITY_CHOICE: 0}
 WEIGHT = "weight"  # a GEMM's weight operand (with INPUT and GRAD_OUTPUT, the operands an amax summarizes)
 
 _GRAD_SUFFIX = ".grad"
@@ -176,9 +184,9 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
         return TensorKind.PARAM
     if phase == FORWARD and tensor == PER_TOKEN_LOSS:
         return TensorKind.LOSS
-    if phase == FORWARD and tensor == TOPK_SCORES:
+    if phase == FORWARD and tensor in SELECTION_SCORES_OF.values():
         return TensorKind.SELECTION_SCORES
-    if phase == FORWARD and tensor == TOPK_CHOICE:
+    if phase == FORWARD and tensor in SELECTION_SCORES_OF:
         return TensorKind.SELECTION
     if phase == FORWARD and tensor.endswith(_AUX_LOSS_SUFFIX):
         return TensorKind.AUX_LOSS

@@ -45,7 +45,8 @@ def inconsistent_rows(choice: torch.Tensor, scores: torch.Tensor) -> torch.Tenso
 
 def judge_topk_choice(cand_choice: torch.Tensor, ref_choice: torch.Tensor, cand_scores: torch.Tensor,
                       ref_scores: torch.Tensor) -> ChoiceVerdict:
-    """``*_choice``: [tokens, n] 0/1 maps; ``*_scores``: [tokens, n], what each side chose from."""
+    """``*_choice``: [rows, n] 0/1 maps, a top k of each row; ``*_scores``: [rows, n], what each side
+    chose from. (The messages call a row a token: transpose a choice taken along the first axis.)"""
     c_choice, r_choice = cand_choice.double().reshape(-1, cand_choice.shape[-1]), ref_choice.double().reshape(
         -1, ref_choice.shape[-1])
     c, r = cand_scores.double().reshape(c_choice.shape), ref_scores.double().reshape(r_choice.shape)
@@ -83,11 +84,12 @@ def judge_topk_choice(cand_choice: torch.Tensor, ref_choice: torch.Tensor, cand_
     return ChoiceVerdict(tokens, int(flipped_rows.numel()), worst, worst_token, problem)
 
 
-def describe(v: ChoiceVerdict) -> Optional[str]:
+def describe(v: ChoiceVerdict, row: str = "token") -> Optional[str]:
+    """``row``: what one row of the choice is (a token choosing experts, an expert choosing tokens)."""
     if v.problem:
         return v.problem
     if not v.flipped:
-        return "the same top-k choice on every token"
-    return (f"{v.flipped} of {v.tokens} tokens chose differently, each the top k of its own scores: near-ties "
-            f"the scores' differences explain (worst: token {v.worst_token}, its margin {v.worst_ratio:.3g}× "
+        return f"the same top-k choice on every {row}"
+    return (f"{v.flipped} of {v.tokens} {row}s chose differently, each the top k of its own scores: near-ties "
+            f"the scores' differences explain (worst: {row} {v.worst_token}, its margin {v.worst_ratio:.3g}× "
             f"those differences)")

@@ -331,6 +331,26 @@ def router_topk_skips_best(chunks, pattern: str) -> None:
 
 
 @bug()
+def capacity_keeps_least_probable(chunks) -> None:
+    """At capacity, each expert keeps its least probable routed tokens instead of its most probable
+    (the drop's top-k taken on the wrong side: ``largest=False``, or probabilities negated)."""
+    from megatron.core.transformer.moe import router
+
+    original = router.apply_router_token_dropping
+
+    def keeps_least_probable(routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
+                             pad_to_capacity=False):
+        if drop_policy != "probs":
+            return original(routing_probs, routing_map, router_topk, capacity_factor, drop_policy, pad_to_capacity)
+        inverted = torch.where(routing_map, 2.0 - routing_probs, torch.zeros_like(routing_probs))
+        mask = original(inverted, routing_map, router_topk, capacity_factor, drop_policy, True)[1]
+        final_map = mask if pad_to_capacity else torch.logical_and(routing_map, mask)
+        return routing_probs * final_map, final_map
+
+    router.apply_router_token_dropping = keeps_least_probable
+
+
+@bug()
 def expert_tp_partials_not_reduced(chunks) -> None:
     """With expert-TP, the alltoall dispatcher's combine forgets to sum the experts' partial outputs
     over the expert-TP ranks: each rank keeps its own partial sum of its tokens."""

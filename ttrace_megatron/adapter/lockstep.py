@@ -66,9 +66,10 @@ class LockStep:
                     tensor.copy_(value)
         followed = sum(tap.followed_tokens for tap in self.recorder.routing_taps)
         if followed:
-            print(f"[ttrace] rank {self.recorder.rank}: lock-step: MoE routers followed the reference's top-k choice "
-                  f"on {followed} token(s) of iteration {clock.iteration} where theirs differed (their own choice "
-                  f"is recorded and judged against their scores)", flush=True)
+            print(f"[ttrace] rank {self.recorder.rank}: lock-step: MoE routers followed the reference's choice (the "
+                  f"experts a token picks, the tokens an expert keeps at capacity) on {followed} token(s) of iteration "
+                  f"{clock.iteration} where theirs differed (their own choice is recorded and judged against their "
+                  f"scores)", flush=True)
             for tap in self.recorder.routing_taps:
                 tap.followed_tokens = 0
         if self.reference.absent > absent:

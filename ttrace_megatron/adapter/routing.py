@@ -19,6 +19,14 @@ So the choice is judged on its own, and not by what follows from it:
   the reference saw. Tokens whose choice agrees keep the candidate's own indices, in its own order:
   with no flip, the run is bitwise the run without following.
 
+With a capacity factor and megatron's default drop policy (``probs``), each expert then keeps the
+tokens with its highest routing probabilities up to its capacity: a second top-k, over the tokens of
+each expert's column, with near-ties of its own. It is recorded (``keys.CAPACITY_SCORES``, the
+probabilities the drop is taken on; ``keys.CAPACITY_CHOICE``, the capacity mask), judged by the same
+rule along that axis, and followed the same way: where the candidate's mask differs, the
+reference's is applied to the candidate's own probabilities. (The ``position`` policy keeps the
+first tokens routed to each expert: nothing round-off can flip once the top-k choice agrees.)
+
 The tap sits in megatron's own hook for this, the router's ``router_replay`` slot, which
 ``topk_routing_with_score_function`` consults around its top-k (megatron-core ≥ 0.16). It always
 calls megatron's top-k first; a ``RouterReplay`` the user installed runs inside it, unchanged.
@@ -48,7 +56,77 @@ def unobserved_routing(config) -> Optional[str]:
         return "moe_router_fusion: TE's fused top-k kernel has no hook"
     if getattr(config, "moe_router_group_topk", None):
         return "moe_router_group_topk: a group-limited choice is not the top k of the scores"
+    if drops_by_probs(config) and _router_module() is None:
+        return ("moe_expert_capacity_factor with moe_token_drop_policy=probs: this megatron-core has no "
+                "router.apply_router_token_dropping to observe the tokens each expert drops")
     return None
+
+
+def drops_by_probs(config) -> bool:
+    """Whether the router drops tokens at capacity by their probabilities (a choice round-off can flip)."""
+    return (getattr(config, "moe_expert_capacity_factor", None) is not None
+            and getattr(config, "moe_token_drop_policy", "probs") == "probs")
+
+
+def _router_module():
+    """megatron's router module, where ``Router.routing`` looks up the token-dropping function
+    (megatron-core ≥ 0.14 applies capacity there, after the top-k); None where it does not."""
+    from megatron.core.transformer.moe import router
+
+    return router if callable(getattr(router, "apply_router_token_dropping", None)) else None
+
+
+class _DroppingHook:
+    """Wraps ``router.apply_router_token_dropping`` while a tap needs it: the tap whose router is
+    routing now (``active``) sees the capacity mask and may replace it. Installed once for all taps,
+    removed with the last; with no active tap it is megatron's function, unchanged."""
+
+    def __init__(self):
+        self.module = _router_module()
+        self.original = self.module.apply_router_token_dropping
+        self.active: List["RoutingTap"] = []
+        self.users = 0
+        self.module.apply_router_token_dropping = self
+
+    def __call__(self, routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
+                 pad_to_capacity=False):
+        out = self.original(routing_probs, routing_map, router_topk, capacity_factor, drop_policy, pad_to_capacity)
+        if not self.active or drop_policy != "probs":
+            return out
+        tap = self.active[-1]
+
+        def capacity_mask():
+            if pad_to_capacity:
+                return out[1]
+            # the mask before it is and-ed with the routing map: megatron's own selection, asked for
+            # once more padded to capacity (then its map is the mask), on detached inputs
+            with torch.no_grad():
+                return self.original(routing_probs.detach(), routing_map, router_topk, capacity_factor,
+                                     drop_policy, True)[1]
+
+        mask = tap.capacity(routing_probs, capacity_mask)
+        if mask is None:
+            return out
+        final_map = mask if pad_to_capacity else torch.logical_and(routing_map, mask)
+        return routing_probs * final_map, final_map
+
+    def remove(self) -> None:
+        self.users -= 1
+        if self.users <= 0 and self.module.apply_router_token_dropping is self:
+            self.module.apply_router_token_dropping = self.original
+            global _HOOK
+            _HOOK = None
+
+
+_HOOK: Optional[_DroppingHook] = None
+
+
+def _dropping_hook() -> _DroppingHook:
+    global _HOOK
+    if _HOOK is None:
+        _HOOK = _DroppingHook()
+    _HOOK.users += 1
+    return _HOOK
 
 
 class RoutingTap:
@@ -63,6 +141,20 @@ class RoutingTap:
         self.follow = None  # replay.ReferenceValues
         self.followed_tokens = 0
         router.router_replay = self
+        self.dropping = None
+        if drops_by_probs(router.config):
+            # the drop runs inside Router.routing, after the top-k: mark this router active around it
+            self.dropping = _dropping_hook()
+            routing = router.routing
+
+            def routing_with_tap(*args, **kwargs):
+                self.dropping.active.append(self)
+                try:
+                    return routing(*args, **kwargs)
+                finally:
+                    self.dropping.active.pop()
+
+            router.routing = routing_with_tap
 
     def get_replay_topk(self, scores: torch.Tensor, topk: int, num_groups: Optional[int] = None,
                         group_topk: Optional[int] = None, default_compute_topk: Callable = None):
@@ -102,9 +194,41 @@ class RoutingTap:
         self.followed_tokens += int(rows.numel())
         return values, indices
 
+    def capacity(self, probs: torch.Tensor, capacity_mask: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+        """The capacity drop of this router's tokens: recorded, and the reference's mask where the
+        candidate follows and its own differs (None: keep megatron's result)."""
+        rec = self.recorder
+        clock = rec.clock
+        if not clock.in_iteration:
+            return None
+        mb = clock.microbatch
+        record = rec._wants(self.site.module_name, mb)
+        if not record and self.follow is None:
+            return None
+        mask = capacity_mask()
+        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, keys.CAPACITY_CHOICE)
+        if record:
+            rec._add(keys.sibling(key, keys.CAPACITY_SCORES), probs.detach(), self.site)
+            rec._add(key, mask.float(), self.site)
+        if self.follow is None:
+            return None
+        reference = self.follow.shard(key, rec.layouts.of(key, self.site, tuple(mask.shape)), mask.float())
+        if reference is None:
+            return None
+        reference = reference > 0.5
+        differ = (reference != mask).any(dim=0)
+        if not bool(differ.any()):
+            return None
+        self.followed_tokens += int((reference != mask).any(dim=1).sum())
+        return reference
+
     def remove(self) -> None:
         if self.router.router_replay is self:
             self.router.router_replay = self.inner
+        if self.dropping is not None:
+            self.router.__dict__.pop("routing", None)
+            self.dropping.remove()
+            self.dropping = None
 
 
 def attach_routing_taps(recorder, chunks: List[torch.nn.Module]) -> List[RoutingTap]:
