@@ -55,8 +55,11 @@ CAPACITY_SCORES = "capacity_scores"
 CAPACITY_CHOICE = "capacity_choice"
 # per choice: the scores it is taken on, and the axis its top-k runs along (1: each token picks
 # among the experts; 0: each expert picks among the tokens)
-SELECTION_SCORES_OF = {TOPK_CHOICE: TOPK_SCORES, CAPACITY_CHOICE: CAPACITY_SCORES}
-SELECTION_AXIS = {TOPK_CHOICE: 1, CAPACITY_CHOICE: 0}
+# and the load-balancing loss's own top-k (the tokens per expert it counts), on its own scores
+BALANCING_SCORES = "balancing_scores"
+BALANCING_CHOICE = "balancing_choice"
+SELECTION_SCORES_OF = {TOPK_CHOICE: TOPK_SCORES, CAPACITY_CHOICE: CAPACITY_SCORES, BALANCING_CHOICE: BALANCING_SCORES}
+SELECTION_AXIS = {TOPK_CHOICE: 1, CAPACITY_CHOICE: 0, BALANCING_CHOICE: 1}
 WEIGHT = "weight"  # a GEMM's weight operand (with INPUT and GRAD_OUTPUT, the operands an amax summarizes)
 
 _GRAD_SUFFIX = ".grad"

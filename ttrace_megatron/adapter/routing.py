@@ -26,6 +26,10 @@ probabilities the drop is taken on; ``keys.CAPACITY_CHOICE``, the capacity mask)
 rule along that axis, and followed the same way: where the candidate's mask differs, the
 reference's is applied to the candidate's own probabilities. (The ``position`` policy keeps the
 first tokens routed to each expert: nothing round-off can flip once the top-k choice agrees.)
+The load-balancing losses count the tokens per expert by a top-k of their own (of the normalized
+scores, without the expert bias): a flip there moves one token's count to another expert, and the
+loss's grad on every token's score for both. It is recorded (``keys.BALANCING_SCORES``,
+``keys.BALANCING_CHOICE``), judged and followed the same way.
 
 The tap sits in megatron's own hook for this, the router's ``router_replay`` slot, which
 ``topk_routing_with_score_function`` consults around its top-k (megatron-core ≥ 0.16). It always
@@ -56,10 +60,20 @@ def unobserved_routing(config) -> Optional[str]:
         return "moe_router_fusion: TE's fused top-k kernel has no hook"
     if getattr(config, "moe_router_group_topk", None):
         return "moe_router_group_topk: a group-limited choice is not the top k of the scores"
-    if drops_by_probs(config) and _router_module() is None:
-        return ("moe_expert_capacity_factor with moe_token_drop_policy=probs: this megatron-core has no "
-                "router.apply_router_token_dropping to observe the tokens each expert drops")
-    return None
+    module = _router_module()
+    missing = [f"{field} needs megatron's router.{function}, which this megatron-core does not have"
+               for field, function, needed in (
+                   ("moe_expert_capacity_factor with moe_token_drop_policy=probs", TOKEN_DROPPING,
+                    drops_by_probs(config)),
+                   ("the load-balancing loss", BALANCING_MAP, balances_load(config)))
+               if needed and not callable(getattr(module, function, None))]
+    return "; ".join(missing) or None
+
+
+# megatron's functions ``Router.routing`` calls after its top-k (megatron-core 0.16 looks them up in
+# its router module): the capacity drop, and the routing map the load-balancing loss counts
+TOKEN_DROPPING = "apply_router_token_dropping"
+BALANCING_MAP = "compute_routing_scores_for_aux_loss"
 
 
 def drops_by_probs(config) -> bool:
@@ -68,32 +82,41 @@ def drops_by_probs(config) -> bool:
             and getattr(config, "moe_token_drop_policy", "probs") == "probs")
 
 
+def balances_load(config) -> bool:
+    """Whether a load-balancing loss counts the tokens per expert (its own top-k of the scores)."""
+    kinds = getattr(config, "moe_router_load_balancing_type", "none")
+    kinds = kinds if isinstance(kinds, list) else [kinds]
+    return any(k in ("aux_loss", "seq_aux_loss", "global_aux_loss") for k in kinds)
+
+
 def _router_module():
-    """megatron's router module, where ``Router.routing`` looks up the token-dropping function
-    (megatron-core ≥ 0.14 applies capacity there, after the top-k); None where it does not."""
     from megatron.core.transformer.moe import router
 
-    return router if callable(getattr(router, "apply_router_token_dropping", None)) else None
+    return router
 
 
-class _DroppingHook:
-    """Wraps ``router.apply_router_token_dropping`` while a tap needs it: the tap whose router is
-    routing now (``active``) sees the capacity mask and may replace it. Installed once for all taps,
-    removed with the last; with no active tap it is megatron's function, unchanged."""
+class _RouterFunctionHooks:
+    """Wraps megatron's token-dropping and load-balancing-map functions in its router module while
+    a tap needs them: the tap whose router is routing now (``active``, pushed around
+    ``Router.routing``) sees each selection and may replace it. Installed once for all taps, removed
+    with the last; with no active tap they are megatron's functions, unchanged."""
 
     def __init__(self):
         self.module = _router_module()
-        self.original = self.module.apply_router_token_dropping
+        self.originals = {name: getattr(self.module, name) for name in (TOKEN_DROPPING, BALANCING_MAP)
+                          if callable(getattr(self.module, name, None))}
+        self.wrappers = {TOKEN_DROPPING: self.token_dropping, BALANCING_MAP: self.balancing_map}
         self.active: List["RoutingTap"] = []
         self.users = 0
-        self.module.apply_router_token_dropping = self
+        for name in self.originals:
+            setattr(self.module, name, self.wrappers[name])
 
-    def __call__(self, routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
-                 pad_to_capacity=False):
-        out = self.original(routing_probs, routing_map, router_topk, capacity_factor, drop_policy, pad_to_capacity)
+    def token_dropping(self, routing_probs, routing_map, router_topk, capacity_factor, drop_policy="probs",
+                       pad_to_capacity=False):
+        original = self.originals[TOKEN_DROPPING]
+        out = original(routing_probs, routing_map, router_topk, capacity_factor, drop_policy, pad_to_capacity)
         if not self.active or drop_policy != "probs":
             return out
-        tap = self.active[-1]
 
         def capacity_mask():
             if pad_to_capacity:
@@ -101,32 +124,42 @@ class _DroppingHook:
             # the mask before it is and-ed with the routing map: megatron's own selection, asked for
             # once more padded to capacity (then its map is the mask), on detached inputs
             with torch.no_grad():
-                return self.original(routing_probs.detach(), routing_map, router_topk, capacity_factor,
-                                     drop_policy, True)[1]
+                return original(routing_probs.detach(), routing_map, router_topk, capacity_factor, drop_policy,
+                                True)[1]
 
-        mask = tap.capacity(routing_probs, capacity_mask)
+        mask = self.active[-1].selection(keys.CAPACITY_CHOICE, routing_probs, capacity_mask)
         if mask is None:
             return out
         final_map = mask if pad_to_capacity else torch.logical_and(routing_map, mask)
         return routing_probs * final_map, final_map
 
+    def balancing_map(self, logits, topk, score_function, *args, **kwargs):
+        routing_map, scores = self.originals[BALANCING_MAP](logits, topk, score_function, *args, **kwargs)
+        if not self.active:
+            return routing_map, scores
+        followed = self.active[-1].selection(keys.BALANCING_CHOICE, scores, lambda: routing_map)
+        return (routing_map if followed is None else followed), scores
+
     def remove(self) -> None:
         self.users -= 1
-        if self.users <= 0 and self.module.apply_router_token_dropping is self:
-            self.module.apply_router_token_dropping = self.original
-            global _HOOK
-            _HOOK = None
+        if self.users > 0:
+            return
+        for name, original in self.originals.items():
+            if getattr(self.module, name) is self.wrappers[name]:
+                setattr(self.module, name, original)
+        global _HOOKS
+        _HOOKS = None
 
 
-_HOOK: Optional[_DroppingHook] = None
+_HOOKS: Optional[_RouterFunctionHooks] = None
 
 
-def _dropping_hook() -> _DroppingHook:
-    global _HOOK
-    if _HOOK is None:
-        _HOOK = _DroppingHook()
-    _HOOK.users += 1
-    return _HOOK
+def _router_function_hooks() -> _RouterFunctionHooks:
+    global _HOOKS
+    if _HOOKS is None:
+        _HOOKS = _RouterFunctionHooks()
+    _HOOKS.users += 1
+    return _HOOKS
 
 
 class RoutingTap:
@@ -141,18 +174,19 @@ class RoutingTap:
         self.follow = None  # replay.ReferenceValues
         self.followed_tokens = 0
         router.router_replay = self
-        self.dropping = None
-        if drops_by_probs(router.config):
-            # the drop runs inside Router.routing, after the top-k: mark this router active around it
-            self.dropping = _dropping_hook()
+        self.functions = None
+        if drops_by_probs(router.config) or balances_load(router.config):
+            # the capacity drop and the load-balancing map run inside Router.routing, after the
+            # top-k: this router is the active one around it
+            self.functions = _router_function_hooks()
             routing = router.routing
 
             def routing_with_tap(*args, **kwargs):
-                self.dropping.active.append(self)
+                self.functions.active.append(self)
                 try:
                     return routing(*args, **kwargs)
                 finally:
-                    self.dropping.active.pop()
+                    self.functions.active.pop()
 
             router.routing = routing_with_tap
 
@@ -194,9 +228,12 @@ class RoutingTap:
         self.followed_tokens += int(rows.numel())
         return values, indices
 
-    def capacity(self, probs: torch.Tensor, capacity_mask: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
-        """The capacity drop of this router's tokens: recorded, and the reference's mask where the
-        candidate follows and its own differs (None: keep megatron's result)."""
+    def selection(self, choice_name: str, scores: torch.Tensor,
+                  choice: Callable[[], torch.Tensor]) -> Optional[torch.Tensor]:
+        """A selection after the top-k (``keys.CAPACITY_CHOICE``: the tokens each expert keeps;
+        ``keys.BALANCING_CHOICE``: the load-balancing loss's own top-k), a 0/1 map over this router's
+        [tokens, experts]: recorded with the scores it is taken on, and the reference's map
+        returned where the candidate follows and its own differs (None: keep megatron's result)."""
         rec = self.recorder
         clock = rec.clock
         if not clock.in_iteration:
@@ -205,30 +242,30 @@ class RoutingTap:
         record = rec._wants(self.site.module_name, mb)
         if not record and self.follow is None:
             return None
-        mask = capacity_mask()
-        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, keys.CAPACITY_CHOICE)
+        mine = choice()
+        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, choice_name)
         if record:
-            rec._add(keys.sibling(key, keys.CAPACITY_SCORES), probs.detach(), self.site)
-            rec._add(key, mask.float(), self.site)
+            rec._add(keys.sibling(key, keys.SELECTION_SCORES_OF[choice_name]), scores.detach(), self.site)
+            rec._add(key, mine.float(), self.site)
         if self.follow is None:
             return None
-        reference = self.follow.shard(key, rec.layouts.of(key, self.site, tuple(mask.shape)), mask.float())
+        reference = self.follow.shard(key, rec.layouts.of(key, self.site, tuple(mine.shape)), mine.float())
         if reference is None:
             return None
         reference = reference > 0.5
-        differ = (reference != mask).any(dim=0)
+        differ = (reference != mine).any(dim=1)
         if not bool(differ.any()):
             return None
-        self.followed_tokens += int((reference != mask).any(dim=1).sum())
-        return reference
+        self.followed_tokens += int(differ.sum())
+        return reference.to(mine.dtype)
 
     def remove(self) -> None:
         if self.router.router_replay is self:
             self.router.router_replay = self.inner
-        if self.dropping is not None:
+        if self.functions is not None:
             self.router.__dict__.pop("routing", None)
-            self.dropping.remove()
-            self.dropping = None
+            self.functions.remove()
+            self.functions = None
 
 
 def attach_routing_taps(recorder, chunks: List[torch.nn.Module]) -> List[RoutingTap]:
