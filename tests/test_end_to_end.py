@@ -184,8 +184,10 @@ def test_capacity_drop_is_judged_by_its_probabilities(runs):
     ref, clean = runs.candidate(recipe)
     c = compare_traces(ref, clean)
     assert c.verdict == "pass", c.first_mismatch
-    choices = [r for r in c.results if r.key.tensor == "capacity_choice"]
-    assert choices and all("top-k choice judged by its scores" in r.tolerance_source for r in choices)
+    # the capacity drop, and the load-balancing loss's own top-k, each judged by its scores
+    for tensor in ("capacity_choice", "balancing_choice"):
+        choices = [r for r in c.results if r.key.tensor == tensor]
+        assert choices and all("top-k choice judged by its scores" in r.tolerance_source for r in choices), tensor
     _, buggy = runs.candidate(recipe, name="capacity-bug", inject=["capacity_keeps_least_probable"])
     first = compare_traces(ref, buggy).first_mismatch
     assert (first.key.module, first.key.phase, first.key.tensor) == (

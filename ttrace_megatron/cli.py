@@ -55,8 +55,12 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     from .adapter.config import validate_recipe
     from .adapter.launch import launch
     from .adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from .adapter.side import check_tree
 
     validate_recipe(recipe)
+    trees = {role: check_tree(path, flag) if path else None for role, flag, path in (
+        (REFERENCE, "--reference-megatron", getattr(args, "reference_megatron", None)),
+        (CANDIDATE, "--candidate-megatron", getattr(args, "candidate_megatron", None)))}
     ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
     seed = os.path.join(out, "seed_checkpoint.safetensors")
     for d in (ref_dir, cand_dir):
@@ -66,8 +70,9 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
     selective = dict(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
 
+
     def spec(role, trace_dir, inject=(), **trace):
-        return RunSpec(recipe=recipe.to_json(), role=role, cpu=args.cpu, inject=list(inject),
+        return RunSpec(recipe=recipe.to_json(), role=role, cpu=args.cpu, inject=list(inject), megatron=trees[role],
                        trace=trace_options(trace_dir, seed, **dict(selective, **trace)))
 
     online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
@@ -284,6 +289,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--online", action="store_true",
                      help="the candidate compares against the reference while it runs and writes verdicts only")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
+    run.add_argument("--candidate-megatron", metavar="PATH",
+                     help="run the candidate (and its replay) on the megatron-core of this source tree (a Megatron-LM "
+                          "checkout or a patched copy: the directory holding megatron/core); default: the installed one")
+    run.add_argument("--reference-megatron", metavar="PATH",
+                     help="run the reference (and its perturbation run) on the megatron-core of this source tree")
     run.add_argument("--no-lockstep", action="store_true",
                      help="let the candidate train on its own weights. By default it runs in lock-step: after each "
                           "optimizer step it takes the reference's parameters and optimizer state, so every "

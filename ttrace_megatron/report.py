@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from typing import Dict, Optional
+from typing import Dict, List, Optional
 
 from rich.console import Console
 from rich.panel import Panel
@@ -46,6 +46,8 @@ def to_json(c: Comparison) -> dict:
         "recipe": c.candidate_run.get("recipe", {}).get("name"),
         "candidate_parallel": c.candidate_run.get("parallel"),
         "injected_bugs": c.candidate_run.get("injected_bugs", []),
+        "versions": {"reference": c.reference_run.get("versions", {}), "candidate": c.candidate_run.get("versions", {})},
+        "versions_differ": versions_differ(c.reference_run.get("versions", {}), c.candidate_run.get("versions", {})),
         "first_mismatch": _mismatch_json(first) if first else None,
         "summary": {"compared": len(c.results), "failed": len(c.failures),
                     "missing_in_candidate": len(c.missing_in_candidate),
@@ -59,6 +61,12 @@ def to_json(c: Comparison) -> dict:
                          order=r.order, shape=list(r.shape))
                     for r in c.results],
     }
+
+
+def versions_differ(reference: dict, candidate: dict) -> List[str]:
+    """The libraries (or their paths) the two sides ran in different versions: one line each."""
+    return [f"{name}: reference {reference.get(name, '<unrecorded>')}, candidate {candidate.get(name, '<unrecorded>')}"
+            for name in sorted(set(reference) | set(candidate)) if reference.get(name) != candidate.get(name)]
 
 
 def write_json(c: Comparison, path: str) -> None:
@@ -141,6 +149,8 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
     color = "green" if ok else "red"
     title = "PASS" if ok else "FAIL"
     console.print(Panel(headline(report), title=f"[bold {color}]ttrace: {title}[/]", border_style=color))
+    if report.get("versions_differ"):
+        console.print("the two sides ran different library versions: " + "; ".join(report["versions_differ"]))
     render_coverage(report.get("coverage"), console, max_rows)
     tensors = report["tensors"]
     if not tensors:
@@ -290,6 +300,8 @@ def to_html(report: dict) -> str:
                     f'<td>{html.escape(t["tensor"])}</td><td>{e if isinstance(e, str) else f"{e:.3g}"}</td>'
                     f'<td>{t["tolerance_eps"]:.3g}</td><td>{html.escape(t.get("reason", ""))}</td></tr>')
     culprit_html = ""
+    versions_html = "".join(f"<p>the two sides ran different library versions: {html.escape(line)}</p>"
+                            for line in report.get("versions_differ") or [])
     if culprits:
         c = culprits[0]
         culprit_html = (f'<div class="culprit"><h2>Culprit</h2><p><b>{html.escape(c["module"])}</b>, '
@@ -314,6 +326,7 @@ tr.fail td {{ background: #fdd; }}
 </style></head><body>
 <h1>ttrace: {"PASS" if ok else "FAIL"}</h1>
 <div class="verdict">{html.escape(headline(report))}</div>
+{versions_html}
 {culprit_html}
 {_coverage_html(report.get("coverage"))}
 <h2>{html.escape(plot_title)}</h2>{plots}

@@ -397,7 +397,10 @@ def library_versions() -> Dict[str, str]:
 
     import megatron.core
 
-    out = {"torch": torch.__version__, "megatron.core": getattr(megatron.core, "__version__", "?")}
+    out = {"torch": torch.__version__, "megatron.core": getattr(megatron.core, "__version__", "?"),
+           # which tree: an installed release, a checkout, a patched copy (--candidate-megatron)
+           "megatron.core.path": os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(
+               megatron.core.__file__))))}
     try:
         from ttrace_megatron import __version__
         out["ttrace_megatron"] = __version__

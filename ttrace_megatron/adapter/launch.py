@@ -74,6 +74,10 @@ def _where(error: BaseException) -> str:
 def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = Probes()) -> None:
     """Run every rank of ``spec`` and wait for all of them (``probes``: what tests and benchmarks
     measure beside the trace)."""
+    if spec.megatron:
+        from .side import launch_on_tree
+
+        return launch_on_tree(spec, timeout_s, probes)
     spec.cpu = spec.cpu or not torch.cuda.is_available()
     if not spec.cpu and torch.cuda.device_count() < spec.world_size:
         raise RunFailed(f"{spec.world_size} ranks need {spec.world_size} GPUs, {torch.cuda.device_count()} visible")

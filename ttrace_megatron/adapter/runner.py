@@ -13,7 +13,7 @@ import json
 import os
 import time
 from functools import partial
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,7 @@ class RunSpec:
     inject: List[str] = dataclasses.field(default_factory=list)
     cpu: bool = True
     master_port: int = 0
+    megatron: Optional[str] = None  # a megatron-core source tree to run on (side.py); None: the installed one
 
     def get_recipe(self) -> Recipe:
         return recipe_from_dict(self.recipe)
