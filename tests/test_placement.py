@@ -6,7 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ttrace_megatron.placement import (Layout, Partial, PlacementError, RangeShard, Replicate, Shard, ZIGZAG,
-                                       logical_mask, merge_shards, placement_from_json, placement_to_json,
+                                       logical_mask, merge_pieces, merge_shards, placement_from_json, placement_to_json,
                                        slice_logical)
 
 AXES = ("tp", "cp", "dp")
@@ -203,3 +203,34 @@ def test_owned_piece_is_a_view_of_the_rank_range():
     assert owned_piece(whole, Layout((Replicate("dp"),), (3, 4)), {"dp": (0, 2)}) is whole
     with pytest.raises(PlacementError, match="ranges"):
         owned_piece(whole, layout, {"tp": (0, 1), "dp": (1, 3)})
+
+
+def _copies_split_by_stage(logical, bounds_per_stage):
+    """A tied weight's copies on two pipeline stages, each owned by DP ranks over its own ranges."""
+    pieces = []
+    flat = logical.reshape(-1)
+    for pp, bounds in enumerate(bounds_per_stage):
+        layout = Layout((Replicate("pp"), RangeShard("dp", bounds, tuple(logical.shape))), tuple(logical.shape))
+        for dp in range(len(bounds) - 1):
+            pieces.append(({"pp": (pp, 2), "dp": (dp, len(bounds) - 1)}, flat[bounds[dp]:bounds[dp + 1]].clone(),
+                           layout))
+    return pieces
+
+
+def test_replicas_split_each_their_own_way_merge_and_are_compared():
+    logical = torch.arange(12.0).reshape(4, 3)
+    pieces = _copies_split_by_stage(logical, [(0, 0, 12), (0, 12, 12)])
+    merged = merge_pieces(pieces)
+    assert torch.equal(merged.tensor, logical) and not merged.replica_mismatches
+    # the copies disagree: reported like any replicas that differ, not an error
+    pieces[-2] = (pieces[-2][0], pieces[-2][1] + 1.0, pieces[-2][2])
+    merged = merge_pieces(pieces)
+    assert [(m.axis, m.ranks, m.max_abs_diff) for m in merged.replica_mismatches] == [("pp", (0, 1), 1.0)]
+
+
+def test_pieces_split_otherwise_differently_still_refuse():
+    a = Layout((Shard(0, "tp"), RangeShard("dp", (0, 6, 6), (3, 2))), (6, 2))
+    b = Layout((Shard(0, "tp"), RangeShard("dp", (0, 2, 6), (3, 2))), (6, 2))
+    pieces = [({"tp": (0, 2), "dp": (0, 2)}, torch.zeros(6), a), ({"tp": (1, 2), "dp": (0, 2)}, torch.zeros(2), b)]
+    with pytest.raises(PlacementError, match="different placements"):
+        merge_pieces(pieces)

@@ -30,7 +30,7 @@ def test_entries_are_well_formed():
         assert re.fullmatch(r"[0-9a-f]{40}", e.commit), f"{e.name}: commit {e.commit!r} is not a full sha"
         assert e.phase in keys.PHASES, f"{e.name}: phase {e.phase!r}"
         assert os.path.isfile(os.path.join(RECIPES, e.recipe + ".yaml")), f"{e.name}: no recipe {e.recipe}"
-        assert e.description and e.bug_class and e.module
+        assert e.description and e.bug_class and e.modules
         upstream.recipe_of(e, "fp32")  # the overrides make a valid recipe
 
 
@@ -56,4 +56,4 @@ def test_upstream_bug_detected_and_localized(name):
         o = upstream.judge(entry, tmp)
     assert o.clean_verdict == "pass", f"clean build: {o.clean_verdict} (worst {o.clean_worst})"
     assert o.detected, f"not detected: buggy build {o.buggy_verdict}"
-    assert o.localized, f"culprit {o.culprit}, expected {entry.module} {entry.phase}"
+    assert o.localized, f"culprit {o.culprit}, expected {entry.modules} {entry.phase}"

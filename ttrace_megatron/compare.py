@@ -18,7 +18,8 @@ from . import coverage, keys, selection
 from .errors import ConfigMismatchError, TraceError
 from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label: part of this module's face)
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
-                        content_digest, logical_mask, merge_shards, slice_logical)
+                        content_digest, logical_mask, merge_pieces, replicas_split_alike,
+                        slice_logical)
 from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
 from .update_rules import AdamRule, judge_adam_update
 from .trace_store import RankTrace, Record, TraceReader
@@ -115,9 +116,9 @@ def logical_tensor(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]) 
     """Merge one key's pieces into the logical tensor (the layout's scale divided out)."""
     first_rt, first = pieces[0]
     _common_layout(pieces)
-    loaded = [(rt.coords, reader.load(rt, rec)) for rt, rec in pieces]
+    loaded = [(rt.coords, reader.load(rt, rec), rec.layout) for rt, rec in pieces]
     try:
-        return merge_shards(loaded, first.layout)
+        return merge_pieces(loaded)
     except PlacementError as e:
         raise TraceError(f"cannot merge shards: {e}", path=reader.dir, rank=first_rt.rank,
                          tensor=str(first.key)) from None
@@ -400,7 +401,10 @@ class Cancellation:
 
 
 def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
+    """The pieces' layout (the first piece's where replicas are split alike: ``replicas_split_alike``)."""
     first_rt, first = pieces[0]
+    if replicas_split_alike([rec.layout for _, rec in pieces]):
+        return first.layout
     for rt, rec in pieces[1:]:
         if rec.layout != first.layout:
             raise TraceError(f"ranks {first_rt.rank} and {rt.rank} record different placements "
@@ -478,9 +482,11 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         cancellation = 1.0
         element_wise = update_check is not None and keys.is_updated_value(key)
         choice = key.kind is TensorKind.SELECTION
-        if element_wise or choice or any(isinstance(p, Partial) for p in layout.placements):
-            # merged first, then judged as one piece: partial sums only mean something added up, and
-            # an updated parameter is judged element by element on the merged tensor too
+        split_alike = any(r.layout != layout for _, r in pieces)  # replicas split each their own way
+        if element_wise or choice or split_alike or any(isinstance(p, Partial) for p in layout.placements):
+            # merged first, then judged as one piece: partial sums only mean something added up, an
+            # updated parameter is judged element by element on the merged tensor too, and copies
+            # split each their own way are compared once each is whole
             cand_merged = logical_tensor(cand, pieces)
             notes += [replica_note("candidate", m.ranks, m.max_abs_diff, m.axis)
                       for m in cand_merged.replica_mismatches]

@@ -447,6 +447,47 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
     return Merged(tensor, mismatches)
 
 
+def replicas_split_alike(layouts: Sequence[Layout]) -> bool:
+    """Whether pieces recorded under ``layouts`` (not all equal) are copies of one tensor over an
+    outer ``Replicate`` axis, each copy split its own way below it: a tied weight's copies on two
+    pipeline stages, each in its own stage's distributed-optimizer buckets, own different ranges."""
+    first = layouts[0]
+    if not first.placements or not isinstance(first.placements[0], Replicate):
+        return False
+    return all(lay.placements and lay.placements[0] == first.placements[0]
+               and tuple(lay.logical_shape) == tuple(first.logical_shape) and lay.scale == first.scale
+               and lay.permute == first.permute for lay in layouts)
+
+
+def merge_pieces(pieces: Sequence[Tuple[Coords, torch.Tensor, Layout]]) -> Merged:
+    """:func:`merge_shards` for pieces that each carry their layout. One layout: merged under it.
+    Layouts that differ below an outer ``Replicate`` axis (:func:`replicas_split_alike`): each copy
+    is merged under its own layout, then the copies are checked to be bitwise identical, like any
+    replicas (the lowest copy is used). Anything else is a :class:`PlacementError`."""
+    layouts = [lay for _, _, lay in pieces]
+    if all(lay == layouts[0] for lay in layouts[1:]):
+        return merge_shards([(c, t) for c, t, _ in pieces], layouts[0])
+    if not replicas_split_alike(layouts):
+        raise PlacementError(f"the pieces record different placements ({layouts[0].to_json()} vs "
+                             f"{next(lay for lay in layouts if lay != layouts[0]).to_json()})")
+    axis = layouts[0].placements[0].axis
+    copies: Dict[int, List[Tuple[Coords, torch.Tensor, Layout]]] = {}
+    size = None
+    for coords, tensor, lay in pieces:
+        rank, size = _coord(coords, axis)
+        copies.setdefault(rank, []).append((coords, tensor, dataclasses.replace(lay, placements=lay.placements[1:])))
+    if sorted(copies) != list(range(size)):
+        raise PlacementError(f"pieces along axis {axis!r} are ranks {sorted(copies)}, not all {size}")
+    merged = [merge_pieces(copies[r]) for r in sorted(copies)]
+    mismatches = [m for part in merged for m in part.replica_mismatches]
+    first = merged[0].tensor
+    differing = [m.tensor for m in merged[1:] if not _bitwise_equal(first, m.tensor)]
+    if differing:
+        mismatches.append(ReplicaMismatch(axis, tuple(sorted(copies)),
+                                          max(_max_abs_diff(first, t) for t in differing)))
+    return Merged(first, mismatches)
+
+
 def _join_ranges(p: RangeShard, pieces: Sequence[torch.Tensor]) -> torch.Tensor:
     for rank, piece in enumerate(pieces):
         start, end = p.piece(rank)

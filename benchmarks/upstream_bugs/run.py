@@ -49,7 +49,7 @@ class Entry:
     description: str
     recipe: str  # a shipped recipe
     overrides: Dict[str, Any]  # per section: fields to change in it
-    module: str  # where a correct localization points (a glob: any layer's copy of the module)
+    modules: List[str]  # where a correct localization points: globs (any layer's copy of the module)
     phase: str
     patch: str  # path of bug.patch
     url: str = ""
@@ -72,10 +72,15 @@ def load_entries(root: str = ENTRIES) -> List[Entry]:
         entries.append(Entry(name=name, kind=raw["kind"], commit=str(raw["commit"]), title=raw["title"],
                              bug_class=raw["class"], description=raw["description"].strip(),
                              recipe=trigger["recipe"], overrides=trigger.get("overrides") or {},
-                             module=expected["module"], phase=expected["phase"],
+                             modules=_globs(expected["module"]), phase=expected["phase"],
                              patch=os.path.join(root, name, "bug.patch"), url=raw.get("url", ""),
                              notes=(raw.get("notes") or "").strip()))
     return entries
+
+
+def _globs(module) -> List[str]:
+    """``expected.module``: one glob, or a list of them where the fix changed several modules."""
+    return [module] if isinstance(module, str) else list(module)
 
 
 def installed_tree() -> str:
@@ -171,7 +176,7 @@ def judge(entry: Entry, tmp: str, dtype: str = "fp32") -> Outcome:
         cu = localize(ref, replay).culprit
         if cu is not None:
             culprit = f"{cu.key.module}, {phase_label(cu.key)}, {cu.key.tensor}"
-            right = fnmatch.fnmatchcase(cu.key.module, entry.module) and cu.key.phase == entry.phase
+            right = any(fnmatch.fnmatchcase(cu.key.module, g) for g in entry.modules) and cu.key.phase == entry.phase
     return Outcome(clean_verdict=clean.verdict, clean_worst=f"{worst.ratio:.2f} ({worst.key.module} {worst.key.phase} "
                    f"{worst.key.tensor})", buggy_verdict=buggy.verdict,
                    first_mismatch=f"{fm.key.module} {fm.key.phase} {fm.key.tensor} (iteration {fm.key.iteration})"
@@ -194,6 +199,7 @@ def main():
     print("| entry | upstream fix | class | kind | recipe | clean build: verdict (worst ratio) | buggy build: "
           "first mismatch | error / tolerance | detected | replay culprit | localized (expected module, phase) |")
     print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+    outcomes = []
     for e in load_entries():
         if args.only and e.name not in args.only:
             continue
@@ -201,12 +207,26 @@ def main():
             try:
                 o = judge(e, tmp, args.dtype)
             except Exception as exc:  # noqa: BLE001 - a row of the table, with the error
+                print(f"{e.name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 o = Outcome("error", "—", "error", "—", 0.0, "—", False, False, error=str(exc).splitlines()[-1][:200])
+        outcomes.append((e, o))
         print(f"| {e.name} | [{e.commit[:10]}]({e.url or 'https://github.com/NVIDIA/Megatron-LM/commit/' + e.commit}) "
               f"| {e.bug_class} | {e.kind} | {e.recipe} | {o.clean_verdict} {o.clean_worst} | {o.first_mismatch} | "
               f"{o.ratio:.3g} | {'yes' if o.detected else 'NO'} | {o.culprit} | "
-              f"{'yes' if o.localized else 'NO'} ({e.module}, {e.phase}) |" + (f" error: {o.error}" if o.error else ""),
+              f"{'yes' if o.localized else 'NO'} ({' or '.join(e.modules)}, {e.phase}) |" + (f" error: {o.error}" if o.error else ""),
               flush=True)
+    print_summary(outcomes)
+
+
+def print_summary(outcomes) -> None:
+    """Detected and localized out of N, per class and in all."""
+    by_class: Dict[str, List[Outcome]] = {}
+    for e, o in outcomes:
+        by_class.setdefault(e.bug_class, []).append(o)
+    print("\n| class | entries | clean build passes | detected | localized |\n|---|---|---|---|---|")
+    for name, os_ in sorted(by_class.items()) + [("(all)", [o for _, o in outcomes])]:
+        print(f"| {name} | {len(os_)} | {sum(o.clean_verdict == 'pass' for o in os_)} | {sum(o.detected for o in os_)} "
+              f"| {sum(o.localized for o in os_)} |")
 
 
 if __name__ == "__main__":
