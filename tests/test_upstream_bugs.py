@@ -19,7 +19,7 @@ from ttrace_megatron import keys  # noqa: E402
 RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
 MIN_ENTRIES = 15  # issue #18: at least 15 real upstream bugs
 # the slice CI runs end to end: one entry per kind of build (a fix reverted, a live bug against its fix)
-CI_SLICE = ("router_weight_sp_grad_not_reduced",)
+CI_SLICE = ("per_token_loss_num_tokens_not_reduced_over_dp", "expert_grads_reduced_over_dense_dp_group")
 
 
 def test_entries_are_well_formed():
