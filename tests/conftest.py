@@ -18,6 +18,16 @@ RECIPES = os.path.join(REPO, "recipes")
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "multiprocess: runs real megatron-core ranks (gloo, CPU)")
+    config.addinivalue_line("markers", "release_slice: the slice CI runs on the oldest and newest supported "
+                                       "megatron-core too (tests/test_release_slice.py)")
+
+
+def pytest_report_header(config):
+    """The megatron-core under test, in every log (CI runs the suite on more than one release)."""
+    import megatron.core
+
+    where = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(megatron.core.__file__))))
+    return f"megatron-core {megatron.core.__version__} from {where}"
 
 
 class Runs:

@@ -27,9 +27,9 @@ def test_every_transformer_config_field_has_exactly_one_role():
               tuple(model_fields.REFUSED))
     for name in model_fields.transformer_fields():
         assert sum(name in t for t in tables) == 1, f"TransformerConfig.{name}: decide its role in model_fields.py"
-    for t in tables:
-        for name in t:
-            assert name in model_fields.transformer_fields(), f"{name} is not a field of this megatron-core"
+    # the table covers every supported release (a field another release has may be absent here), once each
+    names = [name for t in tables for name in t]
+    assert len(names) == len(set(names)), "a field with two roles"
 
 
 @pytest.mark.parametrize("field,value", [("mtp_num_layers", 1), ("recompute_granularity", "selective"),
@@ -57,8 +57,9 @@ def test_every_ddp_config_field_is_honoured_or_refused():
 
     fields = set(config.ddp_fields())
     known = set(config.DDP_HONOURED) | set(config.DDP_REFUSED)
-    assert fields == known, f"DistributedDataParallelConfig fields without a role: {sorted(fields - known)}; " \
-                            f"roles for fields megatron does not have: {sorted(known - fields)}"
+    # the roles cover every supported release: the installed one's fields are among them
+    assert fields <= known, f"DistributedDataParallelConfig fields without a role: {sorted(fields - known)}"
+    assert not set(config.DDP_HONOURED) & set(config.DDP_REFUSED)
 
 
 def test_ddp_section_accepts_megatrons_fields_and_refuses_with_the_reason():

@@ -37,6 +37,21 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 ENTRIES = os.path.join(HERE, "entries")
 REVERTED, LIVE = "reverted", "live"
+# the megatron-core release every bug.patch is written against (a patch re-creates its bug, or its
+# fix, in that release's code; another release is another set of patches)
+PATCHED_RELEASE = "0.16.1"
+
+
+def installed_release() -> str:
+    import megatron.core
+
+    return str(megatron.core.__version__)
+
+
+def check_release() -> None:
+    if installed_release() != PATCHED_RELEASE:
+        raise RuntimeError(f"the entries' patches are written against megatron-core {PATCHED_RELEASE}; "
+                           f"{installed_release()} is installed")
 
 
 @dataclasses.dataclass
@@ -150,6 +165,7 @@ def judge(entry: Entry, tmp: str, dtype: str = "fp32") -> Outcome:
     from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces, localize, phase_label
 
+    check_release()
     r = recipe_of(entry, dtype)
     trees = builds(entry, tmp)
     seed = os.path.join(tmp, "seed.safetensors")

@@ -15,6 +15,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from . import compat
 from .naming import named_modules
 
 
@@ -158,7 +159,7 @@ def grad_norm_counts_tp_replicas(chunks) -> None:
     instead of once: the BLOOM class of bug. Clipping then scales every update wrongly."""
     from megatron.core import tensor_parallel
 
-    tensor_parallel.param_is_not_tensor_parallel_duplicate = lambda param, tp_group=None: True
+    tensor_parallel.param_is_not_tensor_parallel_duplicate = lambda param, *args, **kwargs: True
 
 
 @bug(default_pattern="*linear_fc1")
@@ -502,13 +503,13 @@ def grad_norm_misses_expert_ranks(chunks) -> None:
     def get_grad_norm(self):
         experts = [o for o in self.chained_optimizers  # the optimizer of megatron's expert-parallel groups
                    if any(g.get("is_expert_parallel") for g in getattr(getattr(o, "optimizer", None), "param_groups", []))]
-        saved = [(o, o.get_main_grads_for_grad_norm) for o in experts]
-        for o in experts:
-            o.get_main_grads_for_grad_norm = lambda: []
+        saved = [(o, compat.grads_for_norm_attr(o)) for o in experts]
+        for o, attr in saved:
+            setattr(o, attr, lambda *args, **kwargs: [])
         try:
             return original(self)
         finally:
-            for o, fn in saved:
-                o.get_main_grads_for_grad_norm = fn
+            for o, attr in saved:
+                delattr(o, attr)  # the class's method again
 
     ChainedOptimizer.get_grad_norm = get_grad_norm

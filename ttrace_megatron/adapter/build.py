@@ -17,6 +17,7 @@ import torch
 
 from ..errors import RecipeError
 from ..recipe import Recipe
+from . import compat
 from . import config as cfg
 from .model_fields import STRUCTURE
 from .structure import check_built_as_described
@@ -83,15 +84,12 @@ def layer_spec(config, vp_stage):
     (its ``gpt_builder``): with experts, megatron's decoder block spec (the MoE layer pattern of
     ``moe_layer_freq``, this stage's layers); without, the local layer spec with the spec-level
     choices (q/k layernorm, normalization) read from the config, so no field is dropped here."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec, get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     if config.num_moe_experts:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
                                           qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
-    return get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
-                                    config.multi_latent_attention,
-                                    moe_use_legacy_grouped_gemm=config.moe_use_legacy_grouped_gemm,
-                                    normalization=config.normalization)
+    return compat.local_layer_spec(config)
 
 
 def wrap_for_training(chunks: List[torch.nn.Module], config, recipe: Recipe) -> List[torch.nn.Module]:

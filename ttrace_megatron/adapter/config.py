@@ -114,6 +114,16 @@ DDP_REFUSED = {
     "preserve_fp32_weights": _FSDP, "fsdp_double_buffer": _FSDP, "fsdp_manual_registration": _FSDP,
     "nccl_ub": "NCCL user buffers need CUDA", "disable_symmetric_registration": "NCCL symmetric memory needs CUDA",
     "delay_wgrad_compute": "delayed weight-grad computation needs TransformerEngine",
+    # fields of later releases (0.17-0.19)
+    "fp4_param_gather": "FP4 parameters need TransformerEngine",
+    "fsdp_all_gather_in_start_param_sync": _FSDP, "fsdp_db_use_persist_buf_on_alloc_fail": _FSDP,
+    "megatron_fsdp_grad_comm_dtype": _FSDP, "megatron_fsdp_main_grads_dtype": _FSDP,
+    "megatron_fsdp_main_params_dtype": _FSDP, "megatron_fsdp_cuda_graph_mode": _FSDP,
+    "megatron_fsdp_enable_fine_grained_param_gather": _FSDP, "megatron_fsdp_use_decoupled_grad": _FSDP,
+    "megatron_fsdp_max_pool_double_buffer": _FSDP,
+    "param_name_patterns_for_fp32_local_accumulation": "not verified by ttrace yet: it changes the precision some "
+                                                       "parameters' grads accumulate in",
+    "num_buckets": "not verified by ttrace yet: the distributed optimizer's shard ranges follow the buckets",
 }
 
 

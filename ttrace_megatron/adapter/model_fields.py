@@ -73,6 +73,12 @@ _TE = "needs TransformerEngine or a CUDA kernel (ttrace runs megatron's local la
 _RNG = "draws random numbers during training: reference and candidate could not be compared"
 _CALLABLE = "a Python callable: a YAML recipe cannot set it (megatron's default is used)"
 _FP8 = "TransformerEngine FP8/FP4: use `dtype: fp8`, ttrace's emulation of TE's FP8 GEMMs, on CPU"
+_MUP = "μP (maximal update parametrization) rescales init, attention and outputs: " + _UNVERIFIED
+_MTP = "multi-token prediction is not supported yet"
+_GROUPED = "grouped GEMM needs TransformerEngine or the grouped_gemm package; ttrace builds SequentialMLP experts"
+_GTP = "generalized tensor parallelism (weight shards) is not supported yet"
+_OFFLOAD = "activation offloading to the host: " + _UNVERIFIED
+_DSA = "DeepSeek sparse attention: " + _UNVERIFIED
 
 REFUSED: Dict[str, str] = {
     "mtp_num_layers": "multi-token prediction: its block and loss are not recorded or compared yet",
@@ -143,6 +149,40 @@ REFUSED: Dict[str, str] = {
     "quant_recipe": _FP8,
     "fine_grained_activation_offloading": _UNVERIFIED, "offload_modules": _UNVERIFIED,
     "min_offloaded_tensor_size": _UNVERIFIED,
+    # fields of later releases (0.17-0.19; tests/test_model_fields.py checks every installed field has a role)
+    "use_mup": _MUP, "mup_width_mult": _MUP, "mup_base_hidden_size": _MUP, "mup_base_head_dim": _MUP,
+    "mup_embedding_mult": _MUP, "mup_output_mult": _MUP, "mup_attn_scale_power": _MUP,
+    "mtp_use_repeated_layer": _MTP, "mtp_hybrid_override_pattern": _MTP, "mtp_detach_heads": _MTP,
+    "mtp_grad_scale_func": _CALLABLE, "moe_grad_scale_func": _CALLABLE,
+    "experimental_attention_variant_loss_scale_func": _CALLABLE,
+    "fused_residual_rmsnorm": _TE, "flash_attention_version": _TE, "use_transformer_engine_op_fuser": _TE,
+    "cuda_graph_modules": _TE, "high_priority_a2a_comm_stream": _TE, "fp8_output_proj": _FP8,
+    "moe_hybridep_num_blocks_permute": _TE, "moe_hybridep_num_blocks_unpermute": _TE,
+    "moe_hybridep_num_sms_preprocessing": _TE, "moe_hybridep_pad_uneven_dispatch_inputs": _TE,
+    "moe_permute_fusion_into_hybridep": _TE, "moe_flex_dispatcher_num_sms": _TE, "moe_ncclep_static_shape": _TE,
+    "moe_ncclep_zero_copy": _TE, "moe_paged_stash": _TE, "moe_paged_stash_page_size": _TE,
+    "moe_paged_stash_buffer_size_factor_cpu": _TE, "moe_paged_stash_buffer_size_factor_cuda": _TE,
+    "moe_single_grouped_weight": _GROUPED, "moe_single_grouped_bias": _GROUPED,
+    "use_grouped_gemm_for_dense_mlp": _GROUPED, "use_grouped_gemm_for_shared_expert": _GROUPED,
+    "moe_mlp_glu_interleave_size": _UNVERIFIED + " (an interleaved [gate; up] layout ttrace does not place)",
+    "moe_shared_expert_glu_interleave_size": _UNVERIFIED + " (an interleaved [gate; up] layout ttrace does not place)",
+    "moe_router_force_biased": _UNVERIFIED, "moe_router_quantile_balancing_ema": _UNVERIFIED,
+    "moe_expert_rank_capacity_factor": _UNVERIFIED,
+    "overlap_dispatch_backward_with_experts_wgrad": "overlaps the dispatcher on CUDA streams; " + _UNVERIFIED,
+    "mlp_chunks_for_training": _UNVERIFIED,
+    "tensor_parallel_num_weight_shards": _GTP, "expert_tensor_parallel_num_weight_shards": _GTP,
+    "gtp_weight_remat_size": _GTP, "expert_gtp_weight_remat_size": _GTP,
+    "cpu_offloading_retain_pinned_cpu_buffers": _OFFLOAD, "fine_grained_offloading_max_inflight_offloads": _OFFLOAD,
+    "activation_offload_fraction": _OFFLOAD, "delay_offload_until_cuda_graph": _OFFLOAD,
+    "delta_offload_bytes_across_pp_ranks": _OFFLOAD,
+    "inference_disable_triton_nvls_kernels": "inference only", "inference_grouped_gemm_backend": "inference only",
+    "inference_moe_disable_fused_quant_kernels": "inference only", "inference_cuda_graph_scope": "inference only",
+    "inference_moe_token_dispatcher_type": "inference only", "moe_pad_experts_for_cuda_graph_inference": "inference only",
+    "nccl_all_reduce_for_prefill": "inference only",
+    "dsa_indexer_k_norm_epsilon": _DSA, "dsa_indexer_k_norm_fp32": _DSA, "dsa_indexer_rope_interleaved": _DSA,
+    "dsa_indexer_rotate_activation": _DSA, "dsa_indexer_scoring_relu": _DSA, "dsa_indexer_skip_topk_offset": _DSA,
+    "dsa_indexer_topk_freq": _DSA, "dsa_kernel_backend": _DSA,
+    "mamba_training_ssm_states_dtype": "HybridModel (Mamba) is not supported yet",
 }
 
 
@@ -206,21 +246,26 @@ def without_layout(model: Dict[str, Any]) -> Dict[str, Any]:
 
 
 def markdown() -> str:
-    """docs/model_fields.md: every field of the installed megatron-core's TransformerConfig, its role
-    and, for refused fields, why (``python -m ttrace_megatron.adapter.model_fields``)."""
-    from megatron.core import __version__
+    """docs/model_fields.md: every TransformerConfig field of the supported megatron-core releases
+    (``compat.SUPPORTED``), its role and, for refused fields, why
+    (``python -m ttrace_megatron.adapter.model_fields``). Generated from this table alone, so it is
+    the same whichever release is installed; the tests check that every installed field is in it."""
+    from .compat import SUPPORTED
 
     what = {Role.STRUCTURE: "honoured; checked on the built model before any run starts",
             Role.NUMERICS: "honoured by megatron's own code in reference and candidate",
             Role.LAYOUT: "the candidate's pipeline split; removed for the one-rank reference",
             Role.NEUTRAL: "no effect on the math on CPU"}
-    lines = [f"# TransformerConfig fields in ttrace (megatron-core {__version__})", "",
+    lines = [f"# TransformerConfig fields in ttrace (megatron-core {SUPPORTED[0]} to {SUPPORTED[-1]})", "",
              "Generated by `python -m ttrace_megatron.adapter.model_fields`; `tests/test_model_fields.py` checks "
-             "that it is current. A refused field is refused only when a recipe sets it to something other than "
-             "megatron's default.", "", "| field | role | what ttrace does |", "|---|---|---|"]
-    for name in transformer_fields():
-        role = role_of(name)
-        lines.append(f"| `{name}` | {role.value} | {REFUSED[name] if role is Role.REFUSED else what[role]} |")
+             "that it is current and that every field of the installed release is in it (a field one release "
+             "lacks is simply absent from its TransformerConfig). A refused field is refused only when a recipe "
+             "sets it to something other than megatron's default.", "", "| field | role | what ttrace does |",
+             "|---|---|---|"]
+    for role, names in ((Role.STRUCTURE, STRUCTURE), (Role.NUMERICS, NUMERICS), (Role.LAYOUT, LAYOUT),
+                        (Role.NEUTRAL, NEUTRAL), (Role.REFUSED, tuple(REFUSED))):
+        for name in names:
+            lines.append(f"| `{name}` | {role.value} | {REFUSED[name] if role is Role.REFUSED else what[role]} |")
     return "\n".join(lines) + "\n"
 
 

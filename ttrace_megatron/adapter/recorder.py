@@ -37,7 +37,7 @@ import torch
 from .. import keys
 from ..keys import TensorKey
 from ..placement import Coords, Layout, owned_piece
-from . import layouts
+from . import compat, layouts
 from .hooks import INPUT_ARRIVES, RECORD, Call, Clock, Feature
 from .layouts import Site
 from .naming import all_parameters, canonical_module_names, unwrap
@@ -323,23 +323,18 @@ class _AuxLossTap:
     """Records the MoE aux losses (load balancing, sequence and global load balancing, z-loss) of
     each router forward, per microbatch, as the value megatron attaches to the graph.
 
-    The router hands each loss to ``save_to_aux_losses_tracker`` (for logging) divided by its
-    coefficient; the tap wraps that name in megatron's router module while attached (``remove``
-    restores it) and multiplies the coefficient back. The z-loss's coefficient is divided by the
-    TP×CP size, as the router does, so every recorded value is a sum over this rank's tokens
-    (:func:`layouts.router_loss_layout`). The original function always runs, unchanged.
+    The router hands each loss to megatron's logging divided by its coefficient; the tap
+    (``compat.tap_router_loss_log``, while attached: ``remove`` takes it out) multiplies the
+    coefficient back. The z-loss's coefficient is divided by the TP×CP size, as the router does, so
+    every recorded value is a sum over this rank's tokens (:func:`layouts.router_loss_layout`).
+    megatron's own logging always runs, unchanged.
     """
 
     def __init__(self, recorder: "Recorder"):
-        from megatron.core.transformer.moe import router as router_module
-
         self.recorder = recorder
-        self.module = router_module
-        self.original = router_module.save_to_aux_losses_tracker
-        router_module.save_to_aux_losses_tracker = self
+        self.remove = compat.tap_router_loss_log(self._logged)
 
-    def __call__(self, name, loss, *args, **kwargs):
-        self.original(name, loss, *args, **kwargs)
+    def _logged(self, name, loss) -> None:
         rec = self.recorder
         if rec.router is None or not isinstance(loss, torch.Tensor):
             return
@@ -355,10 +350,6 @@ class _AuxLossTap:
         value = (loss.detach().to(torch.float64) * coeff).reshape(1)
         rec._add(TensorKey(rec.clock.iteration, rec.clock.microbatch, mname, keys.FORWARD, name), value,
                  Site(mname, router))
-
-    def remove(self) -> None:
-        if self.module.save_to_aux_losses_tracker is self:
-            self.module.save_to_aux_losses_tracker = self.original
 
 
 class _FP8AmaxTap:

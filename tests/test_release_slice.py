@@ -1,0 +1,47 @@
+"""The release slice: the demo, and a TP+SP, a PP, an MoE and a distributed-optimizer recipe, each
+clean and with one injected bug, on whichever megatron-core release is installed. The whole suite
+runs on one release; CI runs this slice on the oldest and the newest supported release too
+(``.ci/run``, ``adapter.compat.SUPPORTED``)."""
+
+import json
+import os
+
+import pytest
+
+from ttrace_megatron.compare import compare_traces
+from ttrace_megatron.recipe import load_recipe
+
+RECIPES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes")
+
+# (recipe, injected bug, the end-to-end first mismatch's module and phase)
+SLICE = [
+    ("gpt_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2",
+     "forward"),
+    ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
+    ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.0.mlp.router", "forward"),
+    ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer"),
+]
+
+
+@pytest.mark.release_slice
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recipe_name,bug,module,phase", SLICE, ids=[s[0] for s in SLICE])
+def test_recipe_clean_and_its_bug_caught(runs, recipe_name, bug, module, phase):
+    recipe = load_recipe(os.path.join(RECIPES, recipe_name + ".yaml"))
+    ref, clean = runs.candidate(recipe)
+    c = compare_traces(ref, clean)
+    assert c.verdict == "pass", f"clean {recipe_name}: first mismatch {c.first_mismatch}"
+    _, buggy = runs.candidate(recipe, inject=[bug])
+    fm = compare_traces(ref, buggy).first_mismatch
+    assert fm is not None, f"{bug} not detected"
+    assert (fm.key.module, fm.key.phase) == (module, phase), f"{bug}: first mismatch {fm.key}"
+
+
+@pytest.mark.release_slice
+@pytest.mark.multiprocess
+def test_demo_passes(tmp_path):
+    """The README's first command: the embedded demo, reference vs TP=2 + SP."""
+    from ttrace_megatron.cli import main
+
+    assert main(["run", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "report.json")]) == 0
+    assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "pass"

@@ -1,0 +1,103 @@
+"""What differs between the megatron-core releases ttrace supports, in one place.
+
+ttrace runs on megatron-core 0.16 through 0.19 from one code base. Every place where a release
+renamed, moved or removed something ttrace uses is a switch here, commented with the release and
+the upstream change that made it; nothing outside this module asks which release is installed.
+Each switch tests for the thing itself (an attribute, a parameter) rather than comparing version
+numbers, so a development tree between two releases takes the branch its code has.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable, Dict, Tuple
+
+# the releases this code base supports: oldest first, newest last (setup.py's range, CI's slice)
+SUPPORTED = ("0.16", "0.17", "0.18", "0.19")
+
+
+def version() -> Tuple[int, ...]:
+    """The installed megatron-core's version, as numbers (``0.19.2`` -> ``(0, 19, 2)``)."""
+    import megatron.core
+
+    parts = []
+    for p in str(getattr(megatron.core, "__version__", "0")).split("."):
+        digits = "".join(ch for ch in p if ch.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+def _accepts(fn, name: str) -> bool:
+    return name in inspect.signature(fn).parameters
+
+
+def local_layer_spec(config):
+    """megatron's local (no TransformerEngine) layer spec for a dense decoder layer, with the
+    spec-level choices read from the config.
+
+    0.17 removed ``moe_use_legacy_grouped_gemm`` from ``get_gpt_layer_local_spec`` together with
+    the legacy GroupedMLP ("[Cleanup] Remove the deprecated GroupedMLP", 2caa681a1d, #3410)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    kwargs: Dict[str, Any] = dict(normalization=config.normalization)
+    if _accepts(get_gpt_layer_local_spec, "moe_use_legacy_grouped_gemm"):  # 0.16
+        kwargs["moe_use_legacy_grouped_gemm"] = config.moe_use_legacy_grouped_gemm
+    return get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
+                                    config.multi_latent_attention, **kwargs)
+
+
+def tap_router_loss_log(callback: Callable[[str, Any], None]) -> Callable[[], None]:
+    """Call ``callback(name, value)`` with every loss an MoE router hands to megatron's logging
+    (the loss divided by its coefficient), right after megatron's own logging, which always runs
+    unchanged. Returns the function that removes the tap.
+
+    0.18 replaced ``save_to_aux_losses_tracker(name, loss, ...)`` (moe_utils, imported by name into
+    router.py) with ``get_moe_metrics_tracker().record(name, value, ...)`` ("[main] Refactor and
+    Improve MoE Logging", 873678adaf, #3431); both take the name and the value first."""
+    from megatron.core.transformer.moe import router as router_module
+
+    if hasattr(router_module, "save_to_aux_losses_tracker"):  # 0.16, 0.17
+        name = "save_to_aux_losses_tracker"
+        original = router_module.save_to_aux_losses_tracker
+
+        def tapped(loss_name, value, *args, **kwargs):
+            original(loss_name, value, *args, **kwargs)
+            callback(loss_name, value)
+    else:  # 0.18 on
+        name = "get_moe_metrics_tracker"
+        original = router_module.get_moe_metrics_tracker
+
+        def tapped():
+            return _TappedTracker(original(), callback)
+
+    setattr(router_module, name, tapped)
+
+    def remove() -> None:
+        if getattr(router_module, name) is tapped:
+            setattr(router_module, name, original)
+
+    return remove
+
+
+class _TappedTracker:
+    """megatron's MoE metrics tracker, its ``record`` followed by the tap's callback."""
+
+    def __init__(self, tracker, callback):
+        self._tracker, self._callback = tracker, callback
+
+    def record(self, name, value, *args, **kwargs):
+        self._tracker.record(name, value, *args, **kwargs)
+        self._callback(name, value)
+
+    def __getattr__(self, attr):
+        return getattr(self._tracker, attr)
+
+
+def grads_for_norm_attr(optimizer) -> str:
+    """The name of the method through which a megatron optimizer hands its grads to the grad norm.
+
+    0.19 renamed ``get_main_grads_for_grad_norm()`` to ``get_grads_for_grad_norm(grad_norm_group=None)``
+    ("Clip mtp grads separately when mtp_detach_heads=True", 5b16c99648, #4116)."""
+    return "get_grads_for_grad_norm" if hasattr(optimizer, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
