@@ -30,6 +30,9 @@ def test_every_transformer_config_field_has_exactly_one_role():
     # the table covers every supported release (a field another release has may be absent here), once each
     names = [name for t in tables for name in t]
     assert len(names) == len(set(names)), "a field with two roles"
+    installed = model_fields.transformer_fields()
+    stale = [n for n in names if n not in installed and n not in model_fields.NOT_IN_EVERY_RELEASE]
+    assert not stale, f"roles for fields no supported megatron-core has: {stale}"
 
 
 @pytest.mark.parametrize("field,value", [("mtp_num_layers", 1), ("recompute_granularity", "selective"),
@@ -59,6 +62,8 @@ def test_every_ddp_config_field_is_honoured_or_refused():
     known = set(config.DDP_HONOURED) | set(config.DDP_REFUSED)
     # the roles cover every supported release: the installed one's fields are among them
     assert fields <= known, f"DistributedDataParallelConfig fields without a role: {sorted(fields - known)}"
+    stale = sorted(known - fields - config.DDP_NOT_IN_EVERY_RELEASE)
+    assert not stale, f"roles for fields no supported megatron-core has: {stale}"
     assert not set(config.DDP_HONOURED) & set(config.DDP_REFUSED)
 
 

@@ -234,3 +234,15 @@ def test_pieces_split_otherwise_differently_still_refuse():
     pieces = [({"tp": (0, 2), "dp": (0, 2)}, torch.zeros(6), a), ({"tp": (1, 2), "dp": (0, 2)}, torch.zeros(2), b)]
     with pytest.raises(PlacementError, match="different placements"):
         merge_pieces(pieces)
+
+
+def test_copies_may_differ_in_their_owned_ranges_only():
+    """Below a Replicate axis, copies split with other placements than each other are an error (a
+    disagreement between two ranks' layouts is ttrace's, never a replica mismatch of the run)."""
+    logical = torch.arange(12.0).reshape(4, 3)
+    a = Layout((Replicate("pp"), Shard(0, "tp")), (4, 3))
+    b = Layout((Replicate("pp"), Partial("tp")), (4, 3))
+    pieces = [({"pp": (0, 2), "tp": (r, 2)}, logical[2 * r:2 * r + 2], a) for r in range(2)]
+    pieces += [({"pp": (1, 2), "tp": (r, 2)}, logical / 2, b) for r in range(2)]
+    with pytest.raises(PlacementError, match="different placements"):
+        merge_pieces(pieces)

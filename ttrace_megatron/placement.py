@@ -448,15 +448,21 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
 
 
 def replicas_split_alike(layouts: Sequence[Layout]) -> bool:
-    """Whether pieces recorded under ``layouts`` (not all equal) are copies of one tensor over an
-    outer ``Replicate`` axis, each copy split its own way below it: a tied weight's copies on two
-    pipeline stages, each in its own stage's distributed-optimizer buckets, own different ranges."""
+    """Whether pieces recorded under ``layouts`` are copies of one tensor over an outer ``Replicate``
+    axis whose layouts differ only in their owned ranges: a tied weight's copies on two pipeline
+    stages, each in its own stage's distributed-optimizer buckets, own different ranges. Any other
+    difference between two ranks' layouts is an error, never a replica mismatch."""
     first = layouts[0]
     if not first.placements or not isinstance(first.placements[0], Replicate):
         return False
-    return all(lay.placements and lay.placements[0] == first.placements[0]
-               and tuple(lay.logical_shape) == tuple(first.logical_shape) and lay.scale == first.scale
-               and lay.permute == first.permute for lay in layouts)
+    return all(_without_range_bounds(lay) == _without_range_bounds(first) for lay in layouts)
+
+
+def _without_range_bounds(layout: Layout) -> Layout:
+    """The layout with its owned ranges set aside: the only thing copies may differ in."""
+    return dataclasses.replace(layout, placements=tuple(
+        dataclasses.replace(p, bounds=(0, math.prod(p.shape))) if isinstance(p, RangeShard) else p
+        for p in layout.placements))
 
 
 def merge_pieces(pieces: Sequence[Tuple[Coords, torch.Tensor, Layout]]) -> Merged:
@@ -472,10 +478,13 @@ def merge_pieces(pieces: Sequence[Tuple[Coords, torch.Tensor, Layout]]) -> Merge
                              f"{next(lay for lay in layouts if lay != layouts[0]).to_json()})")
     axis = layouts[0].placements[0].axis
     copies: Dict[int, List[Tuple[Coords, torch.Tensor, Layout]]] = {}
-    size = None
+    sizes = set()
     for coords, tensor, lay in pieces:
         rank, size = _coord(coords, axis)
+        sizes.add(size)
         copies.setdefault(rank, []).append((coords, tensor, dataclasses.replace(lay, placements=lay.placements[1:])))
+    if len(sizes) > 1:
+        raise PlacementError(f"axis {axis!r} has sizes {sorted(sizes)} on different ranks")
     if sorted(copies) != list(range(size)):
         raise PlacementError(f"pieces along axis {axis!r} are ranks {sorted(copies)}, not all {size}")
     merged = [merge_pieces(copies[r]) for r in sorted(copies)]

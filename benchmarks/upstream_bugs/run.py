@@ -224,7 +224,7 @@ def main():
                 o = judge(e, tmp, args.dtype)
             except Exception as exc:  # noqa: BLE001 - a row of the table, with the error
                 print(f"{e.name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-                o = Outcome("error", "—", "error", "—", 0.0, "—", False, False, error=str(exc).splitlines()[-1][:200])
+                o = Outcome("error", "—", "error", "—", 0.0, "—", False, False, error=(str(exc).splitlines() or [type(exc).__name__])[-1][:200])
         outcomes.append((e, o))
         print(f"| {e.name} | [{e.commit[:10]}]({e.url or 'https://github.com/NVIDIA/Megatron-LM/commit/' + e.commit}) "
               f"| {e.bug_class} | {e.kind} | {e.recipe} | {o.clean_verdict} {o.clean_worst} | {o.first_mismatch} | "

@@ -491,6 +491,9 @@ def adam_state_stepped_on_wrong_shard(chunks) -> None:
     DistributedOptimizer._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
 
 
+_MISSING = object()
+
+
 @bug()
 def grad_norm_misses_expert_ranks(chunks) -> None:
     """The grad norm leaves out the expert parameters' grads (the expert optimizer's contribution
@@ -504,12 +507,16 @@ def grad_norm_misses_expert_ranks(chunks) -> None:
         experts = [o for o in self.chained_optimizers  # the optimizer of megatron's expert-parallel groups
                    if any(g.get("is_expert_parallel") for g in getattr(getattr(o, "optimizer", None), "param_groups", []))]
         saved = [(o, compat.grads_for_norm_attr(o)) for o in experts]
-        for o, attr in saved:
+        saved = [(o, attr, o.__dict__.get(attr, _MISSING)) for o, attr in saved]
+        for o, attr, _ in saved:
             setattr(o, attr, lambda *args, **kwargs: [])
         try:
             return original(self)
         finally:
-            for o, attr in saved:
-                delattr(o, attr)  # the class's method again
+            for o, attr, before in saved:
+                if before is _MISSING:
+                    delattr(o, attr)  # the class's method again
+                else:
+                    setattr(o, attr, before)
 
     ChainedOptimizer.get_grad_norm = get_grad_norm

@@ -10,23 +10,10 @@ numbers, so a development tree between two releases takes the branch its code ha
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, Tuple
+from typing import Any, Callable, Dict
 
 # the releases this code base supports: oldest first, newest last (setup.py's range, CI's slice)
 SUPPORTED = ("0.16", "0.17", "0.18", "0.19")
-
-
-def version() -> Tuple[int, ...]:
-    """The installed megatron-core's version, as numbers (``0.19.2`` -> ``(0, 19, 2)``)."""
-    import megatron.core
-
-    parts = []
-    for p in str(getattr(megatron.core, "__version__", "0")).split("."):
-        digits = "".join(ch for ch in p if ch.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
 
 
 def _accepts(fn, name: str) -> bool:
@@ -39,10 +26,14 @@ def local_layer_spec(config):
 
     0.17 removed ``moe_use_legacy_grouped_gemm`` from ``get_gpt_layer_local_spec`` together with
     the legacy GroupedMLP ("[Cleanup] Remove the deprecated GroupedMLP", 2caa681a1d, #3410)."""
+    from megatron.core.models.gpt import gpt_layer_specs
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
+    # 0.17 on: get_gpt_layer_local_spec(*args, **kwargs) forwards to get_gpt_layer_local_submodules,
+    # whose signature is the one that says what the spec takes
+    takes = getattr(gpt_layer_specs, "get_gpt_layer_local_submodules", get_gpt_layer_local_spec)
     kwargs: Dict[str, Any] = dict(normalization=config.normalization)
-    if _accepts(get_gpt_layer_local_spec, "moe_use_legacy_grouped_gemm"):  # 0.16
+    if _accepts(takes, "moe_use_legacy_grouped_gemm"):  # 0.16
         kwargs["moe_use_legacy_grouped_gemm"] = config.moe_use_legacy_grouped_gemm
     return get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
                                     config.multi_latent_attention, **kwargs)

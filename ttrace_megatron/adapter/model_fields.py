@@ -76,7 +76,6 @@ _FP8 = "TransformerEngine FP8/FP4: use `dtype: fp8`, ttrace's emulation of TE's 
 _MUP = "μP (maximal update parametrization) rescales init, attention and outputs: " + _UNVERIFIED
 _MTP = "multi-token prediction is not supported yet"
 _GROUPED = "grouped GEMM needs TransformerEngine or the grouped_gemm package; ttrace builds SequentialMLP experts"
-_GTP = "generalized tensor parallelism (weight shards) is not supported yet"
 _OFFLOAD = "activation offloading to the host: " + _UNVERIFIED
 _DSA = "DeepSeek sparse attention: " + _UNVERIFIED
 
@@ -153,7 +152,6 @@ REFUSED: Dict[str, str] = {
     "use_mup": _MUP, "mup_width_mult": _MUP, "mup_base_hidden_size": _MUP, "mup_base_head_dim": _MUP,
     "mup_embedding_mult": _MUP, "mup_output_mult": _MUP, "mup_attn_scale_power": _MUP,
     "mtp_use_repeated_layer": _MTP, "mtp_hybrid_override_pattern": _MTP, "mtp_detach_heads": _MTP,
-    "mtp_grad_scale_func": _CALLABLE, "moe_grad_scale_func": _CALLABLE,
     "experimental_attention_variant_loss_scale_func": _CALLABLE,
     "fused_residual_rmsnorm": _TE, "flash_attention_version": _TE, "use_transformer_engine_op_fuser": _TE,
     "cuda_graph_modules": _TE, "high_priority_a2a_comm_stream": _TE, "fp8_output_proj": _FP8,
@@ -168,11 +166,8 @@ REFUSED: Dict[str, str] = {
     "moe_shared_expert_glu_interleave_size": _UNVERIFIED + " (an interleaved [gate; up] layout ttrace does not place)",
     "moe_router_force_biased": _UNVERIFIED, "moe_router_quantile_balancing_ema": _UNVERIFIED,
     "moe_expert_rank_capacity_factor": _UNVERIFIED,
-    "overlap_dispatch_backward_with_experts_wgrad": "overlaps the dispatcher on CUDA streams; " + _UNVERIFIED,
     "mlp_chunks_for_training": _UNVERIFIED,
-    "tensor_parallel_num_weight_shards": _GTP, "expert_tensor_parallel_num_weight_shards": _GTP,
-    "gtp_weight_remat_size": _GTP, "expert_gtp_weight_remat_size": _GTP,
-    "cpu_offloading_retain_pinned_cpu_buffers": _OFFLOAD, "fine_grained_offloading_max_inflight_offloads": _OFFLOAD,
+    "fine_grained_offloading_max_inflight_offloads": _OFFLOAD,
     "activation_offload_fraction": _OFFLOAD, "delay_offload_until_cuda_graph": _OFFLOAD,
     "delta_offload_bytes_across_pp_ranks": _OFFLOAD,
     "inference_disable_triton_nvls_kernels": "inference only", "inference_grouped_gemm_backend": "inference only",
@@ -185,6 +180,31 @@ REFUSED: Dict[str, str] = {
     "mamba_training_ssm_states_dtype": "HybridModel (Mamba) is not supported yet",
 }
 
+
+# the fields of some supported releases only (the rest are in all four: 0.16.1, 0.17.1, 0.18.2,
+# 0.19.2); a role for a name that is neither installed nor here is a misspelling or a stale role
+NOT_IN_EVERY_RELEASE = frozenset((
+    "activation_offload_fraction", "cuda_graph_modules", "delay_offload_until_cuda_graph",
+    "delta_offload_bytes_across_pp_ranks", "dsa_indexer_k_norm_epsilon", "dsa_indexer_k_norm_fp32",
+    "dsa_indexer_rope_interleaved", "dsa_indexer_rotate_activation", "dsa_indexer_scoring_relu",
+    "dsa_indexer_skip_topk_offset", "dsa_indexer_topk_freq", "dsa_kernel_backend",
+    "experimental_attention_variant_loss_scale_func", "fine_grained_offloading_max_inflight_offloads",
+    "flash_attention_version", "fp8_output_proj", "fused_residual_rmsnorm", "high_priority_a2a_comm_stream",
+    "inference_cuda_graph_scope", "inference_disable_triton_nvls_kernels", "inference_grouped_gemm_backend",
+    "inference_moe_disable_fused_quant_kernels", "inference_moe_token_dispatcher_type",
+    "mamba_training_ssm_states_dtype", "mlp_chunks_for_training", "moe_expert_rank_capacity_factor",
+    "moe_flex_dispatcher_num_sms", "moe_hybridep_num_blocks_permute", "moe_hybridep_num_blocks_unpermute",
+    "moe_hybridep_num_sms_preprocessing", "moe_hybridep_pad_uneven_dispatch_inputs", "moe_mlp_glu_interleave_size",
+    "moe_ncclep_static_shape", "moe_ncclep_zero_copy", "moe_pad_experts_for_cuda_graph_inference",
+    "moe_paged_stash", "moe_paged_stash_buffer_size_factor_cpu", "moe_paged_stash_buffer_size_factor_cuda",
+    "moe_paged_stash_page_size", "moe_permute_fusion_into_hybridep", "moe_router_force_biased",
+    "moe_router_quantile_balancing_ema", "moe_shared_expert_glu_interleave_size", "moe_single_grouped_bias",
+    "moe_single_grouped_weight", "moe_use_legacy_grouped_gemm", "mtp_detach_heads", "mtp_hybrid_override_pattern",
+    "mtp_use_repeated_layer", "mup_attn_scale_power", "mup_base_head_dim", "mup_base_hidden_size",
+    "mup_embedding_mult", "mup_output_mult", "mup_width_mult", "nccl_all_reduce_for_prefill",
+    "use_grouped_gemm_for_dense_mlp", "use_grouped_gemm_for_shared_expert", "use_mup",
+    "use_transformer_engine_op_fuser",
+))
 
 
 def role_of(name: str) -> Role:
