@@ -204,3 +204,18 @@ def test_the_field_table_in_docs_is_current():
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "model_fields.md")
     with open(path) as f:
         assert f.read() == model_fields.markdown(), "regenerate: python -m ttrace_megatron.adapter.model_fields"
+
+
+@pytest.mark.parametrize("field", sorted(__import__("ttrace_megatron.adapter.config", fromlist=["x"]).PARALLEL_REFUSED))
+def test_later_releases_parallel_fields_are_refused_not_passed_through(field):
+    """A ModelParallelConfig field of a later release that ttrace does not honour is refused with the
+    reason when set; on a release without it, it is an unknown key. Never accepted."""
+    from ttrace_megatron.adapter import config
+
+    recipe = recipe_from_dict({"model": BASE, "world_size": 1, "parallel": {field: 2}})
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(recipe)
+    if field in config.parallel_fields():
+        assert config.PARALLEL_REFUSED[field] in str(e.value)
+    else:
+        assert "unknown key" in str(e.value)
