@@ -5,7 +5,7 @@
 # runs there. megatron-core 0.17 on declares Python >= 3.12, whose CPU torch this machine's
 # registries do not carry; its code runs on Python 3.11 (0.18 on import triton, which installs
 # without a GPU), hence --ignore-requires-python.
-#   bash .ci/release_slice.sh 'megatron-core>=0.19,<0.20'
+#   bash .ci/release_slice.sh 'megatron-core==0.19.*'
 set -euo pipefail
 cd "$(dirname "$0")/.."
 spec="$1"

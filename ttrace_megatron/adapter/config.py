@@ -123,9 +123,9 @@ DDP_REFUSED = {
     "megatron_fsdp_main_params_dtype": _FSDP, "megatron_fsdp_cuda_graph_mode": _FSDP,
     "megatron_fsdp_enable_fine_grained_param_gather": _FSDP, "megatron_fsdp_use_decoupled_grad": _FSDP,
     "megatron_fsdp_max_pool_double_buffer": _FSDP,
-    "param_name_patterns_for_fp32_local_accumulation": "not verified by ttrace yet: it changes the precision some "
-                                                       "parameters' grads accumulate in",
-    "num_buckets": "not verified by ttrace yet: the distributed optimizer's shard ranges follow the buckets",
+    "param_name_patterns_for_fp32_local_accumulation": model_fields.UNVERIFIED + " (it changes the precision "
+                                                       "some parameters' grads accumulate in)",
+    "num_buckets": model_fields.UNVERIFIED + " (the distributed optimizer's shard ranges follow the buckets)",
 }
 
 
@@ -238,14 +238,13 @@ PRECISION_FIELDS = {
 # ModelParallelConfig fields of later releases (0.17-0.19) ttrace does not honour: refused unless at
 # megatron's default
 _GTP = "generalized tensor parallelism (weight shards) is not supported by ttrace yet"
-_CALLABLE = "a Python callable: a YAML recipe cannot set it (megatron's default is used)"
 PARALLEL_REFUSED = {
     "tensor_parallel_num_weight_shards": _GTP, "expert_tensor_parallel_num_weight_shards": _GTP,
     "gtp_weight_remat_size": _GTP, "expert_gtp_weight_remat_size": _GTP,
-    "mtp_grad_scale_func": _CALLABLE, "moe_grad_scale_func": _CALLABLE,
-    "overlap_dispatch_backward_with_experts_wgrad": "overlaps the dispatcher on CUDA streams; not verified by "
-                                                    "ttrace yet",
-    "cpu_offloading_retain_pinned_cpu_buffers": "activation offloading to the host: not verified by ttrace yet",
+    "mtp_grad_scale_func": model_fields.CALLABLE, "moe_grad_scale_func": model_fields.CALLABLE,
+    "overlap_dispatch_backward_with_experts_wgrad": "overlaps the dispatcher on CUDA streams; "
+                                                    + model_fields.UNVERIFIED,
+    "cpu_offloading_retain_pinned_cpu_buffers": "activation offloading to the host: " + model_fields.UNVERIFIED,
 }
 
 
