@@ -129,7 +129,7 @@ def builds(entry: Entry, tmp: str) -> Dict[str, Optional[str]]:
     return {"clean": None, "buggy": patched} if entry.kind == REVERTED else {"clean": patched, "buggy": None}
 
 
-def recipe_of(entry: Entry, dtype: str, seed: Optional[int] = None):
+def recipe_of(entry: Entry, dtype: str):
     import yaml
 
     from ttrace_megatron.recipe import recipe_from_dict
@@ -140,8 +140,6 @@ def recipe_of(entry: Entry, dtype: str, seed: Optional[int] = None):
     for section, fields in entry.overrides.items():
         raw[section] = {**(raw.get(section) or {}), **fields} if isinstance(fields, dict) else fields
     raw.update(name=f"upstream-{entry.name}", dtype=dtype)
-    if seed is not None:
-        raw["data"]["seed"] = seed
     return recipe_from_dict(raw, source=os.path.join(ENTRIES, entry.name, "entry.yaml"))
 
 
