@@ -58,6 +58,14 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     from .adapter.side import check_tree
 
     validate_recipe(recipe)
+    recipes = {REFERENCE: recipe.to_json(), CANDIDATE: recipe.to_json()}
+    as_gpt = getattr(args, "reference_model", "same") == "gpt"
+    if as_gpt:  # the migration check: a GPTModel reference, the HybridModel candidate named as it
+        from .adapter.hybrid import gpt_equivalent
+        from .recipe import recipe_from_dict
+
+        recipes[REFERENCE] = gpt_equivalent(recipes[REFERENCE])
+        validate_recipe(recipe_from_dict(recipes[REFERENCE], recipe.source))
     trees = {role: check_tree(path, flag) if path else None for role, flag, path in (
         (REFERENCE, "--reference-megatron", getattr(args, "reference_megatron", None)),
         (CANDIDATE, "--candidate-megatron", getattr(args, "candidate_megatron", None)))}
@@ -72,8 +80,9 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
 
 
     def spec(role, trace_dir, inject=(), **trace):
-        return RunSpec(recipe=recipe.to_json(), role=role, cpu=args.cpu, inject=list(inject), megatron=trees[role],
-                       trace=trace_options(trace_dir, seed, **dict(selective, **trace)))
+        return RunSpec(recipe=recipes[role], role=role, cpu=args.cpu, inject=list(inject), megatron=trees[role],
+                       trace=trace_options(trace_dir, seed, **dict(selective, **trace)),
+                       as_gpt=as_gpt and role == CANDIDATE)
 
     online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
@@ -294,6 +303,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkout or a patched copy: the directory holding megatron/core); default: the installed one")
     run.add_argument("--reference-megatron", metavar="PATH",
                      help="run the reference (and its perturbation run) on the megatron-core of this source tree")
+    run.add_argument("--reference-model", choices=("same", "gpt"), default="same",
+                     help="gpt: the reference is the GPTModel a HybridModel recipe of attention/MLP pairs ('*-*-', "
+                          "'*E*E') equals, one GPT layer per pair, and the candidate's tensors are named as that "
+                          "GPT's (a GPT-to-HybridModel migration check)")
     run.add_argument("--no-lockstep", action="store_true",
                      help="let the candidate train on its own weights. By default it runs in lock-step: after each "
                           "optimizer step it takes the reference's parameters and optimizer state, so every "

@@ -1,7 +1,8 @@
 """Build a recipe's model and optimizer the way megatron.training builds them.
 
 The model is a megatron-core GPTModel with the layer spec Megatron-LM's ``pretrain_gpt.py`` builds
-for the local implementation (:func:`layer_spec`), checked against the recipe's fields before
+for the local implementation (:func:`layer_spec`), or, for a recipe with a hybrid layer pattern, a
+HybridModel of the same local layers (:mod:`.hybrid`), checked against the recipe's fields before
 anything runs (``structure``), one chunk per virtual pipeline stage, wrapped
 as megatron.training wraps it (Float16Module for bf16, DistributedDataParallel); its optimizer
 comes from ``get_megatron_optimizer``. :func:`model_signature` describes what was built, from the
@@ -17,45 +18,52 @@ import torch
 
 from ..errors import RecipeError
 from ..recipe import Recipe
-from . import compat
+from . import compat, hybrid
 from . import config as cfg
 from .model_fields import STRUCTURE
 from .structure import check_built_as_described
-from .naming import all_parameters, full_param_name, unwrap
+from .naming import NAME_MAP_ATTR, all_parameters, full_param_name, unwrap
 
 
-def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True):
+def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True, as_gpt: bool = False):
     """(model chunks, TransformerConfig) of one rank, after ``initialize_model_parallel``.
 
     The weights are megatron's own initialization; a run then loads the seed checkpoint over them.
-    Parameters the recipe freezes stop requiring grads.
+    Parameters the recipe freezes stop requiring grads. ``as_gpt``: a HybridModel of
+    attention/MLP pairs names its tensors as its GPTModel equivalent's (``hybrid.gpt_name``).
     """
     from megatron.core import parallel_state
-    from megatron.core.models.gpt import GPTModel
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    vpp = cfg.parallel_sizes(parallel)["vpp"]
+    parallel = hybrid.with_pattern_layout(recipe.model, parallel)
+    sizes = cfg.parallel_sizes(parallel)
+    vpp = sizes["vpp"]
     torch.manual_seed(recipe.data.seed)
     model_parallel_cuda_manual_seed(recipe.data.seed)
     config = cfg.transformer_config(recipe, parallel)
+    pattern = hybrid.pattern_of(recipe.model)
     # one chunk per virtual stage, as megatron.training's get_model builds them
     stages = [None] if vpp == 1 else list(range(vpp))
     chunks = []
     for vp_stage in stages:
+        where = dict(pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
+                     vp_stage=vp_stage)
         try:
-            chunk = GPTModel(config=config, transformer_layer_spec=layer_spec(config, vp_stage),
-                             vocab_size=cfg.padded_vocab_size(recipe),
-                             max_sequence_length=recipe.data.seq_length,
-                             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
-                             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
-                             vp_stage=vp_stage, **cfg.gpt_model_kwargs(recipe))
+            if pattern is None:
+                chunk = _gpt_model(recipe, config, where)
+            else:
+                chunk = _hybrid_model(recipe, config, hybrid.side_pattern(pattern, sizes["pp"], vpp), where)
         except (AssertionError, ValueError, TypeError, NotImplementedError) as e:
             raise RecipeError(f"{recipe.source}: megatron-core refuses to build this model: {megatron_frame(e)}: "
                               f"{e}") from None
+        if as_gpt:
+            hybrid.gpt_equivalent(recipe.to_json())  # refuses a pattern without a GPT equivalent
+            setattr(chunk, NAME_MAP_ATTR, hybrid.gpt_name)
         if not cpu:
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
-    problems = check_built_as_described(chunks, config, cfg.gpt_model_kwargs(recipe))
+    problems = check_built_as_described(chunks, config, cfg.gpt_model_kwargs(recipe), pattern)
     if problems:
         raise RecipeError(f"{recipe.source}: the model megatron built is not the model the recipe describes: "
                           + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
@@ -63,6 +71,32 @@ def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True):
         if any(fnmatch.fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
             param.requires_grad_(False)
     return chunks, config
+
+
+def _gpt_model(recipe: Recipe, config, where: Dict[str, Any]):
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(config=config, transformer_layer_spec=layer_spec(config, where["vp_stage"]),
+                    vocab_size=cfg.padded_vocab_size(recipe), max_sequence_length=recipe.data.seq_length,
+                    **where, **cfg.gpt_model_kwargs(recipe))
+
+
+def _hybrid_model(recipe: Recipe, config, pattern: str, where: Dict[str, Any]):
+    """megatron's HybridModel of local layers (``hybrid.stack_spec``), built as Megatron-LM's
+    ``pretrain_hybrid.py`` builds it: the pattern, this stage's segment chosen by megatron."""
+    from megatron.core.models.hybrid.hybrid_model import HybridModel
+
+    kwargs = cfg.gpt_model_kwargs(recipe)
+    with compat.hybrid_final_norm(hybrid.final_norm_class(config)):
+        model = HybridModel(config=config, hybrid_stack_spec=hybrid.stack_spec(config),
+                            vocab_size=cfg.padded_vocab_size(recipe), max_sequence_length=recipe.data.seq_length,
+                            hybrid_layer_pattern=pattern, **where, **kwargs)
+    # GPTModel keeps these arguments as attributes (the model signature reads them); HybridModel
+    # hands them to its RotaryEmbedding only
+    for name in ("rotary_percent", "rotary_base"):
+        if not hasattr(model, name):
+            setattr(model, name, kwargs[name])
+    return model
 
 
 def megatron_frame(error: BaseException) -> str:

@@ -10,7 +10,8 @@ numbers, so a development tree between two releases takes the branch its code ha
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict
+import contextlib
+from typing import Any, Callable, Dict, Optional
 
 # the releases this code base supports: oldest first, newest last (setup.py's range, CI's slice)
 SUPPORTED = ("0.16", "0.17", "0.18", "0.19")
@@ -20,9 +21,10 @@ def _accepts(fn, name: str) -> bool:
     return name in inspect.signature(fn).parameters
 
 
-def local_layer_spec(config):
-    """megatron's local (no TransformerEngine) layer spec for a dense decoder layer, with the
-    spec-level choices read from the config.
+def local_layer_spec(config, moe: Optional[bool] = None):
+    """megatron's local (no TransformerEngine) layer spec for a decoder layer, with the spec-level
+    choices read from the config; its MLP is an MoE layer when the config has experts, or as
+    ``moe`` says (a HybridModel's ``-`` and ``E`` layers share one config).
 
     0.17 removed ``moe_use_legacy_grouped_gemm`` from ``get_gpt_layer_local_spec`` together with
     the legacy GroupedMLP ("[Cleanup] Remove the deprecated GroupedMLP", 2caa681a1d, #3410)."""
@@ -35,7 +37,8 @@ def local_layer_spec(config):
     kwargs: Dict[str, Any] = dict(normalization=config.normalization)
     if _accepts(takes, "moe_use_legacy_grouped_gemm"):  # 0.16
         kwargs["moe_use_legacy_grouped_gemm"] = config.moe_use_legacy_grouped_gemm
-    return get_gpt_layer_local_spec(config.num_moe_experts, config.moe_grouped_gemm, config.qk_layernorm,
+    experts = config.num_moe_experts if moe is None or moe else None
+    return get_gpt_layer_local_spec(experts, config.moe_grouped_gemm, config.qk_layernorm,
                                     config.multi_latent_attention, **kwargs)
 
 
@@ -92,3 +95,32 @@ def grads_for_norm_attr(optimizer) -> str:
     0.19 renamed ``get_main_grads_for_grad_norm()`` to ``get_grads_for_grad_norm(grad_norm_group=None)``
     ("Clip mtp grads separately when mtp_detach_heads=True", 5b16c99648, #4116)."""
     return "get_grads_for_grad_norm" if hasattr(optimizer, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
+
+
+def has_hybrid_model() -> bool:
+    """Whether the installed megatron-core has ``HybridModel``: 0.18 added
+    ``megatron.core.models.hybrid`` (MambaModel renamed: "Rename MambaModel/MambaStack to
+    HybridModel/HybridStack", 15e07a2ddf, #4099). Its layers are attention, MLP, MoE, Mamba and GDN layers named by a pattern."""
+    import importlib.util
+
+    return importlib.util.find_spec("megatron.core.models.hybrid") is not None
+
+
+@contextlib.contextmanager
+def hybrid_final_norm(norm_class):
+    """Build a HybridStack whose final norm is ``norm_class`` instead of TransformerEngine's.
+
+    ``HybridStack.__init__`` (0.18, 0.19: ``megatron/core/models/hybrid/hybrid_block.py``) builds its
+    ``final_norm`` with ``TENorm`` whatever the spec says (its comment: the TE spec is used
+    "because we had problems getting the non-TE spec working"), so a local-spec HybridModel needs
+    TransformerEngine for that one norm. While the model is built, ``TENorm`` in that module is
+    the local spec's own norm class, the one GPTModel's local spec builds ``final_layernorm`` with;
+    megatron's module is restored after."""
+    from megatron.core.models.hybrid import hybrid_block
+
+    original = hybrid_block.TENorm
+    hybrid_block.TENorm = norm_class
+    try:
+        yield
+    finally:
+        hybrid_block.TENorm = original

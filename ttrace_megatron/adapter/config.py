@@ -10,7 +10,7 @@ import torch
 
 from ..errors import RecipeError
 from ..recipe import Recipe
-from . import model_fields
+from . import hybrid, model_fields
 
 # GPTModel constructor arguments (not TransformerConfig fields) a recipe may set under `model:`.
 GPT_MODEL_KEYS = {
@@ -54,9 +54,10 @@ def validate_recipe(recipe: Recipe) -> None:
     for key in recipe.model:
         if key in pc and key not in ("params_dtype",):
             raise RecipeError(f"{where}: model: '{key}' is a parallel setting; put it under 'parallel:'")
-        if key not in tc and key not in GPT_MODEL_KEYS:
+        if key not in tc and key not in GPT_MODEL_KEYS and key != hybrid.PATTERN_KEY:
             raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field "
-                              f"nor one of {sorted(GPT_MODEL_KEYS)})")
+                              f"nor one of {sorted(GPT_MODEL_KEYS) + [hybrid.PATTERN_KEY]})")
+    hybrid.check(recipe.model, recipe.parallel, where)  # before the fields: it names the pattern's own refusals
     model_fields.check_fields(recipe.model, where)
     if "activation_func" in recipe.model and recipe.model["activation_func"] not in activations():
         raise RecipeError(f"{where}: model: 'activation_func' must name one of {sorted(activations())}, "
@@ -283,7 +284,8 @@ def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
     model = recipe.model
     if parallel_sizes(parallel)["pp"] == 1:  # e.g. the one-rank reference: no pipeline split to describe
         model = model_fields.without_layout(model)
-    kwargs = {k: v for k, v in model.items() if k not in GPT_MODEL_KEYS}
+    kwargs = {k: v for k, v in model.items() if k not in GPT_MODEL_KEYS and k != hybrid.PATTERN_KEY}
+    kwargs.update(hybrid.config_fields(model))
     if "activation_func" in kwargs:
         if kwargs["activation_func"] not in activations():
             raise RecipeError(f"{recipe.source}: model: 'activation_func' must name one of {sorted(activations())}, "

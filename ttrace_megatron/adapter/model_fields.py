@@ -77,6 +77,8 @@ _MUP = "μP (maximal update parametrization) rescales init, attention and output
 _MTP = "multi-token prediction is not supported yet"
 _GROUPED = "grouped GEMM needs TransformerEngine or the grouped_gemm package; ttrace builds SequentialMLP experts"
 _OFFLOAD = "activation offloading to the host: " + UNVERIFIED
+_MAMBA = "configures Mamba layers (M in hybrid_layer_pattern), which need the mamba_ssm CUDA kernels: not " \
+         "supported by ttrace yet"
 _DSA = "DeepSeek sparse attention: " + UNVERIFIED
 
 REFUSED: Dict[str, str] = {
@@ -137,12 +139,13 @@ REFUSED: Dict[str, str] = {
     "inference_sampling_seed": "inference only", "symmetric_ar_type": _TE,
     "use_inference_optimized_layers": "inference only", "inference_fuse_tp_communication": "inference only",
     "mrope_section": "multimodal rotary embedding: " + UNVERIFIED,
-    "is_hybrid_model": "HybridModel (Mamba) is not supported yet",
-    "mamba_state_dim": "HybridModel (Mamba) is not supported yet",
-    "mamba_head_dim": "HybridModel (Mamba) is not supported yet",
-    "mamba_num_groups": "HybridModel (Mamba) is not supported yet",
-    "mamba_num_heads": "HybridModel (Mamba) is not supported yet",
-    "use_mamba_mem_eff_path": "HybridModel (Mamba) is not supported yet",
+    "is_hybrid_model": "set from model: hybrid_layer_pattern (a HybridModel), as Megatron-LM's "
+                       "--hybrid-layer-pattern sets it",
+    "mamba_state_dim": _MAMBA,
+    "mamba_head_dim": _MAMBA,
+    "mamba_num_groups": _MAMBA,
+    "mamba_num_heads": _MAMBA,
+    "use_mamba_mem_eff_path": _MAMBA,
     "mlp_chunks_for_prefill": "inference only",
     "heterogeneous_block_specs": UNVERIFIED, "hetereogenous_dist_checkpoint": UNVERIFIED,
     "quant_recipe": _FP8,
@@ -177,7 +180,7 @@ REFUSED: Dict[str, str] = {
     "dsa_indexer_k_norm_epsilon": _DSA, "dsa_indexer_k_norm_fp32": _DSA, "dsa_indexer_rope_interleaved": _DSA,
     "dsa_indexer_rotate_activation": _DSA, "dsa_indexer_scoring_relu": _DSA, "dsa_indexer_skip_topk_offset": _DSA,
     "dsa_indexer_topk_freq": _DSA, "dsa_kernel_backend": _DSA,
-    "mamba_training_ssm_states_dtype": "HybridModel (Mamba) is not supported yet",
+    "mamba_training_ssm_states_dtype": _MAMBA,
 }
 
 

@@ -8,6 +8,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
+# a model may carry a function of its canonical names to the names it is traced under (a HybridModel
+# traced as its GPTModel equivalent: ``hybrid.gpt_name``); every canonical name goes through it
+NAME_MAP_ATTR = "_ttrace_name_map"
+
 _LOCAL_LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)(\.|$)")
 _EXPERT_RE = re.compile(r"^(.*\.local_experts\.\d+)(\.|$)")
 
@@ -24,9 +28,11 @@ def canonical_module_names(chunk: torch.nn.Module) -> Dict[torch.nn.Module, str]
 
     ``decoder.layers.{i}`` uses the chunk-local index ``i``; the canonical name uses the layer's
     global number (``TransformerLayer.layer_number - 1``), which is the same whatever the
-    pipeline split. Likewise ``experts.local_experts.{i}`` becomes the global expert id.
+    pipeline split. Likewise ``experts.local_experts.{i}`` becomes the global expert id. A model
+    carrying ``NAME_MAP_ATTR`` maps every name through it last.
     """
     model = unwrap(chunk)
+    rename = getattr(model, NAME_MAP_ATTR, None)
     names: Dict[torch.nn.Module, str] = {}
     layers = getattr(getattr(model, "decoder", None), "layers", None)
     experts = {}  # "<...>.local_experts.<local>" -> "<...>.local_experts.<global>"
@@ -45,7 +51,7 @@ def canonical_module_names(chunk: torch.nn.Module) -> Dict[torch.nn.Module, str]
             local = int(m.group(1))
             global_index = layers[local].layer_number - 1
             name = f"decoder.layers.{global_index}" + name[m.end(1):]
-        names[module] = name
+        names[module] = rename(name) if rename is not None else name
     return names
 
 

@@ -22,7 +22,7 @@ from ..recipe import Recipe, recipe_from_dict
 from ..trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
 from . import build
 from . import config as cfg
-from . import layouts
+from . import hybrid, layouts
 from .integration import TraceOptions
 
 
@@ -37,13 +37,17 @@ class RunSpec:
     cpu: bool = True
     master_port: int = 0
     megatron: Optional[str] = None  # a megatron-core source tree to run on (side.py); None: the installed one
+    # a HybridModel candidate traced as its GPTModel equivalent, against a GPT reference (hybrid.py)
+    as_gpt: bool = False
 
     def get_recipe(self) -> Recipe:
         return recipe_from_dict(self.recipe)
 
     @property
     def parallel(self) -> Dict:
-        return dict(self.recipe["parallel"]) if self.role == CANDIDATE else {}
+        if self.role != CANDIDATE:
+            return {}
+        return hybrid.with_pattern_layout(self.recipe["model"], dict(self.recipe["parallel"]))
 
     @property
     def world_size(self) -> int:
@@ -126,17 +130,21 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     dp_size = parallel_state.get_data_parallel_world_size()
     coords = layouts.rank_coordinates()
 
-    chunks, config = build.gpt_chunks(recipe, spec.parallel, cpu=spec.cpu)
+    chunks, config = build.gpt_chunks(recipe, spec.parallel, cpu=spec.cpu, as_gpt=spec.as_gpt)
+    # traced as its GPT equivalent, the model is described (depths, signature) by that GPT's config
+    described = cfg.transformer_config(recipe_from_dict(hybrid.gpt_equivalent(spec.recipe)), {}) if spec.as_gpt \
+        else config
     facts = layouts.model_facts(chunks, config, vocab_size=recipe.data.vocab_size,
                                 tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
                                 tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length)
+    facts = dataclasses.replace(facts, num_layers=described.num_layers)
     if recipe.dtype == "fp8":  # TE's FP8 recipe (hybrid formats, current scaling), emulated on CPU
         fp8_emulation.install(chunks, fp8_emulation.FP8Settings(), facts)
     # before the optimizer copies the weights into its main params: no reload needed
     share_initial_weights(spec.trace.seed_checkpoint, chunks, layouts.KeyLayouts(facts), coords, rank, spec.role,
                           spec.world_size)
     # the model as the recipe describes it, before a bug patches anything
-    signature = build.model_signature(chunks, config, cfg.optimizer_config(recipe), facts, {
+    signature = build.model_signature(chunks, described, cfg.optimizer_config(recipe), facts, {
         "seed": recipe.data.seed, "seq_length": recipe.data.seq_length,
         "micro_batch_size": recipe.data.micro_batch_size, "global_batch_size": recipe.data.global_batch_size,
         "iterations": recipe.train.iterations, "lr_decay_style": recipe.train.lr_decay_style,

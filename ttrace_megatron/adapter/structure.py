@@ -9,7 +9,7 @@ refused with the field, the module and what was found, never compared.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -50,16 +50,31 @@ def _check_linears(problems: List[str], where: str, mlp: torch.nn.Module, config
             int(fc1.output_size))
 
 
-def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwargs: Dict[str, Any]) -> List[str]:
-    """What differs between the built chunks of this rank and the recipe's fields ("" list: none)."""
+def layer_contents(config, pattern: Optional[str] = None) -> List[Tuple[bool, Optional[str]]]:
+    """(has attention, MLP kind: "dense", "moe" or None) of each of the model's layers: a GPTModel's
+    layers all have both (MoE as ``moe_layer_freq`` says); a HybridModel's have one each, by the
+    symbol of its pattern (``*`` attention, ``-`` dense MLP, ``E`` MoE)."""
+    if pattern is None:
+        moe = moe_layer_pattern(config) if config.num_moe_experts else [False] * config.num_layers
+        return [(True, "moe" if m else "dense") for m in moe]
+    from .hybrid import ATTENTION, MOE, layers
+
+    return [(True, None) if s == ATTENTION else (False, "moe" if s == MOE else "dense") for s in layers(pattern)]
+
+
+def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwargs: Dict[str, Any],
+                             pattern: Optional[str] = None) -> List[str]:
+    """What differs between the built chunks of this rank and the recipe's fields ("" list: none);
+    ``pattern``: the recipe's hybrid layer pattern (a HybridModel)."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     problems: List[str] = []
-    pattern = moe_layer_pattern(config) if config.num_moe_experts else [False] * config.num_layers
+    contents = layer_contents(config, pattern)
     kv = config.kv_channels or config.hidden_size // config.num_attention_heads
     groups = config.num_query_groups or config.num_attention_heads
     norm_kind = "RMSNorm" if config.normalization == "RMSNorm" else "LayerNorm"
+    moe_field = "num_moe_experts / moe_layer_freq (MoE layer)" if pattern is None else "hybrid_layer_pattern (E)"
     for chunk in chunks:
         model = unwrap(chunk)
         for a in ("share_embeddings_and_output_weights", "position_embedding_type"):
@@ -69,29 +84,46 @@ def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwar
             learned = gpt_kwargs.get("position_embedding_type") == "learned_absolute"
             _expect(problems, "embedding", "position_embedding_type learned_absolute (position_embeddings)", learned,
                     _has_params(getattr(model.embedding, "position_embeddings", None)))
+        if getattr(model, "post_process", False):
+            final = "final_layernorm" if pattern is None else "final_norm"
+            found = type(getattr(model.decoder, final, None)).__name__
+            if norm_kind not in found:
+                problems.append(f"decoder.{final}: normalization asks for {norm_kind}, the built model has {found}")
         for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
             n = layer.layer_number  # global, 1-based
             where = f"decoder.layers.{n - 1}"
             if not 1 <= n <= config.num_layers:
                 problems.append(f"{where}: layer number {n} outside num_layers {config.num_layers}")
                 continue
-            for norm in ("input_layernorm", "pre_mlp_layernorm"):
+            attention, mlp = contents[n - 1]
+            for norm, present in (("input_layernorm", attention), ("pre_mlp_layernorm", mlp is not None)):
                 found = type(getattr(layer, norm)).__name__
-                if norm_kind not in found:
+                if present and norm_kind not in found:
                     problems.append(f"{where}.{norm}: normalization asks for {norm_kind}, the built model has {found}")
+                if not present:
+                    _expect(problems, f"{where}.{norm}", "hybrid_layer_pattern (no such sublayer)", False,
+                            _has_params(getattr(layer, norm)))
             attn = layer.self_attention
-            for qk in ("q_layernorm", "k_layernorm"):
-                _expect(problems, f"{where}.self_attention.{qk}", "qk_layernorm", bool(config.qk_layernorm),
-                        _has_params(getattr(attn, qk, None)))
-            _expect(problems, f"{where}.self_attention.linear_qkv", "add_bias_linear or add_qkv_bias",
-                    bool(config.add_bias_linear or config.add_qkv_bias), _bias(attn.linear_qkv))
-            _expect(problems, f"{where}.self_attention.linear_proj", "add_bias_linear", bool(config.add_bias_linear),
-                    _bias(attn.linear_proj))
-            _expect(problems, f"{where}.self_attention.linear_qkv output size",
-                    "kv_channels × (num_attention_heads + 2·num_query_groups)",
-                    kv * (config.num_attention_heads + 2 * groups), int(attn.linear_qkv.output_size))
+            if not attention:
+                _expect(problems, f"{where}.self_attention", "hybrid_layer_pattern (an MLP layer, no attention)",
+                        False, _has_params(attn))
+            else:
+                for qk in ("q_layernorm", "k_layernorm"):
+                    _expect(problems, f"{where}.self_attention.{qk}", "qk_layernorm", bool(config.qk_layernorm),
+                            _has_params(getattr(attn, qk, None)))
+                _expect(problems, f"{where}.self_attention.linear_qkv", "add_bias_linear or add_qkv_bias",
+                        bool(config.add_bias_linear or config.add_qkv_bias), _bias(attn.linear_qkv))
+                _expect(problems, f"{where}.self_attention.linear_proj", "add_bias_linear",
+                        bool(config.add_bias_linear), _bias(attn.linear_proj))
+                _expect(problems, f"{where}.self_attention.linear_qkv output size",
+                        "kv_channels × (num_attention_heads + 2·num_query_groups)",
+                        kv * (config.num_attention_heads + 2 * groups), int(attn.linear_qkv.output_size))
+            if mlp is None:
+                _expect(problems, f"{where}.mlp", "hybrid_layer_pattern (an attention layer, no MLP)", False,
+                        _has_params(layer.mlp))
+                continue
             is_moe = isinstance(layer.mlp, MoELayer)
-            _expect(problems, f"{where}.mlp", "num_moe_experts / moe_layer_freq (MoE layer)", pattern[n - 1], is_moe)
+            _expect(problems, f"{where}.mlp", moe_field, mlp == "moe", is_moe)
             if not is_moe:
                 _check_linears(problems, f"{where}.mlp", layer.mlp, config, config.ffn_hidden_size)
                 continue
