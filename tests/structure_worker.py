@@ -1,6 +1,7 @@
 """Builds recipe variants in one gloo process of world size 1 and prints, per variant, the
 parameter names and shapes ttrace built, and what the structure check says of the same variant
-built with a spec that drops the spec-level fields (the layer spec ttrace used to build).
+built with a spec that drops the spec-level fields (the layer spec ttrace used to build); for a
+HybridModel variant, what it says of the built model against the pattern rotated by one layer.
 
 Run by tests/test_model_fields.py: ``python structure_worker.py VARIANTS_JSON``."""
 
@@ -40,6 +41,12 @@ def main(variants):
             entry["params"] = {n: list(p.shape) for n, p in chunks[0].named_parameters()}
         except RecipeError as e:
             entry["refused"] = str(e)
+            out[name] = entry
+            continue
+        pattern = model.get("hybrid_layer_pattern")
+        if pattern is not None:
+            rotated = pattern[1:] + pattern[0]
+            entry["rotated_problems"] = check_built_as_described(chunks, config, cfg.gpt_model_kwargs(recipe), rotated)
             out[name] = entry
             continue
         # the old way: the local spec with nothing but experts and normalization

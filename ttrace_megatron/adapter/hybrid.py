@@ -62,17 +62,13 @@ def layers(pattern: str) -> str:
 
 
 def check(model: Dict[str, Any], parallel: Dict[str, Any], where: str) -> None:
-    """Refuse, before anything runs, a hybrid recipe ttrace cannot build as described."""
+    """Refuse, before anything runs, a hybrid recipe ttrace cannot build as described (the
+    installed release last: what is wrong with the recipe itself is said on every release)."""
     from . import compat
 
     pattern = pattern_of(model)
     if pattern is None:
         return
-    if not compat.has_hybrid_model():
-        import megatron.core
-
-        raise RecipeError(f"{where}: model: '{PATTERN_KEY}' needs HybridModel, which megatron-core 0.18 added; "
-                          f"the installed megatron-core is {megatron.core.__version__}")
     if not isinstance(pattern, str) or not layers(pattern):
         raise RecipeError(f"{where}: model: '{PATTERN_KEY}' must be a non-empty string of layer symbols, "
                           f"got {pattern!r}")
@@ -107,6 +103,11 @@ def check(model: Dict[str, Any], parallel: Dict[str, Any], where: str) -> None:
     if vpp not in (None, 1) and count == 1:
         raise RecipeError(f"{where}: parallel: 'virtual_pipeline_model_parallel_size' needs '{PIPE}' segments in "
                           f"'{PATTERN_KEY}' (megatron splits a pattern without them over PP stages only)")
+    if not compat.has_hybrid_model():
+        import megatron.core
+
+        raise RecipeError(f"{where}: model: '{PATTERN_KEY}' needs HybridModel, which megatron-core 0.18 added; "
+                          f"the installed megatron-core is {megatron.core.__version__}")
 
 
 def with_pattern_layout(model: Dict[str, Any], parallel: Dict[str, Any]) -> Dict[str, Any]:

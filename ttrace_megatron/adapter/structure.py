@@ -107,6 +107,9 @@ def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwar
             if not attention:
                 _expect(problems, f"{where}.self_attention", "hybrid_layer_pattern (an MLP layer, no attention)",
                         False, _has_params(attn))
+            elif not hasattr(attn, "linear_qkv"):
+                problems.append(f"{where}.self_attention: hybrid_layer_pattern (*) asks for attention, the built "
+                                f"model has {type(attn).__name__}")
             else:
                 for qk in ("q_layernorm", "k_layernorm"):
                     _expect(problems, f"{where}.self_attention.{qk}", "qk_layernorm", bool(config.qk_layernorm),
