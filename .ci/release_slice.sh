@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The release slice (tests/test_release_slice.py: the demo, TP+SP, PP, MoE and the distributed
-# optimizer, each clean and with one injected bug) on another megatron-core release than the one
+# optimizer, each clean and with one injected bug; tests/test_hybrid.py's HybridModel runs on releases
+# that have it) on another megatron-core release than the one
 # installed: it is installed into a directory of its own, put first on PYTHONPATH, and the slice
 # runs there. megatron-core 0.17 on declares Python >= 3.12, whose CPU torch this machine's
 # registries do not carry; its code runs on Python 3.11 (0.18 on import triton, which installs
