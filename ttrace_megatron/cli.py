@@ -84,17 +84,35 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
                        trace=trace_options(trace_dir, seed, **dict(selective, **trace)),
                        as_gpt=as_gpt and role == CANDIDATE)
 
+    checkout = getattr(args, "megatron_lm", None)
+    if checkout:  # both sides through the checkout's own pretrain_gpt.py
+        from .adapter import megatron_lm
+
+        checkout = megatron_lm.check_checkout(checkout)
+        megatron_lm.training_args(recipe, REFERENCE, {})  # refuses an untranslatable field before anything runs
+        if as_gpt or any(trees.values()) or args.online or recipe.tolerance.perturbation or args.perturb:
+            raise RecipeError(f"{recipe.source}: --megatron-lm runs neither --reference-model gpt, "
+                              f"--candidate/--reference-megatron, --online nor the perturbation estimate yet")
+
+        def run_side(role, trace_dir, inject=(), **trace):
+            side = spec(role, trace_dir, inject, **trace)
+            megatron_lm.run(checkout, side.get_recipe(), role, side.trace, inject=side.inject, cpu=args.cpu,
+                            log_dir=out)
+    else:
+        def run_side(role, trace_dir, inject=(), **trace):
+            launch(spec(role, trace_dir, inject, **trace))
+
     online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     console.print(f"reference run (1 rank) → {ref_dir}")
     # in lock-step the candidate takes the reference's weights after every step: record all of it
-    launch(spec(REFERENCE, ref_dir, **({} if args.no_lockstep else dict(iterations=None, modules=("*",),
-                                                                           microbatches=None))))
+    run_side(REFERENCE, ref_dir, **({} if args.no_lockstep else dict(iterations=None, modules=("*",),
+                                                                      microbatches=None)))
     console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
                   + (f", injected bugs: {args.inject}" if args.inject else "")
                   + (", comparing online" if args.online else "")
                   + ("" if args.no_lockstep else ", in lock-step with the reference"))
-    launch(spec(CANDIDATE, cand_dir, args.inject, **online, **lockstep))
+    run_side(CANDIDATE, cand_dir, args.inject, **online, **lockstep)
     perturbed_dir = None
     if (recipe.tolerance.perturbation or args.perturb) and not args.online:
         perturbed_dir = os.path.join(out, "reference-perturbed")
@@ -104,7 +122,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         # in lock-step too: the noise's effect on each iteration given the reference's weights and
         # routing, as the candidate is judged (free-running, MoE routing flips and Adam's drift
         # would be measured as round-off)
-        launch(spec(REFERENCE, perturbed_dir, perturb=1, **lockstep))
+        run_side(REFERENCE, perturbed_dir, perturb=1, **lockstep)
     report = _compare(ref_dir, cand_dir, console, None, perturbed_dir)
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
@@ -112,7 +130,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         shutil.rmtree(replay_dir, ignore_errors=True)
         console.print(f"localizing: the candidate again, every module on the reference's inputs "
                       f"(iteration {first['iteration']}) → {replay_dir}")
-        launch(spec(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]], **lockstep))
+        run_side(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]], **lockstep)
         report["culprits"] = _localize(ref_dir, replay_dir, console)
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
@@ -303,6 +321,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "checkout or a patched copy: the directory holding megatron/core); default: the installed one")
     run.add_argument("--reference-megatron", metavar="PATH",
                      help="run the reference (and its perturbation run) on the megatron-core of this source tree")
+    run.add_argument("--megatron-lm", metavar="PATH",
+                     help="run both sides through the real pretrain_gpt.py of the Megatron-LM checkout at PATH "
+                          "(the recipe translated to its flags, mock data, ttrace added by install())")
     run.add_argument("--reference-model", choices=("same", "gpt"), default="same",
                      help="gpt: the reference is the GPTModel a HybridModel recipe of attention/MLP pairs ('*-*-', "
                           "'*E*E') equals, one GPT layer per pair, and the candidate's tensors are named as that "

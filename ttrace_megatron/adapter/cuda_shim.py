@@ -36,6 +36,17 @@ SHIMS = (
     "params sequence_parallel=True so finalize_model_grads all-reduces their grads over TP",
 )
 
+# what Megatron-LM's training package (megatron/training, not megatron-core) assumes of a GPU, for
+# ``ttrace run --megatron-lm`` on CPU (install_megatron_lm); nothing of megatron-core beyond SHIMS
+MEGATRON_LM_SHIMS = (
+    "megatron.training.initialize.initialize_megatron(allow_no_cuda=True): it asserts CUDA otherwise",
+    "torch.cuda.device_count() -> 1 and torch.cuda.set_device -> no-op, so that initialize runs the "
+    "model-parallel setup and the model-parallel seeding it skips without devices",
+    "megatron.training's get_device_arch_version() -> 0 (it reads the CUDA device's compute capability "
+    "when TP > 1)",
+    "megatron.legacy.fused_kernels.load -> no-op (it runs nvcc -V; absent from 0.17 on)",
+)
+
 _installed = False
 
 
@@ -221,3 +232,37 @@ def install() -> None:
     _install_uneven_all_gather()
     _CudaToCpuMode().__enter__()
     _installed = True
+
+
+def install_megatron_lm() -> None:
+    """Apply :data:`MEGATRON_LM_SHIMS` (after :func:`install`), before Megatron-LM's
+    ``pretrain_gpt.py`` runs. Each is applied where the name exists in the checkout's release."""
+    import importlib
+
+    from megatron.training import initialize
+
+    original = initialize.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    for module_name in ("megatron.training.initialize", "megatron.training.training", "megatron.training"):
+        module = importlib.import_module(module_name)  # the callers that bound the name at import
+        if getattr(module, "initialize_megatron", None) is original:
+            module.initialize_megatron = initialize_megatron
+    torch.cuda.device_count = lambda: 1
+    torch.cuda.set_device = lambda device: None
+    for module_name in ("megatron.training.arguments", "megatron.training.utils",
+                        "megatron.training.utils.common_utils"):
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError:
+            continue
+        if hasattr(module, "get_device_arch_version"):
+            module.get_device_arch_version = lambda: 0
+    try:
+        from megatron.legacy import fused_kernels
+    except ImportError:
+        return
+    fused_kernels.load = lambda args: None

@@ -1,0 +1,264 @@
+"""``ttrace run RECIPE --megatron-lm PATH``: both sides through Megatron-LM's own ``pretrain_gpt.py``.
+
+The recipe becomes Megatron-LM's flags (:func:`training_args`: the model, the parallel layout, the
+optimizer, mock data, dropout 0, the local layers), and each rank runs the checkout's unmodified
+``pretrain_gpt.py`` as ``torchrun`` would (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT in the
+environment) with ttrace added the zero-edit way: ``install()`` wraps ``setup_model_and_optimizer``
+and ``train_step`` by name, and the ``--ttrace*`` flags are chained onto megatron's argument parser
+(:func:`_chain_ttrace_arguments`), which is what the patch's ``extra_args_provider`` line does. On
+CPU the rank first applies ``cuda_shim.install_megatron_lm()`` (its ``MEGATRON_LM_SHIMS`` list).
+
+Run a rank directly: ``python -m ttrace_megatron.adapter.megatron_lm CHECKOUT -- FLAGS...``.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+from ..errors import RecipeError
+from ..recipe import Recipe
+from . import config as cfg
+from .integration import TraceOptions
+
+SCRIPT = "pretrain_gpt.py"
+
+# recipe model fields -> Megatron-LM flags (value flags); booleans are below
+_VALUE_FLAGS = {
+    "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
+    "ffn_hidden_size": "--ffn-hidden-size", "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+    "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
+    "init_method_std": "--init-method-std", "layernorm_epsilon": "--norm-epsilon", "rotary_base": "--rotary-base",
+    "rotary_percent": "--rotary-percent",
+}
+_PARALLEL_FLAGS = {
+    "tensor_model_parallel_size": "--tensor-model-parallel-size",
+    "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+}
+# everything else a recipe may set is refused for --megatron-lm until it is translated and verified
+
+
+def check_checkout(path: str) -> str:
+    """The checkout's absolute path, or RecipeError naming what is missing."""
+    path = os.path.abspath(path)
+    for need in (SCRIPT, os.path.join("megatron", "training", "training.py"), os.path.join("megatron", "core")):
+        if not os.path.exists(os.path.join(path, need)):
+            raise RecipeError(f"--megatron-lm {path}: not a Megatron-LM checkout (no {need})")
+    return path
+
+
+def training_args(recipe: Recipe, role: str, parallel: Dict) -> List[str]:
+    """Megatron-LM's flags for one side of ``recipe`` (``parallel``: the candidate's settings, or
+    {} for the one-rank reference). Raises RecipeError naming a recipe field with no translation."""
+    model = dict(recipe.model)
+    argv: List[str] = []
+    for key, value in model.items():
+        if key in _VALUE_FLAGS:
+            argv += [_VALUE_FLAGS[key], str(value)]
+        elif key == "add_bias_linear":
+            argv += [] if value else ["--disable-bias-linear"]
+        elif key == "gated_linear_unit":
+            if value and model.get("activation_func") != "silu":
+                raise RecipeError(f"{recipe.source}: --megatron-lm: gated_linear_unit translates to --swiglu only "
+                                  f"(activation_func: silu)")
+            argv += ["--swiglu"] if value else []
+        elif key == "activation_func":
+            if value not in ("gelu", "silu") or (value == "silu" and not model.get("gated_linear_unit")):
+                raise RecipeError(f"{recipe.source}: --megatron-lm: activation_func {value!r} has no translation yet")
+        elif key == "share_embeddings_and_output_weights":
+            argv += [] if value else ["--untie-embeddings-and-output-weights"]
+        elif key == "qk_layernorm":
+            argv += ["--qk-layernorm"] if value else []
+        else:
+            raise RecipeError(f"{recipe.source}: --megatron-lm: model: '{key}' has no Megatron-LM flag translation "
+                              f"in ttrace yet")
+    if "share_embeddings_and_output_weights" not in model:  # GPT_MODEL_KEYS: ttrace's default is untied
+        argv += ["--untie-embeddings-and-output-weights"]
+    for key, value in parallel.items():
+        if key == "sequence_parallel":
+            argv += ["--sequence-parallel"] if value else []
+        elif key in _PARALLEL_FLAGS:
+            argv += [_PARALLEL_FLAGS[key], str(value)]
+        else:
+            raise RecipeError(f"{recipe.source}: --megatron-lm: parallel: '{key}' has no translation in ttrace yet")
+    opt = recipe.optimizer
+    for key in opt:
+        if key not in ("optimizer", "lr", "use_distributed_optimizer"):
+            raise RecipeError(f"{recipe.source}: --megatron-lm: optimizer: '{key}' has no translation in ttrace yet")
+    if recipe.ddp:
+        raise RecipeError(f"{recipe.source}: --megatron-lm: ddp: fields have no translation in ttrace yet")
+    if opt.get("use_distributed_optimizer"):
+        argv += ["--use-distributed-optimizer"]
+    d, t = recipe.data, recipe.train
+    if t.frozen or t.start_weight_decay is not None or t.end_weight_decay is not None:
+        raise RecipeError(f"{recipe.source}: --megatron-lm: train: frozen parameters and weight-decay schedules "
+                          f"have no translation in ttrace yet")
+    argv += [
+        "--optimizer", opt.get("optimizer", "adam"), "--lr", str(opt.get("lr", 1e-3)), "--min-lr", "0",
+        "--lr-decay-style", t.lr_decay_style, "--lr-warmup-iters", str(t.lr_warmup_iters),
+        "--lr-decay-iters", str(t.lr_decay_iters or t.iterations),
+        "--seed", str(d.seed), "--seq-length", str(d.seq_length), "--max-position-embeddings", str(d.seq_length),
+        "--micro-batch-size", str(d.micro_batch_size), "--global-batch-size", str(d.global_batch_size),
+        "--train-iters", str(t.iterations),
+        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(d.vocab_size),
+        "--make-vocab-size-divisible-by", str(model.get("make_vocab_size_divisible_by", 128)),
+        "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
+        "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
+        "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
+        "--eval-iters", "0", "--eval-interval", str(10 ** 6), "--log-interval", "1",
+        "--use-cpu-initialization",
+    ]
+    if recipe.dtype == "bf16":
+        argv += ["--bf16"]
+    elif recipe.dtype != "fp32":
+        raise RecipeError(f"{recipe.source}: --megatron-lm: dtype {recipe.dtype} has no translation in ttrace yet")
+    return argv + ["--ttrace-role", role]
+
+
+def trace_args(trace: TraceOptions) -> List[str]:
+    argv = ["--ttrace", "--ttrace-dir", trace.dir]
+    if trace.seed_checkpoint:
+        argv += ["--ttrace-seed-checkpoint", trace.seed_checkpoint]
+    if trace.lockstep:
+        argv += ["--ttrace-lockstep", trace.lockstep]
+    if trace.replay:
+        argv += ["--ttrace-replay", trace.replay]
+    if trace.iterations:
+        argv += ["--ttrace-iters", ",".join(map(str, trace.iterations))]
+    if trace.microbatches:
+        argv += ["--ttrace-microbatches", ",".join(map(str, trace.microbatches))]
+    for pattern in trace.modules if tuple(trace.modules) != ("*",) else ():
+        argv += ["--ttrace-modules", pattern]
+    return argv
+
+
+INJECT_ENV = "TTRACE_MEGATRON_LM_INJECT"  # ";"-separated bug specs (adapter.bugs), injected after setup
+
+
+def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject=(), cpu: bool = True,
+        log_dir: Optional[str] = None, timeout_s: int = 900) -> None:
+    """One side of a ``ttrace run --megatron-lm``: the reference on one rank, the candidate on the
+    recipe's ranks and layout, ``inject``: bugs for the candidate (adapter.bugs)."""
+    from ..trace_store import CANDIDATE
+
+    parallel = recipe.parallel if role == CANDIDATE else {}
+    world = recipe.world_size if role == CANDIDATE else 1
+    import torch
+
+    cpu = cpu or not torch.cuda.is_available()
+    argv = training_args(recipe, role, parallel) + ["--distributed-backend", "gloo" if cpu else "nccl"]
+    argv += trace_args(trace)
+    if log_dir:
+        os.makedirs(log_dir, exist_ok=True)
+    launch(checkout, argv, world, cpu=cpu, timeout_s=timeout_s, log_dir=log_dir,
+           env={INJECT_ENV: ";".join(inject)}, name=os.path.basename(os.path.normpath(trace.dir)))
+
+
+def launch(checkout: str, argv: List[str], world_size: int, *, cpu: bool = True, timeout_s: int = 600,
+           log_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None, name: str = "run") -> None:
+    """Run ``world_size`` ranks of the checkout's ``pretrain_gpt.py`` with ``argv``, as torchrun
+    would; raise RunFailed with each failing rank's output tail."""
+    from ..errors import RunFailed
+    from .launch import free_port
+
+    env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
+               TTRACE_MEGATRON_LM_CPU="1" if cpu else "0", CUDA_DEVICE_MAX_CONNECTIONS="1",
+               # the checkout's .python-version names another interpreter for pyenv; its dataset
+               # helpers are compiled with this one
+               PYENV_VERSION=".".join(map(str, sys.version_info[:3])))
+    env["PYTHONPATH"] = os.pathsep.join([checkout] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    procs = []
+    logs = []
+    for rank in range(world_size):
+        log = open(os.path.join(log_dir, f"megatron-lm-{name}-rank{rank}.log"), "w+") if log_dir else \
+            tempfile.TemporaryFile("w+")
+        logs.append(log)
+        procs.append(subprocess.Popen(
+            [sys.executable, "-m", "ttrace_megatron.adapter.megatron_lm", checkout, "--", *argv],
+            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=checkout, stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout_s
+    failed = []
+    for rank, p in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            rc = "timeout"
+        if rc != 0:
+            failed.append((rank, rc))
+    if failed:
+        tails = []
+        for rank, rc in failed[:2]:
+            logs[rank].seek(0)
+            tails.append(f"--- rank {rank} (exit {rc}) ---\n" + logs[rank].read()[-3000:])
+        raise RunFailed(f"Megatron-LM's {SCRIPT} failed:\n" + "\n".join(tails))
+    for log in logs:
+        log.close()
+
+
+def _chain_ttrace_arguments() -> None:
+    """Add the ``--ttrace*`` flags to megatron's parser, as the patch's ``extra_args_provider``
+    line does: wrap the parse function megatron.training's initializer calls."""
+    from megatron.training import initialize
+
+    from .integration import extra_args_provider
+
+    for name in ("parse_args",):
+        original = getattr(initialize, name, None)
+        if original is None:
+            continue
+
+        def parse(extra=None, *args, _original=original, **kwargs):
+            return _original(extra_args_provider(extra), *args, **kwargs)
+
+        setattr(initialize, name, parse)
+
+
+def _inject_after_setup(bugs: List[str]) -> None:
+    """Inject ``bugs`` into the candidate's model once Megatron-LM has built it and ttrace has
+    attached (and loaded the seed checkpoint), then refresh the optimizer's main copies of the
+    weights, as ``ttrace run`` injects before its optimizer copies them."""
+    import megatron.training.training as training_module
+
+    from . import bugs as bug_registry
+
+    setup = training_module.setup_model_and_optimizer
+
+    def setup_model_and_optimizer(*args, **kwargs):
+        result = setup(*args, **kwargs)
+        for bug in bugs:
+            bug_registry.inject(result[0], bug)
+        result[1].reload_model_params()
+        return result
+
+    training_module.setup_model_and_optimizer = setup_model_and_optimizer
+
+
+def main(argv: List[str]) -> None:
+    checkout, _, flags = argv[0], argv[1], argv[2:]
+    sys.path.insert(0, checkout)
+    if os.environ.get("TTRACE_MEGATRON_LM_CPU") == "1":
+        from . import cuda_shim
+
+        cuda_shim.install()
+        cuda_shim.install_megatron_lm()
+    from . import worker_env  # noqa: F401  (quiet library warnings)
+    from .. import install
+
+    install()
+    _chain_ttrace_arguments()
+    bugs = [b for b in os.environ.get(INJECT_ENV, "").split(";") if b]
+    if bugs:
+        _inject_after_setup(bugs)
+    sys.argv = [os.path.join(checkout, SCRIPT), *flags]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
