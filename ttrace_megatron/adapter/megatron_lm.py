@@ -31,7 +31,7 @@ SCRIPT = "pretrain_gpt.py"
 # recipe model fields -> Megatron-LM flags (value flags); booleans are below
 _VALUE_FLAGS = {
     "num_layers": "--num-layers", "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
-    "ffn_hidden_size": "--ffn-hidden-size", "num_query_groups": "--num-query-groups", "kv_channels": "--kv-channels",
+    "ffn_hidden_size": "--ffn-hidden-size", "kv_channels": "--kv-channels",
     "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
     "init_method_std": "--init-method-std", "layernorm_epsilon": "--norm-epsilon", "rotary_base": "--rotary-base",
     "rotary_percent": "--rotary-percent",
@@ -60,6 +60,8 @@ def training_args(recipe: Recipe, role: str, parallel: Dict) -> List[str]:
     for key, value in model.items():
         if key in _VALUE_FLAGS:
             argv += [_VALUE_FLAGS[key], str(value)]
+        elif key == "num_query_groups":
+            argv += ["--group-query-attention", "--num-query-groups", str(value)]
         elif key == "add_bias_linear":
             argv += [] if value else ["--disable-bias-linear"]
         elif key == "gated_linear_unit":
