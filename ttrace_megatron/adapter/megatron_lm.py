@@ -206,20 +206,24 @@ def launch(checkout: str, argv: List[str], world_size: int, *, cpu: bool = True,
 
 def _chain_ttrace_arguments() -> None:
     """Add the ``--ttrace*`` flags to megatron's parser, as the patch's ``extra_args_provider``
-    line does: wrap the parse function megatron.training's initializer calls."""
-    from megatron.training import initialize
+    line does: wrap ``megatron.training.arguments.parse_args`` wherever megatron calls it from
+    (core_v0.16.1: ``initialize_megatron`` through its own import of the name; core_v0.18 on:
+    ``parse_and_validate_args``, which ``pretrain_gpt.py`` calls itself, through the module's)."""
+    import importlib
+
+    from megatron.training import arguments
 
     from .integration import extra_args_provider
 
-    for name in ("parse_args",):
-        original = getattr(initialize, name, None)
-        if original is None:
-            continue
+    original = arguments.parse_args
 
-        def parse(extra=None, *args, _original=original, **kwargs):
-            return _original(extra_args_provider(extra), *args, **kwargs)
+    def parse_args(extra=None, *args, **kwargs):
+        return original(extra_args_provider(extra), *args, **kwargs)
 
-        setattr(initialize, name, parse)
+    for module_name in ("megatron.training.arguments", "megatron.training.initialize"):
+        module = importlib.import_module(module_name)
+        if getattr(module, "parse_args", None) is original:
+            module.parse_args = parse_args
 
 
 def _inject_after_setup(bugs: List[str]) -> None:
@@ -242,8 +246,21 @@ def _inject_after_setup(bugs: List[str]) -> None:
     training_module.setup_model_and_optimizer = setup_model_and_optimizer
 
 
+def _python_311() -> None:
+    """Megatron-LM's training package from core_v0.18 on declares Python >= 3.12 and imports
+    ``typing.override`` (3.12); on 3.11 that is typing_extensions' (the same decorator, a no-op at
+    run time). Nothing else of 3.12 is needed by the paths ttrace runs."""
+    import typing
+
+    if not hasattr(typing, "override"):
+        import typing_extensions
+
+        typing.override = typing_extensions.override
+
+
 def main(argv: List[str]) -> None:
     checkout, _, flags = argv[0], argv[1], argv[2:]
+    _python_311()
     sys.path.insert(0, checkout)
     if os.environ.get("TTRACE_MEGATRON_LM_CPU") == "1":
         from . import cuda_shim
