@@ -85,6 +85,8 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
                        as_gpt=as_gpt and role == CANDIDATE)
 
     checkout = getattr(args, "megatron_lm", None)
+    if getattr(args, "megatron_lm_data", None) and not checkout:
+        raise RecipeError("--megatron-lm-data needs --megatron-lm")
     if checkout:  # both sides through the checkout's own pretrain_gpt.py
         from .adapter import megatron_lm
 
@@ -97,7 +99,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         def run_side(role, trace_dir, inject=(), **trace):
             side = spec(role, trace_dir, inject, **trace)
             megatron_lm.run(checkout, side.get_recipe(), role, side.trace, inject=side.inject, cpu=args.cpu,
-                            log_dir=out)
+                            log_dir=out, data_path=args.megatron_lm_data)
     else:
         def run_side(role, trace_dir, inject=(), **trace):
             launch(spec(role, trace_dir, inject, **trace))
@@ -324,6 +326,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--megatron-lm", metavar="PATH",
                      help="run both sides through the real pretrain_gpt.py of the Megatron-LM checkout at PATH "
                           "(the recipe translated to its flags, mock data, ttrace added by install())")
+    run.add_argument("--megatron-lm-data", metavar="PREFIX",
+                     help="with --megatron-lm: Megatron-LM's GPTDataset over this indexed dataset (PREFIX.bin/.idx) "
+                          "instead of its mock data")
     run.add_argument("--reference-model", choices=("same", "gpt"), default="same",
                      help="gpt: the reference is the GPTModel a HybridModel recipe of attention/MLP pairs ('*-*-', "
                           "'*E*E') equals, one GPT layer per pair, and the candidate's tensors are named as that "

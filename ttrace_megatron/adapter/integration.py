@@ -90,6 +90,8 @@ class TraceOptions:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    if "--ttrace" in parser._option_string_actions:  # added already (a patched script run by --megatron-lm)
+        return parser
     group = parser.add_argument_group("ttrace", "differential testing against a single-device reference")
     group.add_argument("--ttrace", action="store_true", help="record tensors for ttrace (off: ttrace does nothing)")
     group.add_argument("--ttrace-dir", default="ttrace", help="trace directory (default: ./ttrace)")

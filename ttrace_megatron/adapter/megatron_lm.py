@@ -14,12 +14,13 @@ Run a rank directly: ``python -m ttrace_megatron.adapter.megatron_lm CHECKOUT --
 from __future__ import annotations
 
 import os
+import re
 import runpy
 import subprocess
 import sys
 import tempfile
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from ..errors import RecipeError
 from ..recipe import Recipe
@@ -27,6 +28,10 @@ from . import config as cfg
 from .integration import TraceOptions
 
 SCRIPT = "pretrain_gpt.py"
+# the patch of each supported Megatron-LM release (patches/), by the megatron-core release its
+# checkout holds (the core_v0.19.0 tag's megatron/core says 0.19.1)
+PATCHES = {"0.16": "megatron_lm_core_v0.16.1.patch", "0.19": "megatron_lm_core_v0.19.0.patch"}
+PATCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "patches")
 
 # recipe model fields -> Megatron-LM flags (value flags); booleans are below
 _VALUE_FLAGS = {
@@ -52,9 +57,62 @@ def check_checkout(path: str) -> str:
     return path
 
 
-def training_args(recipe: Recipe, role: str, parallel: Dict) -> List[str]:
+def release_of(checkout: str) -> str:
+    """The megatron-core release of a checkout (its ``megatron/core/package_info.py``), read as
+    text: the checkout is not imported here."""
+    path = os.path.join(checkout, "megatron", "core", "package_info.py")
+    try:
+        with open(path) as f:
+            text = f.read()
+        parts = [re.search(rf"^{name}\s*=\s*(\d+)", text, re.M).group(1) for name in ("MAJOR", "MINOR", "PATCH")]
+    except (OSError, AttributeError):
+        raise RecipeError(f"{path}: cannot read the checkout's megatron-core release") from None
+    return ".".join(parts)
+
+
+def patch_for(checkout: str) -> str:
+    """The path of the patch for the checkout's release (RecipeError for a release without one)."""
+    minor = ".".join(release_of(checkout).split(".")[:2])
+    if minor not in PATCHES:
+        raise RecipeError(f"{checkout}: no ttrace patch for megatron-core {minor} (patches exist for "
+                          f"{', '.join(sorted(PATCHES))}); use ttrace.install() instead")
+    return os.path.join(PATCH_DIR, PATCHES[minor])
+
+
+def patched(checkout: str) -> Tuple[bool, bool]:
+    """(``pretrain_gpt.py`` adds the ``--ttrace`` flags, ``training.py`` calls ttrace itself): a
+    checkout with the patch applied, which the run must not instrument a second time."""
+    def mentions(relative: str, text: str) -> bool:
+        with open(os.path.join(checkout, relative)) as f:
+            return text in f.read()
+
+    return (mentions(SCRIPT, "ttrace.extra_args_provider("),
+            mentions(os.path.join("megatron", "training", "training.py"), "ttrace.attach("))
+
+
+def write_indexed_dataset(prefix: str, *, vocab_size: int, documents: int, seed: int,
+                          min_length: int = 8, max_length: int = 96) -> str:
+    """A small token dataset in megatron's indexed format (``PREFIX.bin``/``.idx``, written with
+    megatron-core's IndexedDatasetBuilder): ``documents`` documents of random lengths and tokens
+    below ``vocab_size``. Returns the prefix for ``--megatron-lm-data``."""
+    import numpy
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    generator = torch.Generator().manual_seed(seed)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for _ in range(documents):
+        length = int(torch.randint(min_length, max_length + 1, (1,), generator=generator))
+        builder.add_document(torch.randint(0, vocab_size, (length,), generator=generator, dtype=torch.int32), [length])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def training_args(recipe: Recipe, role: str, parallel: Dict, data_path: Optional[str] = None) -> List[str]:
     """Megatron-LM's flags for one side of ``recipe`` (``parallel``: the candidate's settings, or
-    {} for the one-rank reference). Raises RecipeError naming a recipe field with no translation."""
+    {} for the one-rank reference; ``data_path``: an indexed dataset for Megatron-LM's GPTDataset
+    instead of its mock data). Raises RecipeError naming a recipe field with no translation."""
     model = dict(recipe.model)
     argv: List[str] = []
     for key, value in model.items():
@@ -107,7 +165,9 @@ def training_args(recipe: Recipe, role: str, parallel: Dict) -> List[str]:
         "--seed", str(d.seed), "--seq-length", str(d.seq_length), "--max-position-embeddings", str(d.seq_length),
         "--micro-batch-size", str(d.micro_batch_size), "--global-batch-size", str(d.global_batch_size),
         "--train-iters", str(t.iterations),
-        "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", str(d.vocab_size),
+        *(["--data-path", data_path, "--split", "100,0,0", "--dataloader-type", "single"] if data_path
+          else ["--mock-data"]),
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(d.vocab_size),
         "--make-vocab-size-divisible-by", str(model.get("make_vocab_size_divisible_by", 128)),
         "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
@@ -143,7 +203,7 @@ INJECT_ENV = "TTRACE_MEGATRON_LM_INJECT"  # ";"-separated bug specs (adapter.bug
 
 
 def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject=(), cpu: bool = True,
-        log_dir: Optional[str] = None, timeout_s: int = 900) -> None:
+        log_dir: Optional[str] = None, timeout_s: int = 900, data_path: Optional[str] = None) -> None:
     """One side of a ``ttrace run --megatron-lm``: the reference on one rank, the candidate on the
     recipe's ranks and layout, ``inject``: bugs for the candidate (adapter.bugs)."""
     from ..trace_store import CANDIDATE
@@ -153,7 +213,7 @@ def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject
     import torch
 
     cpu = cpu or not torch.cuda.is_available()
-    argv = training_args(recipe, role, parallel) + ["--distributed-backend", "gloo" if cpu else "nccl"]
+    argv = training_args(recipe, role, parallel, data_path) + ["--distributed-backend", "gloo" if cpu else "nccl"]
     argv += trace_args(trace)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
@@ -270,8 +330,11 @@ def main(argv: List[str]) -> None:
     from . import worker_env  # noqa: F401  (quiet library warnings)
     from .. import install
 
-    install()
-    _chain_ttrace_arguments()
+    args_patched, loop_patched = patched(checkout)  # a patched checkout instruments itself
+    if not loop_patched:
+        install()
+    if not args_patched:
+        _chain_ttrace_arguments()
     bugs = [b for b in os.environ.get(INJECT_ENV, "").split(";") if b]
     if bugs:
         _inject_after_setup(bugs)
