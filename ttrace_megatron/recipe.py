@@ -25,10 +25,18 @@ TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "opt
 @dataclasses.dataclass
 class DataConfig:
     seed: int = 1234
-    vocab_size: int = 256
+    vocab_size: int = 256  # the logical vocabulary (before megatron pads it)
     seq_length: int = 32
     micro_batch_size: int = 2
     global_batch_size: int = 4
+    # where the tokens come from: SYNTHETIC (ttrace's own: i.i.d. tokens drawn from the seed, one
+    # sample per sequence) or MEGATRON_MOCK (megatron-core's MockGPTDataset, what Megatron-LM's
+    # --mock-data trains on); None: synthetic in ttrace's runner, Megatron-LM's own data with --megatron-lm
+    source: Optional[str] = None
+
+
+SYNTHETIC, MEGATRON_MOCK = "synthetic", "megatron_mock"
+DATA_SOURCES = (SYNTHETIC, MEGATRON_MOCK)
 
 
 @dataclasses.dataclass
@@ -129,6 +137,8 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
         raise RecipeError(f"{source}: train: 'iterations' must be at least 1")
     if not isinstance(train.frozen, list) or not all(isinstance(p, str) for p in train.frozen):
         raise RecipeError(f"{source}: train: 'frozen' must be a list of parameter-name patterns")
+    if data.source is not None and data.source not in DATA_SOURCES:
+        raise RecipeError(f"{source}: data: 'source' must be one of {DATA_SOURCES}, got {data.source!r}")
     if data.global_batch_size % data.micro_batch_size:
         raise RecipeError(f"{source}: data: global_batch_size {data.global_batch_size} is not a multiple of "
                           f"micro_batch_size {data.micro_batch_size}")

@@ -207,6 +207,8 @@ def model_signature(chunks: Sequence[torch.nn.Module], config, optimizer_config,
     models = [unwrap(c) for c in chunks]
     sig: Dict[str, Any] = {"model": {f: _plain(getattr(config, f, None)) for f in MODEL_FIELDS}}
     sig["model"]["activation_func"] = getattr(getattr(config, "activation_func", None), "__name__", None)
+    # megatron builds the QKV bias for either field; Megatron-LM sets add_qkv_bias with add_bias_linear
+    sig["model"]["add_qkv_bias"] = bool(config.add_qkv_bias or config.add_bias_linear)
     sig["gpt_model"] = {a: _plain(getattr(models[0], a, None)) for a in GPT_MODEL_ATTRIBUTES}
     sig["logical_vocab_size"] = facts.vocab_size
     sig["tokens_per_iteration"] = facts.tokens_per_iteration

@@ -124,3 +124,17 @@ def hybrid_final_norm(norm_class):
         yield
     finally:
         hybrid_block.TENorm = original
+
+
+def null_tokenizer(vocab_size: int):
+    """megatron-core's NullTokenizer whose vocabulary, its end-of-document token included, is
+    ``vocab_size`` tokens: what Megatron-LM's ``--tokenizer-type NullTokenizer --vocab-size
+    vocab_size - 1`` builds (``MegatronTokenizer.from_pretrained``, metadata only).
+
+    0.17 renamed the tokenizer library ``null`` to ``null-text`` (beside ``null-multimodal``) and
+    split the library list into text and vision ones ("fully remove legacy tokenizer system",
+    3257093930, #2946)."""
+    from megatron.core.tokenizers import MegatronTokenizer, megatron_tokenizer
+
+    library = "null-text" if hasattr(megatron_tokenizer, "TEXT_LIBRARIES") else "null"  # 0.17 on / 0.16
+    return MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size - 1)

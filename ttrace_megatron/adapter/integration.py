@@ -207,6 +207,8 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
     from .layouts import model_facts as build_facts
     from .naming import unwrap
 
+    if logical_vocab_size is None and args is not None and hasattr(args, "padded_vocab_size"):
+        logical_vocab_size = _tokenizer_vocab_size()  # Megatron-LM pads its tokenizer's vocabulary
     if logical_vocab_size is None:
         # the padded vocabulary: from the embedding (first stage) or the output layer (last stage)
         logical_vocab_size = 0
@@ -227,6 +229,17 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
                        tokens_per_iteration=tokens_per_iteration)
 
 
+def _tokenizer_vocab_size() -> Optional[int]:
+    """The vocabulary of Megatron-LM's tokenizer (its ``get_tokenizer()``), before the padding to a
+    multiple of ``--make-vocab-size-divisible-by`` × TP; None where there is none."""
+    try:
+        from megatron.training import get_tokenizer
+
+        return int(get_tokenizer().vocab_size)
+    except Exception:  # no Megatron-LM training package, or no tokenizer built
+        return None
+
+
 def training_signature(args: Any) -> Dict[str, Any]:
     """What Megatron-LM's arguments say about the data and the loop (see :func:`.build.model_signature`)."""
     if args is None:
@@ -234,7 +247,12 @@ def training_signature(args: Any) -> Dict[str, Any]:
     names = {"seed": "seed", "seq_length": "seq_length", "micro_batch_size": "micro_batch_size",
              "global_batch_size": "global_batch_size", "iterations": "train_iters", "lr_decay_style": "lr_decay_style",
              "lr_warmup_iters": "lr_warmup_iters", "lr_decay_iters": "lr_decay_iters"}
-    return {k: getattr(args, a, None) for k, a in names.items()}
+    out = {k: getattr(args, a, None) for k, a in names.items()}
+    # the tokens: Megatron-LM's mock dataset (which ttrace's runner can build too, data.source
+    # megatron_mock) or a dataset of the user's, named by its paths
+    out["data_source"] = "megatron_mock" if getattr(args, "mock_data", False) else \
+        "megatron_data:" + ",".join(map(str, getattr(args, "data_path", None) or []))
+    return out
 
 
 def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, args: Any = None,

@@ -23,7 +23,7 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 from ..errors import RecipeError
-from ..recipe import Recipe
+from ..recipe import MEGATRON_MOCK, SYNTHETIC, Recipe
 from . import config as cfg
 from .integration import TraceOptions
 
@@ -132,6 +132,8 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, data_path: Optional
                 raise RecipeError(f"{recipe.source}: --megatron-lm: activation_func {value!r} has no translation yet")
         elif key == "share_embeddings_and_output_weights":
             argv += [] if value else ["--untie-embeddings-and-output-weights"]
+        elif key == "attention_softmax_in_fp32":
+            pass  # below
         elif key == "qk_layernorm":
             argv += ["--qk-layernorm"] if value else []
         else:
@@ -155,6 +157,10 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, data_path: Optional
     if opt.get("use_distributed_optimizer"):
         argv += ["--use-distributed-optimizer"]
     d, t = recipe.data, recipe.train
+    if d.source == SYNTHETIC:
+        raise RecipeError(f"{recipe.source}: --megatron-lm: data: source 'synthetic' is ttrace's own data; "
+                          f"Megatron-LM's pretrain_gpt.py trains on its mock dataset ('{MEGATRON_MOCK}', the "
+                          f"default with --megatron-lm) or on --megatron-lm-data")
     if t.frozen or t.start_weight_decay is not None or t.end_weight_decay is not None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: train: frozen parameters and weight-decay schedules "
                           f"have no translation in ttrace yet")
@@ -167,7 +173,9 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, data_path: Optional
         "--train-iters", str(t.iterations),
         *(["--data-path", data_path, "--split", "100,0,0", "--dataloader-type", "single"] if data_path
           else ["--mock-data"]),
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(d.vocab_size),
+        # NullTokenizer's vocabulary is its --vocab-size plus its end-of-document token: the recipe's
+        # vocabulary (the logical one, before padding) is both
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(d.vocab_size - 1),
         "--make-vocab-size-divisible-by", str(model.get("make_vocab_size_divisible_by", 128)),
         "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
@@ -175,6 +183,10 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, data_path: Optional
         "--eval-iters", "0", "--eval-interval", str(10 ** 6), "--log-interval", "1",
         "--use-cpu-initialization",
     ]
+    # megatron-core's TransformerConfig computes attention softmax in fp32 by default; Megatron-LM's
+    # flag defaults to off: the recipe's (TransformerConfig's) value is passed on
+    if model.get("attention_softmax_in_fp32", True):
+        argv += ["--attention-softmax-in-fp32"]
     if recipe.dtype == "bf16":
         argv += ["--bf16"]
     elif recipe.dtype != "fp32":

@@ -18,11 +18,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..recipe import Recipe, recipe_from_dict
+from ..recipe import SYNTHETIC, Recipe, recipe_from_dict
 from ..trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
 from . import build
 from . import config as cfg
-from . import hybrid, layouts
+from . import data, hybrid, layouts
 from .integration import TraceOptions
 
 
@@ -67,27 +67,6 @@ class Probes:
 def trace_options(dir: str, seed_checkpoint: str, **kwargs) -> TraceOptions:
     """The trace options of a ``ttrace run`` side (recording on)."""
     return TraceOptions(enabled=True, dir=dir, seed_checkpoint=seed_checkpoint, **kwargs)
-
-
-def _sample(seed: int, index: int, seq_length: int, vocab_size: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed * 1_000_003 + index)
-    return torch.randint(0, vocab_size, (seq_length + 1,), generator=g)
-
-
-def microbatches(recipe: Recipe, iteration: int, dp_rank: int, dp_size: int):
-    """This DP rank's microbatches of one iteration, in megatron's data order.
-
-    The global batch of iteration ``i`` is samples ``[i·gbs, (i+1)·gbs)``; global microbatch ``g``
-    is samples ``[g·mbs, (g+1)·mbs)`` of it, and DP rank ``r`` takes ``g = j·dp + r`` for its
-    ``j``-th microbatch (megatron's MegatronPretrainingSampler).
-    """
-    d = recipe.data
-    per_rank = d.global_batch_size // (d.micro_batch_size * dp_size)
-    for j in range(per_rank):
-        g = j * dp_size + dp_rank
-        first = iteration * d.global_batch_size + g * d.micro_batch_size
-        tokens = torch.stack([_sample(d.seed, first + s, d.seq_length, d.vocab_size) for s in range(d.micro_batch_size)])
-        yield j, tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
 def run_rank(rank: int, spec: RunSpec, probes: Probes = Probes()) -> None:
@@ -148,6 +127,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         "seed": recipe.data.seed, "seq_length": recipe.data.seq_length,
         "micro_batch_size": recipe.data.micro_batch_size, "global_batch_size": recipe.data.global_batch_size,
         "iterations": recipe.train.iterations, "lr_decay_style": recipe.train.lr_decay_style,
+        "data_source": recipe.data.source or SYNTHETIC,
         "lr_warmup_iters": recipe.train.lr_warmup_iters,
         "lr_decay_iters": recipe.train.lr_decay_iters or recipe.train.iterations})
     model = build.wrap_for_training(chunks, config, recipe)
@@ -165,8 +145,9 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     if probes.trace and not probes.alternate_idle:
         attach_tracer()
 
+    samples = data.sampler(recipe)  # every rank alike (megatron's dataset builder synchronizes them)
     losses, timings, close_s = _train(recipe, model, optimizer, scheduler, spec.cpu, dp_rank, dp_size, probes,
-                                      attach_tracer)
+                                      attach_tracer, samples)
     if probes.dump_state:
         _dump_state(spec, rank, model, losses)
     if probes.timings:
@@ -176,7 +157,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
 
 
 def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int, dp_size: int, probes: Probes,
-           attach_tracer):
+           attach_tracer, samples):
     """The training loop of megatron.training's ``train``: zero the grad buffers, one
     ``forward_backward`` over this DP rank's microbatches, ``optimizer.step()``, the lr schedule's
     step after a successful update; the trace calls
@@ -219,10 +200,10 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
-        batches = list(microbatches(recipe, iteration - 1, dp_rank, dp_size))
+        batches = list(data.microbatches(recipe, samples, iteration - 1, dp_rank, dp_size))
         # every chunk's forward_step reads the next microbatch (only the first and last stage use it)
-        data = iter(batches) if len(model) == 1 else [iter(batches) for _ in model]
-        reduced = forward_backward(forward_step_func=forward_step, data_iterator=data, model=model,
+        iterators = iter(batches) if len(model) == 1 else [iter(batches) for _ in model]
+        reduced = forward_backward(forward_step_func=forward_step, data_iterator=iterators, model=model,
                                    num_microbatches=len(batches), seq_length=seq, micro_batch_size=mbs,
                                    forward_only=False)
         update_successful, _, _ = optimizer.step()
