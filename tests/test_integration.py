@@ -2,6 +2,11 @@
 
 The end-to-end tests drive ``tests/mini_megatron_lm`` (a stand-in for ``megatron/training`` with
 its call structure, over real megatron-core) with torchrun, as a user would launch pretrain_gpt.py.
+The real Megatron-LM loop is tested in ``tests/test_megatron_lm.py`` when a checkout is given
+(``MEGATRON_LM_DIR``); the stand-in stays for what CI must check without one (CI cannot reach
+GitHub): the ``--ttrace*`` flags through torchrun, the online compare, bitwise neutrality with and
+without ``--ttrace``, refusals before training, replay and lock-step under the Megatron-LM call
+structure.
 The explicit calls (attach / begin_iteration / end_iteration / flush) are what every recipe run
 in the other tests goes through (``adapter/runner.py``).
 """
