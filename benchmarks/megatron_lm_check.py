@@ -18,12 +18,13 @@ import os
 import shutil
 import sys
 import tempfile
-import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
+sys.path.insert(0, HERE)
+import cli_runs  # noqa: E402
 
 # (recipe, injected bug, the culprit's module and phase)
 CASES = [
@@ -34,23 +35,8 @@ CASES = [
 ]
 
 
-def worst_ratio(report: dict) -> Optional[float]:
-    ratios = [t["error_eps"] / t["tolerance_eps"] for t in report.get("tensors", [])
-              if t.get("tolerance_eps") and t.get("error_eps") is not None]
-    return max(ratios) if ratios else None
-
-
 def ttrace_run(recipe: str, checkout: str, out: str, extra: List[str]) -> Dict:
-    from ttrace_megatron.cli import main
-
-    json_path = os.path.join(out, "report.json")
-    start = time.monotonic()
-    rc = main(["run", os.path.join(REPO, "recipes", recipe + ".yaml"), "--megatron-lm", checkout, "--out", out,
-               "--json", json_path, *extra])
-    with open(json_path) as f:
-        report = json.load(f)
-    report["_rc"], report["_seconds"] = rc, round(time.monotonic() - start, 1)
-    return report
+    return cli_runs.ttrace_run(recipe, out, ["--megatron-lm", checkout, *extra])
 
 
 def patched_copy(checkout: str, into: str) -> str:
@@ -86,14 +72,11 @@ def main() -> int:
         for recipe, bug, module, phase in cases:
             clean = ttrace_run(recipe, checkout, os.path.join(work, recipe, "clean"), [])
             buggy = ttrace_run(recipe, checkout, os.path.join(work, recipe, "bug"), ["--inject", bug])
-            culprit = (buggy.get("culprits") or [{}])[0]
-            fm = buggy.get("first_mismatch") or {}
+            found = cli_runs.culprit(buggy)
             rows.append({
-                "recipe": recipe, "data": "mock", "clean": clean["verdict"], "clean_worst": worst_ratio(clean),
-                "bug": bug, "detected": buggy["verdict"] == "fail",
-                "margin": (fm.get("error_eps") or 0) / fm["tolerance_eps"] if fm.get("tolerance_eps") else None,
-                "culprit": f"{culprit.get('module')} / {culprit.get('phase')}",
-                "localized": (culprit.get("module"), culprit.get("phase")) == (module, phase),
+                "recipe": recipe, "data": "mock", "clean": clean["verdict"], "clean_worst": cli_runs.worst_ratio(clean),
+                "bug": bug, "detected": buggy["verdict"] == "fail", "margin": cli_runs.margin(buggy),
+                "culprit": f"{found[0]} / {found[1]}", "localized": found == (module, phase),
                 "seconds": clean["_seconds"] + buggy["_seconds"],
                 "megatron_core": clean["versions"]["candidate"].get("megatron.core")
                 if isinstance(clean.get("versions"), dict) and "candidate" in clean["versions"] else None,
@@ -101,7 +84,7 @@ def main() -> int:
         for recipe, extra in extra_runs:
             clean = ttrace_run(recipe, checkout, os.path.join(work, recipe, "indexed"), extra)
             rows.append({"recipe": recipe, "data": "GPTDataset (indexed)", "clean": clean["verdict"],
-                         "clean_worst": worst_ratio(clean), "seconds": clean["_seconds"]})
+                         "clean_worst": cli_runs.worst_ratio(clean), "seconds": clean["_seconds"]})
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"Megatron-LM checkout {args.checkout} (megatron-core {release}), "

@@ -1,0 +1,44 @@
+"""``ttrace run`` driven from a benchmark: one recipe, its report, and the report's worst clean ratio."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Dict, List, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+
+def ttrace_run(recipe: str, out: str, extra: List[str]) -> Dict:
+    """``ttrace run recipes/RECIPE.yaml --out OUT --json OUT/report.json EXTRA...``: its report, with
+    the exit status (``_rc``) and the wall time (``_seconds``)."""
+    from ttrace_megatron.cli import main
+
+    json_path = os.path.join(out, "report.json")
+    start = time.monotonic()
+    rc = main(["run", os.path.join(REPO, "recipes", recipe + ".yaml"), "--out", out, "--json", json_path, *extra])
+    with open(json_path) as f:
+        report = json.load(f)
+    report["_rc"], report["_seconds"] = rc, round(time.monotonic() - start, 1)
+    return report
+
+
+def worst_ratio(report: dict) -> Optional[float]:
+    """The largest error / tolerance over the compared tensors (< 1 for a pass)."""
+    ratios = [t["error_eps"] / t["tolerance_eps"] for t in report.get("tensors", [])
+              if t.get("tolerance_eps") and t.get("error_eps") is not None]
+    return max(ratios) if ratios else None
+
+
+def margin(report: dict) -> Optional[float]:
+    """The first mismatch's error / tolerance (how far past its bound the bug is)."""
+    fm = report.get("first_mismatch") or {}
+    return fm["error_eps"] / fm["tolerance_eps"] if fm.get("tolerance_eps") else None
+
+
+def culprit(report: dict) -> tuple:
+    c = (report.get("culprits") or [{}])[0]
+    return c.get("module"), c.get("phase")
