@@ -42,3 +42,24 @@ def margin(report: dict) -> Optional[float]:
 def culprit(report: dict) -> tuple:
     c = (report.get("culprits") or [{}])[0]
     return c.get("module"), c.get("phase")
+
+
+def write_table(rows: List[Dict], second: str, json_path: Optional[str]) -> int:
+    """Print the rows as a markdown table (recipe, ``second``, clean verdict, worst clean ratio, the
+    bug, detected with its margin, the culprit, localized, seconds), write them to ``json_path``,
+    and return 0 if every clean run passed and every bug was detected and localized, else 1."""
+    print(f"| recipe | {second} | clean | worst clean error/tol | injected bug | detected (margin) | culprit | "
+          "localized | seconds |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        worst = f"{r['clean_worst']:.2f}" if r.get("clean_worst") is not None else "-"
+        margin = f"{r['margin']:.3g}×" if r.get("margin") else ""
+        judged = "bug" in r
+        print(f"| {r['recipe']} | {r[second]} | {r['clean']} | {worst} | {r.get('bug', '-')} | "
+              f"{('yes' if r['detected'] else 'NO') if judged else '-'} {margin} | {r.get('culprit', '-')} | "
+              f"{('yes' if r['localized'] else 'NO') if judged else '-'} | {r['seconds']} |")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(rows, f, indent=1)
+    ok = all(r["clean"] == "pass" and r.get("detected", True) and r.get("localized", True) for r in rows)
+    return 0 if ok else 1

@@ -9,7 +9,6 @@ check, a GPTModel reference against the HybridModel candidate of the same layers
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -62,21 +61,7 @@ def main() -> int:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print(f"megatron-core {megatron.core.__version__}\n")
-    print("| recipe | reference | clean | worst clean error/tol | injected bug | detected (margin) | culprit | "
-          "localized | seconds |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        worst = f"{r['clean_worst']:.2f}" if r.get("clean_worst") is not None else "-"
-        margin = f"{r['margin']:.3g}×" if r.get("margin") else ""
-        print(f"| {r['recipe']} | {r['reference']} | {r['clean']} | {worst} | {r.get('bug', '-')} | "
-              f"{'-' if 'bug' not in r else ('yes' if r['detected'] else 'NO')} {margin} | {r.get('culprit', '-')} | "
-              f"{'-' if 'bug' not in r else ('yes' if r['localized'] else 'NO')} | {r['seconds']} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    return 0 if all(r["clean"] == "pass" and r.get("detected", True) and r.get("localized", True) for r in rows) \
-        else 1
-
+    return cli_runs.write_table(rows, "reference", args.json)
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -13,7 +13,6 @@ written here (DP 2, several microbatches), instead of its mock dataset.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
@@ -89,22 +88,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     print(f"Megatron-LM checkout {args.checkout} (megatron-core {release}), "
           f"{'the patch' if args.patched else 'install()'}\n")
-    print("| recipe | data | clean | worst clean error/tol | injected bug | detected (margin) | culprit | localized |"
-          " seconds |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for r in rows:
-        worst = f"{r['clean_worst']:.2f}" if r.get("clean_worst") is not None else "-"
-        margin = f"{r['margin']:.3g}×" if r.get("margin") else ""
-        print(f"| {r['recipe']} | {r['data']} | {r['clean']} | {worst} | {r.get('bug', '-')} | "
-              f"{'yes' if r.get('detected') else ('-' if 'bug' not in r else 'NO')} {margin} | "
-              f"{r.get('culprit', '-')} | {'yes' if r.get('localized') else ('-' if 'bug' not in r else 'NO')} | "
-              f"{r['seconds']} |")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(rows, f, indent=1)
-    ok = all(r["clean"] == "pass" and r.get("detected", True) and r.get("localized", True) for r in rows)
-    return 0 if ok else 1
-
+    return cli_runs.write_table(rows, "data", args.json)
 
 if __name__ == "__main__":
     sys.exit(main())
