@@ -32,7 +32,8 @@ def _recipe(name):
 
 
 def test_recipe_translates_to_megatron_lm_flags():
-    argv = megatron_lm.training_args(_recipe("gpt_tp2_sp"), "candidate", _recipe("gpt_tp2_sp").parallel)
+    argv = megatron_lm.training_args(_recipe("gpt_tp2_sp"), "candidate", _recipe("gpt_tp2_sp").parallel,
+                                      release="0.16.1")
     text = " ".join(argv)
     for flag in ("--num-layers 2", "--hidden-size 64", "--group-query-attention --num-query-groups 2",
                  "--normalization RMSNorm", "--swiglu", "--disable-bias-linear", "--position-embedding-type rope",
@@ -41,9 +42,13 @@ def test_recipe_translates_to_megatron_lm_flags():
                  "--global-batch-size 4", "--train-iters 3", "--mock-data", "--vocab-size 249",
                  "--transformer-impl local", "--hidden-dropout 0", "--attention-dropout 0", "--ttrace-role candidate"):
         assert flag in text, flag
-    reference = " ".join(megatron_lm.training_args(_recipe("gpt_tp2_sp"), "reference", {}))
+    reference = " ".join(megatron_lm.training_args(_recipe("gpt_tp2_sp"), "reference", {}, release="0.16.1"))
     assert "--tensor-model-parallel-size" not in reference and "--sequence-parallel" not in reference
-    tied = " ".join(megatron_lm.training_args(_recipe("gpt_pp2"), "candidate", _recipe("gpt_pp2").parallel))
+    # the recipe's 250 tokens, EOD included: NullTokenizer's --vocab-size 249 through 0.17, 250 from 0.18
+    assert "--vocab-size 250" in " ".join(megatron_lm.training_args(_recipe("gpt_tp2"), "reference", {},
+                                                                     release="0.18.0"))
+    tied = " ".join(megatron_lm.training_args(_recipe("gpt_pp2"), "candidate", _recipe("gpt_pp2").parallel,
+                                               release="0.19.1"))
     assert "--untie-embeddings-and-output-weights" not in tied and "--pipeline-model-parallel-size 2" in tied
 
 
@@ -55,7 +60,7 @@ def test_fields_without_a_translation_are_refused_by_name(section, key, value):
     recipe = _recipe("gpt_tp2")
     getattr(recipe, section)[key] = value
     with pytest.raises(RecipeError, match=f"--megatron-lm: .*'{key}'|--megatron-lm: {key}"):
-        megatron_lm.training_args(recipe, "candidate", recipe.parallel)
+        megatron_lm.training_args(recipe, "candidate", recipe.parallel, release="0.16.1")
 
 
 def test_not_a_checkout_is_named(tmp_path):
@@ -175,24 +180,28 @@ def test_synthetic_data_is_refused_for_the_real_loop():
     recipe = _recipe("gpt_tp2")
     recipe.data.source = "synthetic"
     with pytest.raises(RecipeError, match="source 'synthetic' is ttrace's own data"):
-        megatron_lm.training_args(recipe, "reference", {})
+        megatron_lm.training_args(recipe, "reference", {}, release="0.16.1")
 
 
 @needs_checkout
 @pytest.mark.multiprocess
-def test_real_loop_and_ttrace_runner_write_the_same_trace(runs):
-    """One model signature, one data order, one math: Megatron-LM's reference (its pretrain_gpt.py,
-    mock data) against ttrace's own runner's reference on megatron-core's MockGPTDataset, from the
-    same seed checkpoint, compare clean tensor by tensor."""
+def test_real_loop_and_ttrace_runner_write_the_same_trace(tmp_path):
+    """One model signature, one data order, one math: ttrace's own runner (on the checkout's
+    megatron-core, megatron-core's MockGPTDataset) and Megatron-LM's pretrain_gpt.py (its --mock-data),
+    both as one-rank references from the same seed checkpoint, compare clean tensor by tensor."""
     from conftest import load
     from ttrace_megatron.adapter.integration import TraceOptions
+    from ttrace_megatron.adapter.launch import launch
+    from ttrace_megatron.adapter.runner import REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.adapter.side import check_tree
     from ttrace_megatron.compare import compare_traces
 
     recipe = load("gpt_tp2", data={"source": "megatron_mock"})
-    ours = runs.reference(recipe)
-    real = os.path.join(ours, "megatron-lm-reference")
-    megatron_lm.run(CHECKOUT, recipe, "reference", TraceOptions(
-        enabled=True, dir=real, seed_checkpoint=os.path.join(ours, "seed.safetensors")))
-    c = compare_traces(os.path.join(ours, "reference"), real)
+    seed = str(tmp_path / "seed.safetensors")
+    ours, real = str(tmp_path / "ttrace-runner"), str(tmp_path / "megatron-lm")
+    launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ours, seed),
+                   megatron=check_tree(CHECKOUT, "MEGATRON_LM_DIR")), timeout_s=600)
+    megatron_lm.run(CHECKOUT, recipe, REFERENCE, TraceOptions(enabled=True, dir=real, seed_checkpoint=seed))
+    c = compare_traces(ours, real)
     assert c.verdict == "pass", c.first_mismatch
-    assert {r.key.module for r in c.results if r.key.tensor == "input"} >= {"embedding.word_embeddings"}
+    assert any(r.key.module == "embedding.word_embeddings" and r.key.tensor == "input" for r in c.results)

@@ -91,7 +91,8 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         from .adapter import megatron_lm
 
         checkout = megatron_lm.check_checkout(checkout)
-        megatron_lm.training_args(recipe, REFERENCE, {})  # refuses an untranslatable field before anything runs
+        # refuses an untranslatable field before anything runs
+        megatron_lm.training_args(recipe, REFERENCE, {}, release=megatron_lm.release_of(checkout))
         if as_gpt or any(trees.values()) or args.online or recipe.tolerance.perturbation or args.perturb:
             raise RecipeError(f"{recipe.source}: --megatron-lm runs neither --reference-model gpt, "
                               f"--candidate/--reference-megatron, --online nor the perturbation estimate yet")

@@ -128,13 +128,19 @@ def hybrid_final_norm(norm_class):
 
 def null_tokenizer(vocab_size: int):
     """megatron-core's NullTokenizer whose vocabulary, its end-of-document token included, is
-    ``vocab_size`` tokens: what Megatron-LM's ``--tokenizer-type NullTokenizer --vocab-size
-    vocab_size - 1`` builds (``MegatronTokenizer.from_pretrained``, metadata only).
+    ``vocab_size`` tokens: what Megatron-LM's ``--tokenizer-type NullTokenizer`` builds for the
+    recipe's vocabulary (``megatron_lm.null_tokenizer_vocab_flag``), made with
+    ``MegatronTokenizer.from_pretrained`` from metadata alone.
 
     0.17 renamed the tokenizer library ``null`` to ``null-text`` (beside ``null-multimodal``) and
     split the library list into text and vision ones ("fully remove legacy tokenizer system",
-    3257093930, #2946)."""
+    3257093930, #2946). 0.18 made NullTokenizer(V) V tokens with the EOD token last, where it had
+    been V tokens plus the EOD token (c9dfe34798, #4057): the tokenizer is asked for V and, where it
+    answers V + 1, built again for V − 1."""
     from megatron.core.tokenizers import MegatronTokenizer, megatron_tokenizer
 
     library = "null-text" if hasattr(megatron_tokenizer, "TEXT_LIBRARIES") else "null"  # 0.17 on / 0.16
-    return MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size - 1)
+    tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size)
+    if tokenizer.vocab_size == vocab_size + 1:  # through 0.17: the EOD token comes on top
+        tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size - 1)
+    return tokenizer

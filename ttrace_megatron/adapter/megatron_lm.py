@@ -109,10 +109,24 @@ def write_indexed_dataset(prefix: str, *, vocab_size: int, documents: int, seed:
     return prefix
 
 
-def training_args(recipe: Recipe, role: str, parallel: Dict, data_path: Optional[str] = None) -> List[str]:
-    """Megatron-LM's flags for one side of ``recipe`` (``parallel``: the candidate's settings, or
-    {} for the one-rank reference; ``data_path``: an indexed dataset for Megatron-LM's GPTDataset
-    instead of its mock data). Raises RecipeError naming a recipe field with no translation."""
+def null_tokenizer_vocab_flag(vocab_size: int, release: str) -> int:
+    """The ``--vocab-size`` that makes Megatron-LM's NullTokenizer a vocabulary of ``vocab_size``
+    tokens, its end-of-document token included, for a checkout of megatron-core ``release``.
+
+    Through 0.17 NullTokenizer(V) is V tokens plus an EOD token (V + 1 in all); from 0.18 it is V
+    tokens, the last of them the EOD token ("Enable NullTokenizer for pretraining to reduce I/O
+    access", c9dfe34798, #4057). ``compat.null_tokenizer`` makes the same choice for the installed
+    megatron-core."""
+    major, minor = (int(x) for x in release.split(".")[:2])
+    return vocab_size if (major, minor) >= (0, 18) else vocab_size - 1
+
+
+def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
+                  data_path: Optional[str] = None) -> List[str]:
+    """Megatron-LM's flags for one side of ``recipe`` on a checkout of megatron-core ``release``
+    (``parallel``: the candidate's settings, or {} for the one-rank reference; ``data_path``: an
+    indexed dataset for Megatron-LM's GPTDataset instead of its mock data). Raises RecipeError
+    naming a recipe field with no translation."""
     model = dict(recipe.model)
     argv: List[str] = []
     for key, value in model.items():
@@ -173,9 +187,8 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, data_path: Optional
         "--train-iters", str(t.iterations),
         *(["--data-path", data_path, "--split", "100,0,0", "--dataloader-type", "single"] if data_path
           else ["--mock-data"]),
-        # NullTokenizer's vocabulary is its --vocab-size plus its end-of-document token: the recipe's
-        # vocabulary (the logical one, before padding) is both
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(d.vocab_size - 1),
+        # the recipe's vocabulary (the logical one, before padding), NullTokenizer's EOD token included
+        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(null_tokenizer_vocab_flag(d.vocab_size, release)),
         "--make-vocab-size-divisible-by", str(model.get("make_vocab_size_divisible_by", 128)),
         "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
@@ -225,7 +238,8 @@ def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject
     import torch
 
     cpu = cpu or not torch.cuda.is_available()
-    argv = training_args(recipe, role, parallel, data_path) + ["--distributed-backend", "gloo" if cpu else "nccl"]
+    argv = training_args(recipe, role, parallel, release=release_of(checkout), data_path=data_path)
+    argv += ["--distributed-backend", "gloo" if cpu else "nccl"]
     argv += trace_args(trace)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
