@@ -126,10 +126,23 @@ def hybrid_final_norm(norm_class):
         hybrid_block.TENorm = original
 
 
+def null_tokenizer_vocab_flag(vocab_size: int, release: str) -> int:
+    """The ``--vocab-size`` that makes Megatron-LM's NullTokenizer a vocabulary of ``vocab_size``
+    tokens, its end-of-document token included, for a checkout of megatron-core ``release``.
+
+    Through 0.17 NullTokenizer(V) is V tokens plus an EOD token (V + 1 in all); from 0.18 it is V
+    tokens, the last of them the EOD token ("Enable NullTokenizer for pretraining to reduce I/O
+    access", c9dfe34798, #4057). The checkout is another tree than the installed megatron-core, so
+    this switch reads its release number; :func:`null_tokenizer` makes the same choice for the
+    installed one by what its tokenizer answers."""
+    major, minor = (int(x) for x in release.split(".")[:2])
+    return vocab_size if (major, minor) >= (0, 18) else vocab_size - 1
+
+
 def null_tokenizer(vocab_size: int):
     """megatron-core's NullTokenizer whose vocabulary, its end-of-document token included, is
     ``vocab_size`` tokens: what Megatron-LM's ``--tokenizer-type NullTokenizer`` builds for the
-    recipe's vocabulary (``megatron_lm.null_tokenizer_vocab_flag``), made with
+    recipe's vocabulary (:func:`null_tokenizer_vocab_flag`), made with
     ``MegatronTokenizer.from_pretrained`` from metadata alone.
 
     0.17 renamed the tokenizer library ``null`` to ``null-text`` (beside ``null-multimodal``) and

@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ..errors import RecipeError
 from ..recipe import MEGATRON_MOCK, SYNTHETIC, Recipe
-from . import config as cfg
+from . import compat
 from .integration import TraceOptions
 
 SCRIPT = "pretrain_gpt.py"
@@ -109,18 +109,6 @@ def write_indexed_dataset(prefix: str, *, vocab_size: int, documents: int, seed:
     return prefix
 
 
-def null_tokenizer_vocab_flag(vocab_size: int, release: str) -> int:
-    """The ``--vocab-size`` that makes Megatron-LM's NullTokenizer a vocabulary of ``vocab_size``
-    tokens, its end-of-document token included, for a checkout of megatron-core ``release``.
-
-    Through 0.17 NullTokenizer(V) is V tokens plus an EOD token (V + 1 in all); from 0.18 it is V
-    tokens, the last of them the EOD token ("Enable NullTokenizer for pretraining to reduce I/O
-    access", c9dfe34798, #4057). ``compat.null_tokenizer`` makes the same choice for the installed
-    megatron-core."""
-    major, minor = (int(x) for x in release.split(".")[:2])
-    return vocab_size if (major, minor) >= (0, 18) else vocab_size - 1
-
-
 def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
                   data_path: Optional[str] = None) -> List[str]:
     """Megatron-LM's flags for one side of ``recipe`` on a checkout of megatron-core ``release``
@@ -188,7 +176,8 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
         *(["--data-path", data_path, "--split", "100,0,0", "--dataloader-type", "single"] if data_path
           else ["--mock-data"]),
         # the recipe's vocabulary (the logical one, before padding), NullTokenizer's EOD token included
-        "--tokenizer-type", "NullTokenizer", "--vocab-size", str(null_tokenizer_vocab_flag(d.vocab_size, release)),
+        "--tokenizer-type", "NullTokenizer",
+        "--vocab-size", str(compat.null_tokenizer_vocab_flag(d.vocab_size, release)),
         "--make-vocab-size-divisible-by", str(model.get("make_vocab_size_divisible_by", 128)),
         "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
