@@ -181,6 +181,9 @@ def test_synthetic_data_is_refused_for_the_real_loop():
     recipe.data.source = "synthetic"
     with pytest.raises(RecipeError, match="source 'synthetic' is ttrace's own data"):
         megatron_lm.training_args(recipe, "reference", {}, release="0.16.1")
+    recipe.data.source = "megatron_mock"  # the mock data, and a dataset given: one of them would be ignored
+    with pytest.raises(RecipeError, match="asks for the mock dataset"):
+        megatron_lm.training_args(recipe, "reference", {}, release="0.16.1", data_path="/data/tokens")
 
 
 @needs_checkout

@@ -1,5 +1,6 @@
 """The release slice: the demo, and a TP+SP, a PP, an MoE and a distributed-optimizer recipe, each
-clean and with one injected bug, on whichever megatron-core release is installed. The whole suite
+clean and with one injected bug (and the HybridModel recipes where the release has HybridModel), on
+whichever megatron-core release is installed. The whole suite
 runs on one release; CI runs this slice on the oldest and the newest supported release too
 (``.ci/run``, ``adapter.compat.SUPPORTED``)."""
 
@@ -8,6 +9,7 @@ import os
 
 import pytest
 
+from ttrace_megatron.adapter import compat
 from ttrace_megatron.compare import compare_traces
 from ttrace_megatron.recipe import load_recipe
 
@@ -20,12 +22,20 @@ SLICE = [
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
     ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.0.mlp.router", "forward"),
     ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer"),
-]
+] + [pytest.param(*case, marks=pytest.mark.skipif(not compat.has_hybrid_model(), reason="the installed megatron-core "
+                                                 "has no HybridModel (0.18 added it)"), id=case[0]) for case in [
+    # HybridModel (tests/test_hybrid.py): '*-*-', '*-|*-' with tied embeddings, '*E*E'
+    ("hybrid_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2",
+     "forward"),
+    ("hybrid_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
+    ("hybrid_moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.1.mlp.router", "forward"),
+]]
 
 
 @pytest.mark.release_slice
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recipe_name,bug,module,phase", SLICE, ids=[s[0] for s in SLICE])
+@pytest.mark.parametrize("recipe_name,bug,module,phase", SLICE,
+                         ids=[s[0] if isinstance(s, tuple) else s.id for s in SLICE])
 def test_recipe_clean_and_its_bug_caught(runs, recipe_name, bug, module, phase):
     recipe = load_recipe(os.path.join(RECIPES, recipe_name + ".yaml"))
     ref, clean = runs.candidate(recipe)

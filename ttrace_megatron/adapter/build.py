@@ -35,13 +35,14 @@ def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True, as
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    parallel = hybrid.with_pattern_layout(recipe.model, parallel)
-    sizes = cfg.parallel_sizes(parallel)
+    sizes = cfg.parallel_sizes(parallel)  # a hybrid pattern's virtual stages included (RunSpec.parallel)
     vpp = sizes["vpp"]
     torch.manual_seed(recipe.data.seed)
     model_parallel_cuda_manual_seed(recipe.data.seed)
     config = cfg.transformer_config(recipe, parallel)
     pattern = hybrid.pattern_of(recipe.model)
+    if as_gpt:
+        hybrid.gpt_equivalent(recipe.to_json())  # refuses a pattern without a GPT equivalent
     # one chunk per virtual stage, as megatron.training's get_model builds them
     stages = [None] if vpp == 1 else list(range(vpp))
     chunks = []
@@ -58,7 +59,6 @@ def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True, as
             raise RecipeError(f"{recipe.source}: megatron-core refuses to build this model: {megatron_frame(e)}: "
                               f"{e}") from None
         if as_gpt:
-            hybrid.gpt_equivalent(recipe.to_json())  # refuses a pattern without a GPT equivalent
             setattr(chunk, NAME_MAP_ATTR, hybrid.gpt_name)
         if not cpu:
             chunk.cuda(torch.cuda.current_device())

@@ -159,6 +159,9 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
     if opt.get("use_distributed_optimizer"):
         argv += ["--use-distributed-optimizer"]
     d, t = recipe.data, recipe.train
+    if data_path and d.source == MEGATRON_MOCK:
+        raise RecipeError(f"{recipe.source}: --megatron-lm-data: data: source '{MEGATRON_MOCK}' asks for the mock "
+                          f"dataset; leave 'source' out to train on {data_path}")
     if d.source == SYNTHETIC:
         raise RecipeError(f"{recipe.source}: --megatron-lm: data: source 'synthetic' is ttrace's own data; "
                           f"Megatron-LM's pretrain_gpt.py trains on its mock dataset ('{MEGATRON_MOCK}', the "
@@ -220,12 +223,12 @@ def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject
         log_dir: Optional[str] = None, timeout_s: int = 900, data_path: Optional[str] = None) -> None:
     """One side of a ``ttrace run --megatron-lm``: the reference on one rank, the candidate on the
     recipe's ranks and layout, ``inject``: bugs for the candidate (adapter.bugs)."""
+    import torch
+
     from ..trace_store import CANDIDATE
 
     parallel = recipe.parallel if role == CANDIDATE else {}
     world = recipe.world_size if role == CANDIDATE else 1
-    import torch
-
     cpu = cpu or not torch.cuda.is_available()
     argv = training_args(recipe, role, parallel, release=release_of(checkout), data_path=data_path)
     argv += ["--distributed-backend", "gloo" if cpu else "nccl"]
@@ -243,40 +246,45 @@ def launch(checkout: str, argv: List[str], world_size: int, *, cpu: bool = True,
     from ..errors import RunFailed
     from .launch import free_port
 
-    env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE=str(world_size),
-               TTRACE_MEGATRON_LM_CPU="1" if cpu else "0", CUDA_DEVICE_MAX_CONNECTIONS="1",
+    env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
+               WORLD_SIZE=str(world_size), TTRACE_MEGATRON_LM_CPU="1" if cpu else "0", CUDA_DEVICE_MAX_CONNECTIONS="1",
                # the checkout's .python-version names another interpreter for pyenv; its dataset
                # helpers are compiled with this one
                PYENV_VERSION=".".join(map(str, sys.version_info[:3])))
     env["PYTHONPATH"] = os.pathsep.join([checkout] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
     procs = []
     logs = []
-    for rank in range(world_size):
-        log = open(os.path.join(log_dir, f"megatron-lm-{name}-rank{rank}.log"), "w+") if log_dir else \
-            tempfile.TemporaryFile("w+")
-        logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, "-m", "ttrace_megatron.adapter.megatron_lm", checkout, "--", *argv],
-            env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=checkout, stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout_s
-    failed = []
-    for rank, p in enumerate(procs):
-        try:
-            rc = p.wait(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            rc = "timeout"
-        if rc != 0:
-            failed.append((rank, rc))
-    if failed:
-        tails = []
-        for rank, rc in failed[:2]:
-            logs[rank].seek(0)
-            tails.append(f"--- rank {rank} (exit {rc}) ---\n" + logs[rank].read()[-3000:])
-        raise RunFailed(f"Megatron-LM's {SCRIPT} failed:\n" + "\n".join(tails))
-    for log in logs:
-        log.close()
+    try:
+        for rank in range(world_size):
+            logs.append(open(os.path.join(log_dir, f"megatron-lm-{name}-rank{rank}.log"), "w+") if log_dir
+                        else tempfile.TemporaryFile("w+"))
+            procs.append(subprocess.Popen(
+                [sys.executable, "-m", "ttrace_megatron.adapter.megatron_lm", checkout, "--", *argv],
+                env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=checkout, stdout=logs[-1],
+                stderr=subprocess.STDOUT))
+        deadline = time.monotonic() + timeout_s
+        failed = []
+        for rank, p in enumerate(procs):
+            try:
+                rc = p.wait(timeout=max(1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                rc = "timeout"
+            if rc != 0:
+                failed.append((rank, rc))
+        if failed:
+            tails = []
+            for rank, rc in failed[:2]:
+                logs[rank].seek(0)
+                tails.append(f"--- rank {rank} (exit {rc}) ---\n" + logs[rank].read()[-3000:])
+            raise RunFailed(f"Megatron-LM's {SCRIPT} failed:\n" + "\n".join(tails))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for log in logs:
+            log.close()
 
 
 def _chain_ttrace_arguments() -> None:
