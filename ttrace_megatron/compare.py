@@ -20,7 +20,8 @@ from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
                         content_digest, logical_mask, merge_pieces, replicas_split_alike,
                         slice_logical)
-from .tolerance import ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
+from .step_bounds import StepBounds, judged_terms
+from .tolerance import Tolerance, ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
 from .update_rules import AdamRule, judge_adam_update
 from .trace_store import RankTrace, Record, TraceReader
 
@@ -41,6 +42,7 @@ class TensorResult:
     tolerance_source: str = ""
     reason: str = ""
     arrival: bool = False  # what arrived at a module, not what a module computed (see arrives_at_module)
+    reference_norm: float = math.nan  # ‖ref‖ of the logical tensor
 
     @property
     def error_eps(self) -> float:
@@ -152,7 +154,8 @@ def arrives_at_module(key: TensorKey, rec: Optional[Record] = None) -> bool:
 
 def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config: ToleranceConfig,
            shape: Tuple[int, ...], error: float, reason: str = "", observed: Optional[float] = None,
-           cancellation: float = 1.0) -> TensorResult:
+           cancellation: float = 1.0, bound: Optional[Tolerance] = None,
+           added: Sequence[Tuple[float, str]] = ()) -> TensorResult:
     """The verdict on one logical tensor: a stated reason fails it, else error against tolerance.
 
     ``observed``: the perturbation estimate's relative error for this tensor, if one was run.
@@ -160,13 +163,18 @@ def decide(key: TensorKey, rec: Record, num_layers: int, order: int, tol_config:
     Σ‖termᵢ‖ / ‖Σ termᵢ‖ (:class:`Cancellation`): each term was computed and rounded relative to its
     own magnitude, so where they cancel the round-off of the sum is that much larger relative to
     the sum (the tolerance scales by it).
+    ``bound``: a tolerance derived for this tensor in place of the analytic GEMM bound (the step's
+    scalars: :class:`~ttrace_megatron.step_bounds.StepBounds`); ``added``: relative terms that add
+    to it (what the clip coefficient scales).
     """
     arrival = arrives_at_module(key, rec)
-    tol = tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction, tol_config,
-                        propagate=not (tol_config.replay and not arrival), power=keys.value_power(key))
+    tol = bound or tolerance_for(key.phase, rec.depth, num_layers, rec.compute_dtype or rec.dtype, rec.reduction,
+                                 tol_config, propagate=not (tol_config.replay and not arrival),
+                                 power=keys.value_power(key))
     if cancellation > 1.0 and math.isfinite(cancellation):
         tol = dataclasses.replace(tol, tolerance_eps=tol.tolerance_eps * cancellation,
                                   source=f"{tol.source} × {cancellation:.3g} (a sum whose terms cancel)")
+    tol = judged_terms(tol, added)
     if observed is not None:
         tol = with_perturbation(tol, observed, tol_config)
     ok = not reason and error / tol.eps <= tol.tolerance_eps
@@ -201,6 +209,7 @@ class ShardSums:
     status: str = "ok"  # ok | shape | partial | missing_reference
     detail: str = ""
     partial_norm: float = 0.0  # a partial sum's ‖piece‖ in logical units (status partial): piece_norm
+    roundoff: float = 0.0  # the candidate's own measured round-off of the value (Record.roundoff)
 
     def to_json(self) -> dict:
         obj = dataclasses.asdict(self)
@@ -219,6 +228,7 @@ class ShardSums:
         for name in ("diff_sq", "ref_sq"):
             fields[name] = float(obj[name])
         fields["partial_norm"] = float(obj.get("partial_norm", 0.0))
+        fields["roundoff"] = float(obj.get("roundoff", 0.0))
         return ShardSums(**fields)
 
 
@@ -268,17 +278,31 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
 def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Record, num_layers: int, order: int,
                    tol_config: ToleranceConfig, where: str, notes: Sequence[str] = (),
                    replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None,
-                   observed: Optional[float] = None, cancellation: float = 1.0) -> TensorResult:
+                   observed: Optional[float] = None, cancellation: float = 1.0,
+                   step: Optional[StepBounds] = None) -> TensorResult:
     """The verdict on one logical tensor from its pieces' sums (``entries``: (rank, sums)).
 
     The one place where the rules of a verdict live: a shape that does not fit, pieces that do not
     cover the tensor, replicas that differ, non-finite values, a zero reference. A tensor that is
-    merged before it is judged (partial sums) comes here as a single piece."""
+    merged before it is judged (partial sums) comes here as a single piece. ``step``: the
+    comparison's :class:`~ttrace_megatron.step_bounds.StepBounds`, which bounds the step's scalars
+    and learns from every verdict."""
     shape = entries[0][1].logical_shape
     args = (key, rec, num_layers, order, tol_config, shape)
+
+    def terms(reference_norm: float = math.nan) -> dict:
+        if step is None:
+            return dict(observed=observed, cancellation=cancellation)
+        carried = step.carried(key, reference_norm)
+        return dict(observed=observed, cancellation=cancellation * carried,
+                    added=[(t * carried, s) for t, s in step.added(key)],
+                    bound=step.bound(key, rec.compute_dtype or rec.dtype, rec.reduction,
+                                     math.sqrt(entries[0][1].ref_sq), rec.roundoff,
+                                     max((e.roundoff for _, e in entries), key=abs)))
+
     shaped = [e for _, e in entries if e.status == "shape"]
     if shaped:
-        return decide(*args, math.inf, shaped[0].detail, observed=observed, cancellation=cancellation)
+        return decide(*args, math.inf, shaped[0].detail, **terms())
     positions: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
     for rank, e in entries:
         positions.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
@@ -310,8 +334,11 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     else:
         error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
     nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
-    return decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes), observed=observed,
-                  cancellation=cancellation)
+    result = decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes), **terms(math.sqrt(ref_sq)))
+    result.reference_norm = math.sqrt(ref_sq)
+    if step is not None:
+        step.note(key, result.error, result.reference_norm)
+    return result
 
 
 def piece_norm(piece: torch.Tensor, layout: Layout) -> float:
@@ -469,6 +496,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     common = sorted(both - set(unjudged), key=lambda k: order[k])
     results: List[TensorResult] = []
     cancellations = Cancellation(ref, ref_groups)
+    step_bounds = StepBounds(ref.run, num_layers, tol_config)
     for i, key in enumerate(common):
         rec = ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, ref_groups[key])
@@ -511,8 +539,11 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                 return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
 
         cancellation = max(cancellation, cancellations.factor(key, ref_merged.tensor))
+        roundoff = max((r.roundoff for _, r in pieces), key=abs)
+        if roundoff:
+            entries = [(rank, dataclasses.replace(e, roundoff=roundoff)) for rank, e in entries]
         result = combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
-                                replica_max_abs_diff, observed, cancellation)
+                                replica_max_abs_diff, observed, cancellation, step=step_bounds)
         if element_wise:
             result = update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
         if choice:

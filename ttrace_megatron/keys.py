@@ -33,9 +33,12 @@ GRAD_INPUT = "grad_input"  # the grad w.r.t. a module's input: its dgrad (backwa
 GRAD_OUTPUT = "grad_output"  # the grad arriving at a module's output (backward)
 PER_TOKEN_LOSS = "per_token_loss"
 GRAD_NORM = "grad_norm"
+# the same norm of the same grads over the same groups, computed in fp64 beside megatron's fp32 kernel:
+# what the grad norm would be without its own round-off (its difference from GRAD_NORM is that round-off)
+GRAD_NORM_FP64 = "grad_norm_fp64"
 CLIP_COEFFICIENT = "clip_coefficient"
 STEP_COUNT = "step_count"  # the optimizer's step count after the step (Adam's bias correction)
-OPTIMIZER_SCALARS = (GRAD_NORM, CLIP_COEFFICIENT, STEP_COUNT)
+OPTIMIZER_SCALARS = (GRAD_NORM, GRAD_NORM_FP64, CLIP_COEFFICIENT, STEP_COUNT)
 # the optimizer's state of a parameter after the step (phase optimizer): ``{param}.{name}``
 EXP_AVG = "exp_avg"
 EXP_AVG_SQ = "exp_avg_sq"

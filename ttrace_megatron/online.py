@@ -20,6 +20,7 @@ Knows nothing about megatron.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from typing import Dict, List, Optional, Tuple
@@ -31,6 +32,7 @@ from .compare import (FAIL, Cancellation, Comparison, ShardSums, TensorResult, b
                       reference_order, shard_sums)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
+from .step_bounds import StepBounds
 from .tolerance import ToleranceConfig
 from . import coverage, keys
 from .keys import TensorKey, TensorKind
@@ -65,10 +67,12 @@ class OnlineComparer:
         return self.failed is None
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
-            compute_dtype=None, reduction: int = 0, arrival: bool = False, statistic_of: str = "") -> None:
+            compute_dtype=None, reduction: int = 0, arrival: bool = False, statistic_of: str = "",
+            roundoff: float = 0.0) -> None:
         if not self.active:
             return
-        self.entries.append(self._judge_shard(key, tensor.detach(), layout))
+        entry = self._judge_shard(key, tensor.detach(), layout)
+        self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
 
     def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout) -> ShardSums:
         pieces = self._reference_groups.get(key)
@@ -188,6 +192,7 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     judged = set(by_key) - set(unjudged)
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
     cancellations = Cancellation(ref, ref_groups)  # as compare_traces keeps them
+    step_bounds = StepBounds(ref.run, num_layers, tol_config)
     for key in sorted((k for k in judged if k in ref_groups), key=lambda k: order[k]):
         entries = by_key[key]
         if any(e.status == "partial" for _, e in entries):
@@ -198,7 +203,7 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
         if cancellations.needs_reference(key):
             cancellation = cancellations.factor(key, logical_tensor(ref, ref_groups[key]).tensor)
         results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
-                                      candidate_dir, cancellation=cancellation))
+                                      candidate_dir, cancellation=cancellation, step=step_bounds))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand_run, skipped=skipped, unjudged=unjudged)

@@ -66,6 +66,9 @@ class Record:
     # a statistic of another tensor of the same module, phase and microbatch (an FP8 GEMM's amax of
     # its input): it moves with that tensor, so it is judged with that tensor's tolerance too
     statistic_of: str = ""
+    # the value's own round-off, measured by the run against an fp64 twin of the same computation
+    # (absolute; 0: not measured): the grad norm's (adapter ``_GradNormTwin``)
+    roundoff: float = 0.0
 
     def to_json(self) -> dict:
         obj = {"key": self.key.to_json(), "layout": self.layout.to_json(), "dtype": self.dtype,
@@ -75,6 +78,8 @@ class Record:
             obj["arrival"] = True
         if self.statistic_of:
             obj["statistic_of"] = self.statistic_of
+        if self.roundoff:
+            obj["roundoff"] = self.roundoff
         return obj
 
     @staticmethod
@@ -86,7 +91,7 @@ class Record:
                       tuple(int(s) for s in obj["shape"]), int(obj["seq"]), str(obj["file"]),
                       str(obj["name"]), int(obj.get("depth", 0)), str(obj.get("compute_dtype", "")),
                       int(obj.get("reduction", 0)), bool(obj.get("arrival", False)),
-                      str(obj.get("statistic_of", "")))
+                      str(obj.get("statistic_of", "")), float(obj.get("roundoff", 0.0)))
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -148,7 +153,7 @@ class TraceWriter:
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
             compute_dtype: Optional[torch.dtype] = None, reduction: int = 0,
-            arrival: bool = False, statistic_of: str = "") -> None:
+            arrival: bool = False, statistic_of: str = "", roundoff: float = 0.0) -> None:
         """Copy ``tensor`` into the file of its iteration now; it is written in the background."""
         if not self.active:
             self._drop_file()
@@ -168,7 +173,7 @@ class TraceWriter:
             return
         self._file_records.append(Record(
             key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, self._file_name, name, depth,
-            dtype_name(compute_dtype or tensor.dtype), reduction, arrival, statistic_of))
+            dtype_name(compute_dtype or tensor.dtype), reduction, arrival, statistic_of, roundoff))
         self._seq += 1
 
     def flush(self, iteration: int) -> None:

@@ -21,8 +21,10 @@ grads, the loss and the optimizer through hooks of the recorder's own. Tensors g
 :class:`~ttrace_megatron.online.OnlineComparer` (verdicts only). Nothing is recorded outside
 ``begin_iteration`` … ``end_iteration``, so evaluation passes between steps are ignored.
 
-Neutrality: the recorder copies tensors and never writes to the run's tensors. No hook issues a
-collective.
+Neutrality: the recorder copies tensors and never writes to the run's tensors. One collective is
+added, never on some ranks only: inside megatron's own grad-norm computation (a collective over
+the same groups, on every rank that runs it), the fp64 twin of the norm is all-reduced over those
+groups too (``_GradNormTwin``), in every iteration the filter selects, whatever this rank records.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fnmatch
+import math
 from typing import List, Optional, Sequence, Tuple
 
 import torch
@@ -172,14 +175,14 @@ class Recorder(Feature):
         return self
 
     def _add(self, key: TensorKey, tensor: torch.Tensor, site: Site, *, arrival: bool = False,
-             statistic_of: str = "", layout: Optional[Layout] = None):
+             statistic_of: str = "", layout: Optional[Layout] = None, roundoff: float = 0.0):
         depth = layouts.layer_depth(key.module, self.facts.num_layers)
         kind = keys.operand_kind(statistic_of) if statistic_of else key.kind
         reduction = layouts.reduction_length(key.module, site.module, kind, self.facts)
         layout = layout or self.layouts.of(key, site, tuple(tensor.shape))
         for sink in self.sinks:
             sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
-                     arrival=arrival, statistic_of=statistic_of)
+                     arrival=arrival, statistic_of=statistic_of, roundoff=roundoff)
 
     def _loss_hook(self, module, args, kwargs, output):
         """GPTModel returns the per-token loss [b, s] when it is given labels (on the last stage)."""
@@ -223,10 +226,16 @@ class Recorder(Feature):
             if self._wants(site.module_name, -1):
                 self._add(key, owned_piece(site.param.main_grad, layout, self.coords), site, layout=layout)
 
-    def record_optimizer_step(self, grad_norm: Optional[float], clip_coefficient: Optional[float] = None) -> None:
+    def record_optimizer_step(self, grad_norm: Optional[float], clip_coefficient: Optional[float] = None,
+                              norms: Optional["_GradNormTwin"] = None) -> None:
         """The step's scalars — grad norm and the clip coefficient it applied — and the updated
         parameters. The scalars are the same on every rank of a stage (reduced over the
         model-parallel group), so replicas.
+
+        With ``norms`` (the step's grad-norm calls and their fp64 twins, :class:`_GradNormTwin`),
+        the grad norm carries its own round-off as measured against the twin (``Record.roundoff``),
+        and the twin itself is recorded (``grad_norm_fp64``): the norm of the same grads over the same
+        groups, without the round-off of megatron's fp32 kernel.
 
         The number of zeros in the grads (``--log-num-zeros-in-grad``) is not recorded: it is a
         count, not a rounded value, and two correct runs differ in it (measured: by 1 to 3 of
@@ -237,14 +246,16 @@ class Recorder(Feature):
             return
         it = self.clock.iteration
         if self._wants(keys.OPTIMIZER_MODULE, -1):
-            scalars = [(keys.GRAD_NORM, grad_norm), (keys.CLIP_COEFFICIENT, clip_coefficient),
-                       (keys.STEP_COUNT, step_count(self.main_params))]
+            twin, roundoff = norms.explain(grad_norm) if norms is not None and grad_norm is not None else (None, 0.0)
+            scalars = [(keys.GRAD_NORM, grad_norm), (keys.GRAD_NORM_FP64, twin),
+                       (keys.CLIP_COEFFICIENT, clip_coefficient), (keys.STEP_COUNT, step_count(self.main_params))]
             for group, settings in sorted(group_settings(self.optimizer).items()):
                 scalars += [(keys.step_setting(group, name), value) for name, value in settings.items()]
             for name, value in scalars:
                 if value is not None:
                     self._add(TensorKey(it, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, name),
-                              torch.tensor([float(value)], dtype=torch.float64), Site(keys.OPTIMIZER_MODULE))
+                              torch.tensor([float(value)], dtype=torch.float64), Site(keys.OPTIMIZER_MODULE),
+                              roundoff=roundoff if name == keys.GRAD_NORM else 0.0)
         for mname, pname, module, param in self._params:
             if param.requires_grad and self._wants(mname, -1):
                 site = Site(mname, module, pname, param)
@@ -273,11 +284,12 @@ class Recorder(Feature):
             self.record_main_grads()
             for callback in self.before_step:
                 callback()
-            with _observe_clipping() as clipping:
+            twin = self.filter.iterations is None or self.clock.iteration in self.filter.iterations
+            with _observe_clipping() as clipping, _observe_grad_norm(twin) as norms:
                 result = original(*args, **kwargs)
             result_tuple = result if isinstance(result, tuple) else ()
             grad_norm = result_tuple[1] if len(result_tuple) >= 2 else None
-            self.record_optimizer_step(grad_norm, clipping.coefficient)
+            self.record_optimizer_step(grad_norm, clipping.coefficient, norms)
             for callback in self.after_step:
                 callback()
             return result
@@ -317,6 +329,92 @@ def _observe_clipping():
         yield observer
     finally:
         optimizer_module.clip_grad_by_total_norm_fp32 = original
+
+
+class _GradNormTwin:
+    """The grad-norm calls of one optimizer step, each with its fp64 twin.
+
+    megatron computes the grad norm in fp32: per tensor on each rank (apex's or TE's
+    ``multi_tensor_l2norm`` on a GPU; ``torch.norm`` per tensor in megatron's CPU fallback,
+    ``local_multi_tensor_l2_norm``), then a sum of squares over the grad-stats group(s). How far
+    that lands from the exact norm depends on the kernel by orders of magnitude: torch's CPU norm
+    adds tens of millions of squares one after another, and once the terms fall below half an ulp
+    of the running sum they are rounded away (measured: 3e-3 relative on a 25M-element embedding
+    grad). No bound on the kernel is both sound on every platform and sharp on any; the error
+    itself is cheap to measure. Each call is therefore computed a second time in fp64, from the
+    same grads, reduced over the same groups (the only collective ttrace adds: on the ranks of
+    megatron's own, right after it), and the difference is the call's own round-off.
+    """
+
+    def __init__(self):
+        self.calls: List[Tuple[float, float]] = []  # (megatron's result, the fp64 twin)
+
+    def observe(self, grads_for_norm, norm_type, grad_stats_parallel_group, result) -> None:
+        from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
+
+        grads = [grads_for_norm] if isinstance(grads_for_norm, torch.Tensor) else list(grads_for_norm)
+        value = float(result)
+        if float(norm_type) != 2.0:  # a max is exact; other p-norms are not twinned
+            self.calls.append((value, value))
+            return
+        dp_group = None
+        for g in grads:
+            dp_group = get_data_parallel_group_if_dtensor(g, dp_group)
+        device = grads[0].device if grads else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        total = torch.zeros(1, dtype=torch.float64, device=device)
+        for g in grads:
+            local = to_local_if_dtensor(g).detach().reshape(-1)
+            for start in range(0, local.numel(), 1 << 22):  # fp64 in pieces: never a whole fp64 copy
+                total += torch.linalg.vector_norm(local[start:start + (1 << 22)].to(torch.float64)) ** 2
+        if dp_group:
+            torch.distributed.all_reduce(total, group=dp_group)
+        torch.distributed.all_reduce(total, group=grad_stats_parallel_group)
+        self.calls.append((value, float(total.item()) ** 0.5))
+
+    def explain(self, grad_norm: float) -> Tuple[Optional[float], float]:
+        """(the fp64 twin of ``grad_norm``, a bound on its own round-off).
+
+        The step's norm is one call's result, or ``√Σ`` over the calls of a ChainedOptimizer whose
+        parts reduce over different groups; the first prefix of the calls that reproduces it
+        bitwise says which, and the twin is the same combination of the twins. The round-off bound
+        is Σ|result − twin| over every call: both combinations change by at most that much when
+        their arguments do (each is 1-Lipschitz in every argument). Where no combination
+        reproduces the norm (a step that combines its calls otherwise), there is no twin, and the
+        bound still holds."""
+        norm = float(grad_norm)
+        roundoff = sum(abs(value - exact) for value, exact in self.calls)
+        for n in range(1, len(self.calls) + 1):
+            values = [v for v, _ in self.calls[:n]]
+            exacts = [e for _, e in self.calls[:n]]
+            if values[-1] == norm:
+                return exacts[-1], roundoff
+            if math.sqrt(sum(x ** 2 for x in values)) == norm:
+                return math.sqrt(sum(x ** 2 for x in exacts)), roundoff
+        return None, roundoff
+
+
+@contextlib.contextmanager
+def _observe_grad_norm(active: bool = True):
+    """While the optimizer steps, twin each of megatron's grad-norm calls in fp64 (:class:`_GradNormTwin`).
+    The original function runs first and unchanged; ``active`` must be the same on every rank."""
+    from megatron.core.optimizer import optimizer as optimizer_module
+
+    twin = _GradNormTwin()
+    original = optimizer_module.get_grad_norm_fp32
+    if not active:
+        yield None
+        return
+
+    def observed(grads_for_norm, norm_type=2, grad_stats_parallel_group=None, *args, **kwargs):
+        result = original(grads_for_norm, norm_type, grad_stats_parallel_group, *args, **kwargs)
+        twin.observe(grads_for_norm, norm_type, grad_stats_parallel_group, result)
+        return result
+
+    optimizer_module.get_grad_norm_fp32 = observed
+    try:
+        yield twin
+    finally:
+        optimizer_module.get_grad_norm_fp32 = original
 
 
 class _AuxLossTap:

@@ -1,0 +1,78 @@
+"""The step's scalars (step_bounds) and the grad norm's fp64 twin (adapter recorder): the pieces of
+the derivation in docs/tolerance.md, "The grad norm and what the clip coefficient scales"."""
+
+import math
+
+import pytest
+import torch
+
+from ttrace_megatron import keys
+from ttrace_megatron.adapter.recorder import _GradNormTwin
+from ttrace_megatron.keys import TensorKey
+from ttrace_megatron.step_bounds import StepBounds
+from ttrace_megatron.tolerance import ToleranceConfig
+
+EPS32 = torch.finfo(torch.float32).eps
+RUN = {"parameters": [{"param": f"p{i}", "numel": 1000, "requires_grad": True} for i in range(2)],
+       "update_rule": {"kind": "adam", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}}
+
+
+def _key(tensor, iteration=1, module=keys.OPTIMIZER_MODULE, phase=keys.OPTIMIZER):
+    return TensorKey(iteration, -1, module, phase, tensor)
+
+
+def _main_grad(i, iteration=1):
+    return _key(keys.main_grad("weight"), iteration, module=f"m{i}", phase=keys.MAIN_GRAD)
+
+
+def test_the_twin_is_judged_by_the_grads_difference_and_the_norm_by_its_measured_roundoff_too():
+    b = StepBounds(RUN, num_layers=2, tol_config=ToleranceConfig())
+    # two main grads of norms 3 and 4 (total 5), differing by 0.3 ε and 0.4 ε of themselves
+    b.note(_main_grad(0), 0.3 * EPS32, 3.0)
+    b.note(_main_grad(1), 0.4 * EPS32, 4.0)
+    grads = math.sqrt((0.9 * EPS32) ** 2 + (1.6 * EPS32) ** 2) / 5.0
+    twin = b.bound(_key(keys.GRAD_NORM_FP64), "float32", 1024, 5.0, 0.0, 0.0)
+    assert twin.tolerance_eps == pytest.approx(grads / EPS32, rel=1e-3)
+    norm = b.bound(_key(keys.GRAD_NORM), "float32", 1024, 5.0, 100 * EPS32 * 5.0, -50 * EPS32 * 5.0)
+    assert norm.tolerance_eps == pytest.approx(grads / EPS32 + 150, rel=1e-3)
+    assert "own round-off measured" in norm.source
+    clip = b.bound(_key(keys.CLIP_COEFFICIENT), "float32", 1024, 0.2, 0.0, 0.0)
+    assert clip.tolerance_eps == norm.tolerance_eps
+
+
+def test_without_every_main_grad_the_largest_analytic_bound_stands_in():
+    b = StepBounds(RUN, num_layers=2, tol_config=ToleranceConfig())
+    b.note(_main_grad(0), 0.0, 3.0)  # one of the two parameters compared
+    twin = b.bound(_key(keys.GRAD_NORM_FP64), "float32", 1024, 5.0, 0.0, 0.0)
+    assert "1 of 2 main grads compared" in twin.source and twin.tolerance_eps > 100
+
+
+def test_a_norm_without_measured_roundoff_keeps_the_analytic_bound():
+    b = StepBounds(RUN, num_layers=2, tol_config=ToleranceConfig())
+    assert b.bound(_key(keys.GRAD_NORM), "float32", 1024, 5.0, 0.0, 0.0) is None
+    assert b.bound(_key(keys.STEP_COUNT), "float32", 1024, 5.0, 0.0, 0.0) is None
+
+
+def test_moments_carry_the_clip_error_and_the_new_terms_cancellation():
+    b = StepBounds(RUN, num_layers=2, tol_config=ToleranceConfig())
+    b.note(_key(keys.CLIP_COEFFICIENT, 2), 30 * EPS32, 0.5)
+    m = _key(keys.optimizer_state("weight", keys.EXP_AVG), 2, module="m0")
+    v = _key(keys.optimizer_state("weight", keys.EXP_AVG_SQ), 2, module="m0")
+    assert [t for t, _ in b.added(m)] == [30 * EPS32]
+    assert [t for t, _ in b.added(v)] == [60 * EPS32]  # the second moment sums squares
+    assert b.carried(m, 2.0) == 1.0  # the previous moment was not judged
+    b.note(_key(keys.optimizer_state("weight", keys.EXP_AVG), 1, module="m0"), 0.0, 4.0)
+    assert b.carried(m, 2.0) == pytest.approx((2.0 + 0.9 * 4.0) / 2.0)
+    assert b.carried(v, 2.0) == 1.0
+
+
+def test_twin_explains_one_call_and_a_chained_optimizers_root_sum_square():
+    one = _GradNormTwin()
+    one.calls = [(5.0, 5.001)]
+    assert one.explain(5.0) == (5.001, pytest.approx(0.001))
+    chained = _GradNormTwin()
+    chained.calls = [(3.0, 3.001), (4.0, 3.999), (3.0, 3.001)]  # a third call the step did not combine
+    twin, roundoff = chained.explain(math.sqrt(3.0 ** 2 + 4.0 ** 2))
+    assert twin == pytest.approx(math.sqrt(3.001 ** 2 + 3.999 ** 2))
+    assert roundoff == pytest.approx(0.003)  # every call's round-off counts: a sound bound
+    assert chained.explain(7.5) == (None, pytest.approx(0.003))  # no combination reproduces it
