@@ -225,8 +225,9 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
             raise RecipeError("ttrace.attach needs tokens_per_microbatch and tokens_per_iteration outside Megatron-LM")
         tokens_per_microbatch = args.micro_batch_size * args.seq_length
         tokens_per_iteration = args.global_batch_size * args.seq_length
+    seq_length = int(getattr(args, "seq_length", 0) or 0) if args is not None else 0
     return build_facts(chunks, config, vocab_size=logical_vocab_size, tokens_per_microbatch=tokens_per_microbatch,
-                       tokens_per_iteration=tokens_per_iteration)
+                       tokens_per_iteration=tokens_per_iteration, seq_length=seq_length)
 
 
 def _tokenizer_vocab_size() -> Optional[int]:

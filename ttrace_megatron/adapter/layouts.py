@@ -57,10 +57,11 @@ class ModelFacts:
     # (finalize_model_grads divides the grads by the batch's tokens instead), so backward tensors
     # carry no DP-dependent scale
     per_token_loss: bool = False
+    seq_length: int = 0  # tokens of one sequence: attention's softmax and P·V sum over its keys (0: unknown)
 
 
 def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
-                tokens_per_iteration: int) -> ModelFacts:
+                tokens_per_iteration: int, seq_length: int = 0) -> ModelFacts:
     """The one way to build :class:`ModelFacts`, from the built model's config and megatron's
     parallel state (``ttrace run`` and ``--ttrace`` alike). ``vocab_size`` is the logical
     vocabulary: the rows past it are padding."""
@@ -75,7 +76,8 @@ def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
                       experts_mix_microbatches=expert_tokens_unmatched(
                           ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size(), tp,
                           config.sequence_parallel) is not None,
-                      per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)))
+                      per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
+                      seq_length=int(seq_length))
 
 
 EXPERT_TOKENS_MIXED = ("expert parallelism over data-parallel ranks (EP × expert-TP > TP): an expert's tokens come "
@@ -532,6 +534,12 @@ def axis_group(axis: str):
     return groups[axis]()
 
 
+# the linears around core attention (the local spec's SelfAttention): what arrives at the output
+# projection, and the grad that arrives at the fused QKV projection, come out of the attention's sums
+ATTENTION_OUTPUT_PROJECTION = "self_attention.linear_proj"
+ATTENTION_INPUT_PROJECTION = "self_attention.linear_qkv"
+
+
 def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: TensorKind,
                      facts: ModelFacts) -> int:
     """K: the length of the reduction that produced a recorded tensor of ``kind``, for its tolerance
@@ -540,9 +548,13 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
     Linear outputs reduce over input features (fprop) and input grads over output features
     (dgrad); weight grads reduce over the microbatch's tokens (wgrad), main grads, updated
     parameters and the optimizer's scalars over the iteration's tokens, router aux losses over the
-    microbatch's tokens. Tensors produced by ops we do not hook (norms, attention, activations)
-    get the hidden size; the loss, the output layer's input and their grads the vocabulary
-    (log-sum-exp).
+    microbatch's tokens; a position embedding's row over the sequences that hold its position.
+    Tensors produced by ops we do not hook get the longest reduction among those ops: the hidden
+    size for norms and activations, and for core attention's output (linear_proj's input) and
+    the grad it sends back (linear_qkv's output-grad) also the sequence, over whose keys its
+    softmax, P·V and their backward sum. The loss, the output layer's input and their grads get
+    the vocabulary (log-sum-exp). (The optimizer's scalars get their bounds from the run's own
+    measurements: ``step_bounds``; K is the fallback for traces without them.)
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
@@ -551,10 +563,14 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
         return int(module.input_size)
     if kind is TensorKind.GRAD_INPUT and linear:
         return int(module.output_size)
+    per_position = facts.seq_length > 0 and module_name.endswith("position_embeddings")
     if kind is TensorKind.PARAM_GRAD:
-        return facts.tokens_per_microbatch
+        return facts.tokens_per_microbatch // facts.seq_length if per_position else facts.tokens_per_microbatch
     if kind in (TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_SCALAR, TensorKind.OPTIMIZER_STATE):
-        return facts.tokens_per_iteration
+        return facts.tokens_per_iteration // facts.seq_length if per_position else facts.tokens_per_iteration
+    if (kind is TensorKind.INPUT and module_name.endswith(ATTENTION_OUTPUT_PROJECTION)) or (
+            kind is TensorKind.GRAD_OUTPUT and module_name.endswith(ATTENTION_INPUT_PROJECTION)):
+        return max(facts.hidden_size, facts.seq_length)
     if kind is TensorKind.STEP_SETTING:
         return 1  # set, not reduced: two correct runs agree to the last bit
 

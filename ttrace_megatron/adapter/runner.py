@@ -115,7 +115,8 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         else config
     facts = layouts.model_facts(chunks, config, vocab_size=recipe.data.vocab_size,
                                 tokens_per_microbatch=recipe.data.micro_batch_size * recipe.data.seq_length,
-                                tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length)
+                                tokens_per_iteration=recipe.data.global_batch_size * recipe.data.seq_length,
+                                seq_length=recipe.data.seq_length)
     facts = dataclasses.replace(facts, num_layers=described.num_layers)
     if recipe.dtype == "fp8":  # TE's FP8 recipe (hybrid formats, current scaling), emulated on CPU
         fp8_emulation.install(chunks, fp8_emulation.FP8Settings(), facts)
