@@ -13,7 +13,7 @@ from rich.table import Table
 
 from . import coverage
 from .compare import FAIL, PASS, Comparison, TensorResult
-from .keys import PHASES
+from .keys import PHASES, TensorKind
 
 
 def _num(x: float):
@@ -57,10 +57,30 @@ def to_json(c: Comparison) -> dict:
         "skipped": [str(k) for k in c.skipped],
         "unjudged": [str(k) for k in c.unjudged],
         "coverage": c.coverage,
+        "resolution": resolution(c.results),
         "tensors": [dict(_mismatch_json(r), verdict=r.verdict, error=_num(r.error), eps=r.eps, depth=r.depth,
                          order=r.order, shape=list(r.shape))
                     for r in c.results],
     }
+
+
+# a tolerance above this relative error is a blind spot worth a warning: a bug that moves the
+# tensor by less is indistinguishable from round-off there (BENCHMARKS.md, "On paper at 8B-70B")
+RESOLUTION_WARNING = 0.01
+
+
+def resolution(results) -> Optional[dict]:
+    """The loosest tolerance of the comparison, as a relative error: the smallest change a bug
+    must make to that tensor to be seen. Deep bf16 models approach 10 % (k·C^d·ε_bf16 at d = 80)."""
+    # relative bounds only: an element-wise Adam check states its tolerance through the error, and a
+    # top-k choice is judged by its scores
+    finite = [r for r in results if math.isfinite(r.tolerance_eps) and r.tolerance_eps > 0
+              and r.key.kind is not TensorKind.SELECTION and not r.tolerance_source.startswith("Adam update")]
+    if not finite:
+        return None
+    loosest = max(finite, key=lambda r: r.tolerance_eps * r.eps)
+    relative = loosest.tolerance_eps * loosest.eps
+    return {"loosest_relative": relative, "tensor": str(loosest.key), "warn": relative > RESOLUTION_WARNING}
 
 
 def versions_differ(reference: dict, candidate: dict) -> List[str]:
@@ -152,6 +172,11 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
     if report.get("versions_differ"):
         console.print("the two sides ran different library versions: " + "; ".join(report["versions_differ"]))
     render_coverage(report.get("coverage"), console, max_rows)
+    res = report.get("resolution")
+    if res and res.get("warn"):
+        console.print(f"[yellow]resolution: a tolerance of {res['loosest_relative']:.2g} relative error "
+                      f"({res['tensor']}): a bug that moves a tensor by less than its tolerance cannot be told "
+                      f"from round-off there[/]")
     tensors = report["tensors"]
     if not tensors:
         return
