@@ -1,0 +1,308 @@
+"""The scale ladder: clean checks stepped up one axis at a time, the worst error / tolerance per
+tensor kind on every rung (BENCHMARKS.md, "The scale ladder").
+
+Families (each a megatron-core GPTModel of the local spec):
+
+* ``gpt3``: LayerNorm, GeLU MLP (4h), biases, learned absolute positions, tied embeddings;
+* ``llama``: RMSNorm, SwiGLU, grouped-query attention, RoPE, untied, no biases;
+* ``mixtral``: the llama family with every MLP an MoE of 4 experts, top-2.
+
+Layouts: ``tp2_sp``, ``tp4_sp``, ``pp2`` (4 microbatches), ``dp2_distopt``, ``ep2`` (mixtral only).
+Each rung steps one axis from the base (hidden 256, 2 layers, vocabulary 4096, sequence 128,
+3 iterations, 512 tokens per iteration):
+
+    width   64 256 512 1024, and 2048 at 2 layers
+    depth   2 8 16
+    vocab   128 32768 131072
+    seq     32 512 2048
+    iters   3 20
+    tokens  128 16384 (tokens per iteration: the global batch)
+
+Every rung runs a reference and a lock-stepped candidate through ``ttrace run`` (Adam with
+megatron-core's defaults, clip_grad 1.0), writes one JSON line per run (``--jsonl``), deletes its
+traces, and a rung that fails names its first mismatch. A ratio above 1 is a false positive; a
+ratio that climbs along an axis is a finding even below 1.
+
+    python benchmarks/scale.py --families gpt3 llama --layouts tp2_sp --axes width vocab \\
+        --seeds 1 2 3 --dtypes fp32 --jsonl benchmarks/results/scale.jsonl
+    python benchmarks/scale.py --table benchmarks/results/scale.jsonl   # the markdown tables
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, Iterable, List, Optional, Tuple
+
+import yaml
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+
+from ttrace_megatron.keys import TensorKind, kind_of  # noqa: E402
+
+BASE = dict(hidden=256, layers=2, vocab=4096, seq=128, iters=3, tokens=512)
+AXES: Dict[str, Tuple[int, ...]] = {
+    "width": (64, 256, 512, 1024, 2048),
+    "depth": (2, 8, 16),
+    "vocab": (128, 32768, 131072),
+    "seq": (32, 512, 2048),
+    "iters": (3, 20),
+    "tokens": (128, 16384),
+}
+AXIS_FIELD = {"width": "hidden", "depth": "layers", "vocab": "vocab", "seq": "seq", "iters": "iters",
+              "tokens": "tokens"}
+FAMILIES = ("gpt3", "llama", "mixtral")
+LAYOUTS = {
+    "tp2_sp": dict(parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}, world_size=2),
+    "tp4_sp": dict(parallel={"tensor_model_parallel_size": 4, "sequence_parallel": True}, world_size=4),
+    "pp2": dict(parallel={"pipeline_model_parallel_size": 2}, world_size=2, microbatches=4),
+    "dp2_distopt": dict(parallel={}, world_size=2, ddp={"use_distributed_optimizer": True}),
+    "ep2": dict(parallel={"expert_model_parallel_size": 2}, world_size=2, moe_only=True),
+}
+# the tensor kinds a row reports, in the order of a step
+KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "clip", "moments", "update", "loss")
+_KIND_OF = {
+    TensorKind.INPUT: "forward", TensorKind.OUTPUT: "forward", TensorKind.AUX_LOSS: "loss",
+    TensorKind.GRAD_INPUT: "dgrad", TensorKind.GRAD_OUTPUT: "dgrad", TensorKind.PARAM_GRAD: "wgrad",
+    TensorKind.MAIN_GRAD: "main grad", TensorKind.PARAM: "update", TensorKind.LOSS: "loss",
+    TensorKind.SELECTION_SCORES: "forward",
+}
+
+
+def report_kind(phase: str, tensor: str) -> Optional[str]:
+    """The ladder's kind of a judged tensor (None: not reported, e.g. the step count)."""
+    if tensor in ("grad_norm", "grad_norm_fp64"):
+        return "grad norm"
+    if tensor == "clip_coefficient":
+        return "clip"
+    kind = kind_of(phase, tensor)
+    if kind is TensorKind.OPTIMIZER_STATE:
+        return "update" if tensor.endswith(".main_param") else "moments"
+    return _KIND_OF.get(kind)
+
+
+def rung_shape(axis: str, value: int) -> Dict[str, int]:
+    shape = dict(BASE)
+    shape[AXIS_FIELD[axis]] = value
+    if axis == "width" and value >= 2048:
+        shape["layers"] = 2
+    return shape
+
+
+def recipe(family: str, layout: str, shape: Dict[str, int], seed: int, dtype: str) -> dict:
+    h = shape["hidden"]
+    heads = max(4, h // 64)
+    lay = LAYOUTS[layout]
+    model = dict(num_layers=shape["layers"], hidden_size=h, num_attention_heads=heads)
+    if family == "gpt3":
+        model.update(ffn_hidden_size=4 * h, normalization="LayerNorm", add_bias_linear=True,
+                     position_embedding_type="learned_absolute", share_embeddings_and_output_weights=True)
+    else:
+        model.update(ffn_hidden_size=(8 * h // 3 + 63) // 64 * 64, normalization="RMSNorm", gated_linear_unit=True,
+                     activation_func="silu", add_bias_linear=False, position_embedding_type="rope",
+                     num_query_groups=max(heads // 4, 1) * (2 if heads >= 8 else 1),
+                     share_embeddings_and_output_weights=False)
+    if family == "mixtral":
+        model.update(num_moe_experts=4, moe_router_topk=2, moe_aux_loss_coeff=0.01, moe_token_dispatcher_type="alltoall",
+                     ffn_hidden_size=2 * h, moe_ffn_hidden_size=2 * h)
+    microbatches = lay.get("microbatches", 2)
+    mbs = max(shape["tokens"] // shape["seq"] // microbatches, 1)
+    dp = lay["world_size"] // (lay["parallel"].get("tensor_model_parallel_size", 1)
+                               * lay["parallel"].get("pipeline_model_parallel_size", 1))
+    if layout == "ep2":
+        dp = 2
+    gbs = max(mbs * microbatches, dp * mbs)
+    out = dict(description=f"scale ladder: {family} {layout} h{h} L{shape['layers']} V{shape['vocab']} "
+                           f"s{shape['seq']} it{shape['iters']} tok{gbs * shape['seq']}",
+               model=model, parallel=dict(lay["parallel"]), world_size=lay["world_size"],
+               optimizer=dict(optimizer="adam", lr=1e-3),
+               data=dict(seed=seed, vocab_size=shape["vocab"], seq_length=shape["seq"], micro_batch_size=mbs,
+                         global_batch_size=gbs),
+               train=dict(iterations=shape["iters"]), dtype=dtype)
+    if "ddp" in lay:
+        out["ddp"] = dict(lay["ddp"])
+    return out
+
+
+def worst_by_kind(report: dict) -> Dict[str, dict]:
+    worst: Dict[str, dict] = {}
+    for t in report.get("tensors", []):
+        kind = report_kind(t["phase"], t["tensor"])
+        if kind is None or not t.get("tolerance_eps"):
+            continue
+        ratio = t["error_eps"] / t["tolerance_eps"]
+        if kind not in worst or ratio > worst[kind]["ratio"]:
+            worst[kind] = dict(ratio=ratio, error_eps=t["error_eps"], tolerance_eps=t["tolerance_eps"],
+                               tensor=f"it{t['iteration']} {t['module']} {t['tensor']}")
+    return worst
+
+
+def run_rung(family: str, layout: str, axis: str, value: int, seed: int, dtype: str, workdir: str,
+             timeout: int) -> dict:
+    shape = rung_shape(axis, value)
+    spec = recipe(family, layout, shape, seed, dtype)
+    name = f"{family}_{layout}_{axis}{value}_s{seed}_{dtype}"
+    path = os.path.join(workdir, name + ".yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(spec, f, sort_keys=False)
+    out = os.path.join(workdir, name)
+    report = os.path.join(workdir, name + ".json")
+    start = time.time()
+    proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "run", path, "--out", out, "--no-localize",
+                           "--json", report], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+    seconds = time.time() - start
+    disk = _du(out)
+    shutil.rmtree(out, ignore_errors=True)
+    row = dict(family=family, layout=layout, axis=axis, value=value, seed=seed, dtype=dtype, shape=shape,
+               tokens=spec["data"]["global_batch_size"] * shape["seq"], rc=proc.returncode,
+               seconds=round(seconds, 1), trace_bytes=disk)
+    if os.path.exists(report):
+        with open(report) as f:
+            rep = json.load(f)
+        row.update(verdict=rep.get("verdict"), worst=worst_by_kind(rep), params=rep.get("coverage", {}).get(
+            "total", {}).get("elements"), first_mismatch=rep.get("first_mismatch"))
+        os.remove(report)
+    else:
+        row.update(verdict="error", error=(proc.stderr or proc.stdout)[-2000:])
+    return row
+
+
+def _du(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.path.getsize(os.path.join(root, f))
+            except OSError:
+                pass
+    return total
+
+
+def rungs(families: Iterable[str], layouts: Iterable[str], axes: Iterable[str], values: Optional[List[int]]):
+    for family in families:
+        for layout in layouts:
+            if LAYOUTS[layout].get("moe_only") and family != "mixtral":
+                continue
+            for axis in axes:
+                for value in (values or AXES[axis]):
+                    yield family, layout, axis, value
+
+
+# ---- tables
+def table(rows: List[dict]) -> str:
+    """One markdown table per (family, layout, dtype): a line per rung, the worst ratio per kind over
+    its seeds, and the verdicts."""
+    groups: Dict[Tuple, List[dict]] = collections.defaultdict(list)
+    for r in rows:
+        groups[(r["family"], r["layout"], r["dtype"])].append(r)
+    out = []
+    for (family, layout, dtype), rs in sorted(groups.items()):
+        out.append(f"\n**{family} {layout} {dtype}** (worst error / tolerance over the seeds; a ratio > 1 fails)\n")
+        out.append("| rung | params | tokens/it | seeds | fails | " + " | ".join(KINDS) + " | s/run | trace GB |")
+        out.append("|---|---|---|---|---|" + "---|" * len(KINDS) + "---|---|")
+        by_rung: Dict[Tuple, List[dict]] = collections.defaultdict(list)
+        for r in rs:
+            by_rung[(r["axis"], r["value"])].append(r)
+        for (axis, value), runs in sorted(by_rung.items(), key=lambda kv: (list(AXES).index(kv[0][0]), kv[0][1])):
+            cells = []
+            for kind in KINDS:
+                ratios = [r["worst"][kind]["ratio"] for r in runs if kind in r.get("worst", {})]
+                cells.append(f"{max(ratios):.2g}" if ratios else "–")
+            fails = sum(r.get("verdict") != "pass" for r in runs)
+            params = max((r.get("params") or 0) for r in runs)
+            out.append(f"| {axis} {value} | {params / 1e6:.1f}M | {runs[0]['tokens']} | {len(runs)} | {fails} | "
+                       + " | ".join(cells) + f" | {sum(r['seconds'] for r in runs) / len(runs):.0f} | "
+                       f"{max(r['trace_bytes'] for r in runs) / 1e9:.2f} |")
+    return "\n".join(out)
+
+
+def slopes(rows: List[dict], dtype: str = "fp32") -> Dict[Tuple[str, str], Tuple[float, float]]:
+    """Per (axis, kind): the log-log slope of the worst error (ε) and of its tolerance along the
+    axis, from its smallest to its largest rung (worst over families, layouts and seeds): how each
+    grows with the reduction it steps. A tolerance that is right grows at least as fast as the
+    error; an error slope above the tolerance's is a finding (the bound will be crossed further up)."""
+    import math
+
+    by: Dict[Tuple[str, str, int], List[dict]] = collections.defaultdict(list)
+    for r in rows:
+        if r.get("dtype") == dtype and r.get("worst"):
+            for kind, w in r["worst"].items():
+                by[(r["axis"], kind, r["value"])].append(w)
+    out = {}
+    for axis in AXES:
+        for kind in KINDS:
+            points = sorted((v, max(w["error_eps"] for w in ws), max(w["tolerance_eps"] for w in ws))
+                            for (a, k, v), ws in by.items() if a == axis and k == kind)
+            points = [p for p in points if p[1] > 0]
+            if len(points) < 2 or points[0][0] == points[-1][0]:
+                continue
+            (v0, e0, t0), (v1, e1, t1) = points[0], points[-1]
+            span = math.log(v1 / v0)
+            out[(axis, kind)] = (math.log(e1 / e0) / span, math.log(t1 / t0) / span)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
+    ap.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    ap.add_argument("--axes", nargs="+", default=list(AXES), choices=list(AXES))
+    ap.add_argument("--values", nargs="+", type=int, help="these values of the axis instead of all its rungs")
+    ap.add_argument("--seeds", nargs="+", type=int, default=[1, 2, 3])
+    ap.add_argument("--dtypes", nargs="+", default=["fp32"], choices=["fp32", "bf16"])
+    ap.add_argument("--jsonl", help="append one JSON line per run here")
+    ap.add_argument("--workdir", help="where traces go while a rung runs (default: a temporary directory)")
+    ap.add_argument("--timeout", type=int, default=3600)
+    ap.add_argument("--table", metavar="JSONL", help="print the tables of a results file and exit")
+    args = ap.parse_args(argv)
+    if args.table:
+        with open(args.table) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        print(table(rows))
+        for dtype in sorted({r.get("dtype") for r in rows if r.get("dtype")}):
+            fits = slopes(rows, dtype)
+            if fits:
+                print(f"\n**Growth along each axis, {dtype}** (log-log slope of the worst error / of its tolerance, "
+                      "smallest to largest rung)\n")
+                print("| axis | " + " | ".join(KINDS) + " |\n|---|" + "---|" * len(KINDS))
+                for axis in AXES:
+                    cells = [f"{fits[(axis, k)][0]:.2f} / {fits[(axis, k)][1]:.2f}" if (axis, k) in fits else "–"
+                             for k in KINDS]
+                    if any(c != "–" for c in cells):
+                        print(f"| {axis} | " + " | ".join(cells) + " |")
+        return 0
+    workdir = args.workdir or tempfile.mkdtemp(prefix="ttrace-scale-")
+    os.makedirs(workdir, exist_ok=True)
+    rows = []
+    for family, layout, axis, value in rungs(args.families, args.layouts, args.axes, args.values):
+        for dtype in args.dtypes:
+            for seed in args.seeds:
+                try:
+                    row = run_rung(family, layout, axis, value, seed, dtype, workdir, args.timeout)
+                except subprocess.TimeoutExpired:
+                    row = dict(family=family, layout=layout, axis=axis, value=value, seed=seed, dtype=dtype,
+                               verdict="timeout")
+                rows.append(row)
+                worst = max(((k, v["ratio"]) for k, v in row.get("worst", {}).items()), key=lambda kv: kv[1],
+                            default=("-", float("nan")))
+                print(f"{family} {layout} {axis}={value} seed {seed} {dtype}: {row.get('verdict')} "
+                      f"worst {worst[0]} {worst[1]:.3g} ({row.get('seconds', 0)} s, "
+                      f"{row.get('trace_bytes', 0) / 1e9:.2f} GB)", flush=True)
+                if args.jsonl:
+                    with open(args.jsonl, "a") as f:
+                        f.write(json.dumps(row) + "\n")
+    if not args.workdir:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
