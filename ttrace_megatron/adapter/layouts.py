@@ -548,7 +548,10 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
     Linear outputs reduce over input features (fprop) and input grads over output features
     (dgrad); weight grads reduce over the microbatch's tokens (wgrad), main grads, updated
     parameters and the optimizer's scalars over the iteration's tokens, router aux losses over the
-    microbatch's tokens; a position embedding's row over the sequences that hold its position.
+    microbatch's tokens; a position embedding's row over the sequences that hold its position. A
+    weight grad's K is never less than its operands' (the hidden size; with the sequence around
+    attention): the round-off of what it sums is in it too, which matters where a microbatch has
+    fewer tokens than the model is wide.
     Tensors produced by ops we do not hook get the longest reduction among those ops: the hidden
     size for norms and activations, and for core attention's output (linear_proj's input) and
     the grad it sends back (linear_qkv's output-grad) also the sequence, over whose keys its
@@ -563,11 +566,17 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
         return int(module.input_size)
     if kind is TensorKind.GRAD_INPUT and linear:
         return int(module.output_size)
+    attention = module_name.endswith((ATTENTION_OUTPUT_PROJECTION, ATTENTION_INPUT_PROJECTION))
+    # what a weight grad sums carries the round-off of the reductions that made its operands (the
+    # module's input, the grad arriving at its output): never less than theirs
+    operands = max(facts.hidden_size, facts.seq_length if attention else 0)
     per_position = facts.seq_length > 0 and module_name.endswith("position_embeddings")
     if kind is TensorKind.PARAM_GRAD:
-        return facts.tokens_per_microbatch // facts.seq_length if per_position else facts.tokens_per_microbatch
+        tokens = facts.tokens_per_microbatch // facts.seq_length if per_position else facts.tokens_per_microbatch
+        return max(tokens, operands)
     if kind in (TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_SCALAR, TensorKind.OPTIMIZER_STATE):
-        return facts.tokens_per_iteration // facts.seq_length if per_position else facts.tokens_per_iteration
+        tokens = facts.tokens_per_iteration // facts.seq_length if per_position else facts.tokens_per_iteration
+        return max(tokens, operands)
     if (kind is TensorKind.INPUT and module_name.endswith(ATTENTION_OUTPUT_PROJECTION)) or (
             kind is TensorKind.GRAD_OUTPUT and module_name.endswith(ATTENTION_INPUT_PROJECTION)):
         return max(facts.hidden_size, facts.seq_length)
