@@ -70,14 +70,41 @@ CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_t
          "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2", "qwen3_tp2")
 
 
-def recipe(name: str, dtype: str, seed: int):
-    """A shipped recipe in ``dtype`` with data/initialization seed ``seed``."""
+# issue #31's detection at width: the zoo's recipes widened to (at least) this, structure and layout kept
+WIDE = dict(num_layers=8, hidden_size=512, vocab_size=32768)
+
+
+def widen(raw: dict) -> dict:
+    """A recipe at ``WIDE``'s size: layers, width (FFN, expert FFN, heads and query groups scaled with
+    it), vocabulary; everything else — layout, norms, activations, biases, tying, MoE — as shipped."""
+    model, data = raw["model"], raw["data"]
+    scale = WIDE["hidden_size"] / model["hidden_size"]
+    heads = model["num_attention_heads"]
+    model["num_layers"] = max(model["num_layers"], WIDE["num_layers"])
+    model["hidden_size"] = WIDE["hidden_size"]
+    for field in ("ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "kv_channels"):
+        if model.get(field):
+            model[field] = int(model[field] * scale) if field != "kv_channels" else model[field]
+    model["num_attention_heads"] = heads * 2 if WIDE["hidden_size"] // (heads * 2) >= 32 else heads
+    if model.get("num_query_groups"):
+        model["num_query_groups"] = model["num_query_groups"] * model["num_attention_heads"] // heads
+    data["vocab_size"] = max(data["vocab_size"], WIDE["vocab_size"])
+    for key in ("moe_layer_freq",):  # a per-layer pattern names the shipped depth
+        if isinstance(model.get(key), list):
+            model[key] = (model[key] * WIDE["num_layers"])[:model["num_layers"]]
+    return raw
+
+
+def recipe(name: str, dtype: str, seed: int, wide: bool = False):
+    """A shipped recipe in ``dtype`` with data/initialization seed ``seed`` (``wide``: :func:`widen`)."""
     import yaml
 
     from ttrace_megatron.recipe import recipe_from_dict
 
     path = os.path.join(REPO, "recipes", name + ".yaml")
     raw = yaml.safe_load(open(path))
+    if wide:
+        raw = widen(raw)
     raw.update(dtype=dtype, name=name)
     if dtype == "fp8":  # as a recipe that says dtype: fp8 gets it
         raw.get("tolerance", {}).pop("perturbation", None)
@@ -126,6 +153,9 @@ def main():
     parser.add_argument("--dtypes", nargs="*", default=list(DTYPES), help=f"only these dtypes (default: {DTYPES})")
     parser.add_argument("--bugs-only", action="store_true", help="only the bug-zoo table")
     parser.add_argument("--no-lockstep", action="store_true", help="candidates train on their own weights")
+    parser.add_argument("--wide", action="store_true", help="the recipes widened to 8 layers, hidden 512, "
+                        "vocabulary 32k (issue #31's detection at width)")
+    parser.add_argument("--bugs", nargs="*", help="only these bugs (names, without a module pattern)")
     parser.add_argument("--families", action="store_true", help="the model-family recipes, as they ship (no "
                         "calibration runs: the last two columns are left empty)")
     args = parser.parse_args()
@@ -146,7 +176,7 @@ def main():
             analytic_fps, over_observed = 0, 0.0
             for seed in range(1, args.seeds + 1):
                 with tempfile.TemporaryDirectory() as tmp:
-                    c, loc, extra = pair(recipe(name, dtype, seed), tmp, calibrate=calibrate,
+                    c, loc, extra = pair(recipe(name, dtype, seed, args.wide), tmp, calibrate=calibrate,
                                          lockstep=not args.no_lockstep)
                 if calibrate:
                     analytic_fps += extra["analytic_fps"]
@@ -166,10 +196,11 @@ def main():
     print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance "
           "| replay culprit | culprit is the injected module | culprit error / local tolerance |")
     print("|---|---|---|---|---|---|---|---|---|---|")
-    for name, bug, module, phase, *dtypes in (b for b in BUGS if wanted(b[0]) and not args.families):
+    chosen = (lambda bug: bug.split(":")[0] in args.bugs) if args.bugs else (lambda bug: True)
+    for name, bug, module, phase, *dtypes in (b for b in BUGS if wanted(b[0]) and chosen(b[1]) and not args.families):
         for dtype in (d for d in (dtypes[0] if dtypes else BUG_DTYPES) if d in args.dtypes):
             with tempfile.TemporaryDirectory() as tmp:
-                c, loc, _ = pair(recipe(name, dtype, 1), tmp, [bug], lockstep=not args.no_lockstep)
+                c, loc, _ = pair(recipe(name, dtype, 1, args.wide), tmp, [bug], lockstep=not args.no_lockstep)
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"
