@@ -76,3 +76,34 @@ def test_twin_explains_one_call_and_a_chained_optimizers_root_sum_square():
     assert twin == pytest.approx(math.sqrt(3.001 ** 2 + 3.999 ** 2))
     assert roundoff == pytest.approx(0.003)  # every call's round-off counts: a sound bound
     assert chained.explain(7.5) == (None, pytest.approx(0.003))  # no combination reproduces it
+
+
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_reclipping_the_reference_takes_the_coefficients_difference_out_of_adams_moments(decoupled):
+    """Two AdamW (or Adam with coupled weight decay) steps from the same state on the same grads,
+    clipped by coefficients 0.3 % apart: re-clipped, the reference's first moment (and with decoupled
+    weight decay its second) equals the candidate's to fp32 round-off; unclipped it differs by the
+    coefficients' difference."""
+    from ttrace_megatron.step_bounds import reclip_delta, reclippable
+
+    torch.manual_seed(0)
+    rule = {"kind": "adam", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8, "decoupled_weight_decay": decoupled}
+    p0, g = torch.randn(4096), torch.randn(4096)
+    states = {}
+    for side, clip in (("ref", 0.5), ("cand", 0.5 * (1 + 3e-3))):
+        p = torch.nn.Parameter(p0.clone())
+        opt = (torch.optim.AdamW if decoupled else torch.optim.Adam)([p], lr=1e-3, weight_decay=0.01)
+        p.grad = torch.ones_like(g)  # a first step to give the moments a history, as in iteration 2
+        opt.step()
+        p.grad = clip * g
+        opt.step()
+        states[side] = opt.state[p]
+    for state in ("exp_avg", "exp_avg_sq"):
+        ref, cand = states["ref"][state], states["cand"][state]
+        before = float((cand - ref).norm() / ref.norm())
+        if not reclippable(state, rule):
+            assert state == "exp_avg_sq" and not decoupled
+            continue
+        fixed = ref.double() + reclip_delta(state, rule, g, 0.5 * (1 + 3e-3), 0.5)
+        after = float((cand.double() - fixed).norm() / fixed.norm())
+        assert before > 1e-4 and after < 4 * EPS32, (state, before, after)

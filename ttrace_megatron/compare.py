@@ -20,7 +20,7 @@ from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
                         content_digest, logical_mask, merge_pieces, replicas_split_alike,
                         slice_logical)
-from .step_bounds import StepBounds, judged_terms
+from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
 from .tolerance import Tolerance, ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
 from .update_rules import AdamRule, judge_adam_update
 from .trace_store import RankTrace, Record, TraceReader
@@ -371,6 +371,7 @@ class BiasTerms:
             if k.kind is TensorKind.GRAD_OUTPUT:
                 self._by_iteration.setdefault((k.iteration, k.module), []).append(k)
         self._magnitudes: Dict[TensorKey, Optional[torch.Tensor]] = {}
+        self._main_factor: Dict[Tuple[int, str], float] = {}  # a bias's main-grad factor, for its moments
 
     def _magnitude(self, key: TensorKey) -> Optional[torch.Tensor]:
         if key not in self._magnitudes:
@@ -386,10 +387,18 @@ class BiasTerms:
             grads = [k for k in self._by_iteration.get((key.iteration, key.module), []) if k.microbatch == key.microbatch]
         else:
             grads = self._by_iteration.get((key.iteration, key.module), [])
+        if key.kind is TensorKind.OPTIMIZER_STATE:
+            # a moment is a scaled copy of the main grad (or of its square): its terms cancel as the
+            # main grad's did, and the factor is the main grad's — the state's own norm is not the
+            # scale of its terms (Adam's second moment is of the order g², not g)
+            return self._main_factor.get((key.iteration, key.module), 1.0)
         magnitudes = [self._magnitude(k) for k in grads]
         if not magnitudes or any(m is None or m.numel() != reference.numel() for m in magnitudes):
             return 1.0
-        return cancellation_factor(float(torch.linalg.vector_norm(sum(magnitudes))), reference)
+        factor = cancellation_factor(float(torch.linalg.vector_norm(sum(magnitudes))), reference)
+        if key.kind is TensorKind.MAIN_GRAD:
+            self._main_factor[(key.iteration, key.module)] = factor
+        return factor
 
 
 class Cancellation:
@@ -496,10 +505,14 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     common = sorted(both - set(unjudged), key=lambda k: order[k])
     results: List[TensorResult] = []
     cancellations = Cancellation(ref, ref_groups)
-    step_bounds = StepBounds(ref.run, num_layers, tol_config)
+    step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
+    reclip = Reclip(ref, ref_groups)
     for i, key in enumerate(common):
         rec = ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, ref_groups[key])
+        judged_against = ref_merged.tensor
+        if step_bounds.reclipped(key):  # judged by its grads alone: the coefficients' difference taken out
+            judged_against = reclip.state(key, ref_merged.tensor, reclip.clip(cand, cand_groups, key.iteration))
         notes = [replica_note("reference", m.ranks, m.max_abs_diff, m.axis) for m in ref_merged.replica_mismatches]
         observed = perturbation_observed(pert, pert_groups, key, ref_merged.tensor) if pert is not None else None
         if observed is not None and rec.statistic_of:
@@ -522,7 +535,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
             if any(isinstance(p, Partial) for p in layout.placements):
                 magnitude = sum(piece_norm(cand.load(rt, r), r.layout) for rt, r in pieces)
                 cancellation = cancellations.note_partial(key, magnitude, cand_merged.tensor)
-            entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, ref_merged.tensor))]
+            entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, judged_against))]
         else:
             # shard by shard: never more than the reference, one candidate piece and its slice in memory
             for rt, r in pieces:
@@ -530,7 +543,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                     check_coords(rt.coords, r.layout)
                 except PlacementError as e:
                     raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
-            entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, ref_merged.tensor))
+            entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, judged_against))
                        for rt, r in pieces]
             by_rank = {rt.rank: (rt, r) for rt, r in pieces}
 
@@ -559,6 +572,32 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     missing_in_reference = sorted(set(cand_groups) - set(ref_groups), key=str)
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand.run, skipped=skipped, unjudged=unjudged)
+
+
+class Reclip:
+    """The reference's optimizer states re-clipped by the candidate's clip coefficient
+    (``step_bounds.reclip_delta``), from the reference's clip coefficient and main grad. Offline
+    compare and each online candidate rank use it alike (the candidate's own coefficient from its
+    trace, or as the rank recorded it)."""
+
+    def __init__(self, reference: TraceReader, groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]):
+        self.reader, self.groups = reference, groups
+        self.rule = reference.run.get("update_rule") or {}
+        self._grad: Tuple[Optional[TensorKey], Optional[torch.Tensor]] = (None, None)  # the last main grad read
+
+    @staticmethod
+    def clip(reader: TraceReader, groups, iteration: int) -> Optional[float]:
+        pieces = groups.get(TensorKey(iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, keys.CLIP_COEFFICIENT))
+        return None if pieces is None else float(logical_tensor(reader, pieces).tensor.reshape(-1)[0])
+
+    def state(self, key: TensorKey, state: torch.Tensor, candidate_clip: float) -> torch.Tensor:
+        """The reference's ``state`` (of ``key``) as it would be with ``candidate_clip``, in float64."""
+        grad_key = main_grad_key(key)
+        if self._grad[0] != grad_key:  # a parameter's states come one after another
+            self._grad = (grad_key, logical_tensor(self.reader, self.groups[grad_key]).tensor)
+        delta = reclip_delta(state_of(key), self.rule, self._grad[1], candidate_clip,
+                             self.clip(self.reader, self.groups, key.iteration))
+        return state.to(torch.float64) + delta.reshape(state.shape)
 
 
 class UpdateCheck:

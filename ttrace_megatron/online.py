@@ -27,12 +27,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (FAIL, Cancellation, Comparison, ShardSums, TensorResult, blank_shard_sums, check_compatible,
+from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, blank_shard_sums,
+                      check_compatible,
                       combine_shards, decide, group_records, logical_tensor, missing_reference, piece_norm,
                       reference_order, shard_sums)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
-from .step_bounds import StepBounds
+from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
 from . import coverage, keys
 from .keys import TensorKey, TensorKind
@@ -53,6 +54,8 @@ class OnlineComparer:
         # moments (compare.UpdateCheck), which needs the merged tensors: not online
         self.updates_offline = lockstep and AdamRule.from_run(self.reference.run) is not None
         self._reference_groups = group_records(self.reference)
+        self._reclip = Reclip(self.reference, self._reference_groups)
+        self._clips: Dict[int, float] = {}
         self.rank = rank
         self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
@@ -71,6 +74,8 @@ class OnlineComparer:
             roundoff: float = 0.0) -> None:
         if not self.active:
             return
+        if key.module == keys.OPTIMIZER_MODULE and key.tensor == keys.CLIP_COEFFICIENT:
+            self._clips[key.iteration] = float(tensor.reshape(-1)[0])  # this rank's own, for re-clipping
         entry = self._judge_shard(key, tensor.detach(), layout)
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
 
@@ -88,11 +93,23 @@ class OnlineComparer:
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
                                     detail="a top-k choice is judged against both sides' scores: offline only"))
         ref_full = logical_tensor(self.reference, pieces).tensor
+        if self._reclips(key):
+            ref_full = self._reclip.state(key, ref_full, self._clips[key.iteration])
         try:
             return shard_sums(key, cand, layout, self.coords, ref_full)
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              rank=self.rank, tensor=str(key)) from None
+
+    def _reclips(self, key: TensorKey) -> bool:
+        """As ``StepBounds.reclipped`` decides it at the combination: a state its rule can re-clip,
+        whose iteration's coefficients differ, whose reference main grad is recorded."""
+        if key.kind is not TensorKind.OPTIMIZER_STATE or not reclippable(state_of(key), self._reclip.rule):
+            return False
+        mine = self._clips.get(key.iteration)
+        theirs = Reclip.clip(self.reference, self._reference_groups, key.iteration)
+        return (mine is not None and theirs is not None and mine != theirs
+                and main_grad_key(key) in self._reference_groups)
 
     def flush(self, iteration: int) -> None:
         self._write(complete=False)
@@ -192,7 +209,7 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     judged = set(by_key) - set(unjudged)
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
     cancellations = Cancellation(ref, ref_groups)  # as compare_traces keeps them
-    step_bounds = StepBounds(ref.run, num_layers, tol_config)
+    step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
     for key in sorted((k for k in judged if k in ref_groups), key=lambda k: order[k]):
         entries = by_key[key]
         if any(e.status == "partial" for _, e in entries):

@@ -19,7 +19,11 @@ So the twin is judged by the grads' difference alone (sharp at any size on any p
 over the wrong grads or groups fails it), and megatron's norm by that plus both sides' measured
 round-off. The clip coefficient ``max_norm / (norm + 1e-6)`` has the norm's relative error. Adam's
 moments and SGD's momentum are linear in ``clip · grad`` (the second moment in its square): the
-clip coefficient's error, as observed, is a common factor of all of them and adds to their bound.
+clip coefficient's error is a common factor of all of them. Where the step's rule says how, the
+reference's state is **re-clipped** by the candidate's coefficient before it is compared
+(:func:`reclip_delta`: both coefficients are recorded, and so is the reference's main grad), so the
+state is judged by its grads alone, as sharply as without clipping; elsewhere the coefficient's
+observed error adds to the state's bound.
 
 Derivations in docs/tolerance.md ("The grad norm and what the clip coefficient scales").
 Knows nothing about megatron.
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from . import keys
 from .keys import TensorKey, TensorKind
@@ -38,6 +42,42 @@ from .update_rules import AdamRule
 
 # the optimizer states linear in the clipped grad (their power: the second moment sums its squares)
 _CLIPPED_STATES = (keys.EXP_AVG, keys.EXP_AVG_SQ, keys.MOMENTUM_BUFFER)
+RECLIPPED = "the reference's state re-clipped by the candidate's coefficient"
+
+
+def state_of(key: TensorKey) -> str:
+    return key.tensor.rsplit(".", 1)[-1]
+
+
+def reclippable(state: str, rule: dict) -> bool:
+    """Whether ``rule`` (run.json ``update_rule``) says how ``state`` depends on the clip coefficient
+    c alone: Adam's m' = β1·m + (1 − β1)·(c·g + λ·p) (λ·p the same in both runs: lock-step or not,
+    it cancels from the difference), its v' = β2·v + (1 − β2)·(c·g)² with decoupled weight decay,
+    SGD's buf' = μ·buf + c·g + λ·p."""
+    kind = rule.get("kind")
+    if kind == "adam":
+        return state == keys.EXP_AVG or (state == keys.EXP_AVG_SQ and bool(rule.get("decoupled_weight_decay")))
+    return kind == "sgd" and state == keys.MOMENTUM_BUFFER
+
+
+def reclip_delta(state: str, rule: dict, reference_main_grad, candidate_clip: float, reference_clip: float):
+    """What the reference's ``state`` would have been, had it clipped its grads by the candidate's
+    coefficient, minus what it is (float64): ``(1 − β1)(c_c − c_r)·g`` for Adam's first moment,
+    ``(1 − β2)(c_c² − c_r²)·g²`` for its second, ``(c_c − c_r)·g`` for SGD's momentum, with the
+    reference's main grad g. The rest of the state (β·m, the weight decay) is the same in both."""
+    import torch
+
+    g = reference_main_grad.to(torch.float64)
+    if state == keys.EXP_AVG:
+        return (1.0 - float(rule["beta1"])) * (candidate_clip - reference_clip) * g
+    if state == keys.EXP_AVG_SQ:
+        return (1.0 - float(rule["beta2"])) * (candidate_clip ** 2 - reference_clip ** 2) * g * g
+    return (candidate_clip - reference_clip) * g
+
+
+def main_grad_key(key: TensorKey) -> TensorKey:
+    """The main grad an optimizer state of the same parameter and iteration was stepped with."""
+    return TensorKey(key.iteration, -1, key.module, keys.MAIN_GRAD, keys.main_grad(keys.param_name_of(key.tensor)))
 
 
 @dataclasses.dataclass
@@ -52,7 +92,8 @@ class StepBounds:
     come before the step's scalars, the clip coefficient before the moments). Offline and online
     compare keep one each and feed it the same results."""
 
-    def __init__(self, reference_run: dict, num_layers: int, tol_config: ToleranceConfig):
+    def __init__(self, reference_run: dict, num_layers: int, tol_config: ToleranceConfig,
+                 has_reference: Callable[[TensorKey], bool] = lambda key: False):
         params = [p for p in reference_run.get("parameters", []) if p.get("requires_grad", True)]
         self.expected_grads = len(params)
         self.elements = sum(int(p.get("numel", 0)) for p in params)
@@ -64,6 +105,8 @@ class StepBounds:
         self._state_norm: Dict[Tuple[int, str, str], float] = {}  # ‖ref‖ of each optimizer state judged
         rule = AdamRule.from_run(reference_run)
         self.beta1 = rule.beta1 if rule is not None else 1.0  # SGD's momentum: μ ≤ 1
+        self.rule = reference_run.get("update_rule") or {}
+        self.has_reference = has_reference
 
     # ---- what the comparison has judged so far
     def note(self, key: TensorKey, error: float, reference_norm: float) -> None:
@@ -122,15 +165,25 @@ class StepBounds:
         return tol.tolerance_eps * tol.eps, (f"the largest main-grad bound ({compared} of {self.expected_grads} "
                                              f"main grads compared: {tol.source})")
 
+    def reclipped(self, key: TensorKey) -> bool:
+        """Whether the comparison re-clips the reference's value of ``key`` (:func:`reclip_delta`):
+        an optimizer state the rule says how to re-clip, in an iteration whose clip coefficients
+        differ, whose reference main grad is recorded. Offline and online decide it alike."""
+        return (key.kind is TensorKind.OPTIMIZER_STATE and reclippable(state_of(key), self.rule)
+                and bool(self._clip_error.get(key.iteration)) and self.has_reference(main_grad_key(key)))
+
     def added(self, key: TensorKey) -> Sequence[Tuple[float, str]]:
         """Terms (relative, source) that add to a tensor's bound: an optimizer state linear in the
-        clipped grad carries the clip coefficient's observed error (the power of it it sums)."""
+        clipped grad carries the clip coefficient's observed error (the power of it it sums), unless
+        it is re-clipped (then a zero term names that in the source)."""
         if key.kind is not TensorKind.OPTIMIZER_STATE:
             return ()
-        state = key.tensor.rsplit(".", 1)[-1]
+        state = state_of(key)
         error = self._clip_error.get(key.iteration, 0.0)
         if state not in _CLIPPED_STATES or not error:
             return ()
+        if self.reclipped(key):
+            return ((0.0, RECLIPPED),)
         power = keys.value_power(key)
         return ((power * error, f"{power}·the clip coefficient's error" if power != 1 else "the clip coefficient's error"),)
 
@@ -158,7 +211,8 @@ def judged_terms(tol: Tolerance, added: Sequence[Tuple[float, str]]) -> Toleranc
         return tol
     extra = sum(t for t, _ in added)
     return dataclasses.replace(tol, tolerance_eps=tol.tolerance_eps + extra / tol.eps,
-                               source=tol.source + "".join(f" + {s} {t / tol.eps:.3g}ε" for t, s in added))
+                               source=tol.source + "".join(f" + {s} {t / tol.eps:.3g}ε" if t else f"; {s}"
+                                                           for t, s in added))
 
 
-__all__: List[str] = ["StepBounds", "judged_terms"]
+__all__: List[str] = ["StepBounds", "judged_terms", "reclip_delta", "reclippable", "main_grad_key"]
