@@ -250,6 +250,34 @@ def slopes(rows: List[dict], dtype: str = "fp32") -> Dict[Tuple[str, str], Tuple
     return out
 
 
+# on paper: Llama-3-8B- and -70B-shaped checks (one microbatch of 8192 tokens, 8 per iteration)
+PAPER = {"8B": dict(h=4096, ffn=14336, L=32, V=128256, s=8192, mbs=1, gbs=8),
+         "70B": dict(h=8192, ffn=28672, L=80, V=128256, s=8192, mbs=1, gbs=8)}
+
+
+def paper() -> str:
+    """The analytic bound of each kind of tensor at 8B and 70B shapes, in fp32 and bf16, from the same
+    ``tolerance_for`` and reduction lengths the checks use (the grad norm's is measured, not listed)."""
+    from ttrace_megatron import keys
+    from ttrace_megatron.tolerance import tolerance_for
+
+    out = ["| shape | dtype | tensor (K) | bound (ε) | bound (relative) |", "|---|---|---|---|---|"]
+    for name, c in PAPER.items():
+        L = c["L"]
+        kinds = [("forward, last layer's fc2 (K = ffn)", keys.FORWARD, L, c["ffn"]),
+                 ("forward, attention's output (K = max(h, s))", keys.FORWARD, L, max(c["h"], c["s"])),
+                 ("dgrad, first layer's fc1 (K = ffn)", keys.BACKWARD, 1, c["ffn"]),
+                 ("wgrad, first layer (K = max(tokens/mb, h))", keys.BACKWARD, 1, max(c["mbs"] * c["s"], c["h"])),
+                 ("main grad, embedding (K = tokens/iteration)", keys.MAIN_GRAD, 0, c["gbs"] * c["s"]),
+                 ("per-token loss (K = V)", keys.FORWARD, L + 1, c["V"])]
+        for dtype in ("float32", "bfloat16"):
+            for label, phase, depth, k in kinds:
+                t = tolerance_for(phase, depth, L, dtype, k)
+                out.append(f"| {name} (h {c['h']}, L {L}, V {c['V']}, s {c['s']}) | {dtype} | {label} | "
+                           f"{t.tolerance_eps:.3g} | {t.tolerance_eps * t.eps:.2e} |")
+    return "\n".join(out)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
@@ -262,7 +290,11 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", help="where traces go while a rung runs (default: a temporary directory)")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--table", metavar="JSONL", help="print the tables of a results file and exit")
+    ap.add_argument("--paper", action="store_true", help="print the bounds at 8B and 70B shapes and exit")
     args = ap.parse_args(argv)
+    if args.paper:
+        print(paper())
+        return 0
     if args.table:
         with open(args.table) as f:
             rows = [json.loads(line) for line in f if line.strip()]
