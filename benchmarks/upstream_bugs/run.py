@@ -129,7 +129,9 @@ def builds(entry: Entry, tmp: str) -> Dict[str, Optional[str]]:
     return {"clean": None, "buggy": patched} if entry.kind == REVERTED else {"clean": patched, "buggy": None}
 
 
-def recipe_of(entry: Entry, dtype: str):
+def recipe_of(entry: Entry, dtype: str, wide: bool = False):
+    """The entry's recipe in ``dtype``; ``wide``: widened first as the zoo's are (``margins.widen``:
+    8 layers, hidden 512, vocabulary 32k), the entry's overrides applied after."""
     import yaml
 
     from ttrace_megatron.recipe import recipe_from_dict
@@ -137,6 +139,11 @@ def recipe_of(entry: Entry, dtype: str):
     path = os.path.join(REPO, "recipes", entry.recipe + ".yaml")
     with open(path) as f:
         raw = yaml.safe_load(f)
+    if wide:
+        sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+        from margins import widen
+
+        raw = widen(raw)
     for section, fields in entry.overrides.items():
         raw[section] = {**(raw.get(section) or {}), **fields} if isinstance(fields, dict) else fields
     raw.update(name=f"upstream-{entry.name}", dtype=dtype)
@@ -156,7 +163,7 @@ class Outcome:
     error: str = ""
 
 
-def judge(entry: Entry, tmp: str, dtype: str = "fp32") -> Outcome:
+def judge(entry: Entry, tmp: str, dtype: str = "fp32", wide: bool = False) -> Outcome:
     """Reference (clean build, 1 rank); candidate on the clean build (must pass) and on the buggy
     build (must fail); the replay of the buggy candidate at its first mismatch's iteration."""
     from ttrace_megatron.adapter.launch import launch
@@ -164,7 +171,7 @@ def judge(entry: Entry, tmp: str, dtype: str = "fp32") -> Outcome:
     from ttrace_megatron.compare import compare_traces, localize, phase_label
 
     check_release()
-    r = recipe_of(entry, dtype)
+    r = recipe_of(entry, dtype, wide)
     trees = builds(entry, tmp)
     seed = os.path.join(tmp, "seed.safetensors")
     ref, pert = os.path.join(tmp, "ref"), os.path.join(tmp, "pert")
@@ -203,12 +210,13 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--only", nargs="*", help="only these entries")
     parser.add_argument("--dtype", default="fp32")
+    parser.add_argument("--wide", action="store_true", help="the recipes widened as margins.py --wide does")
     args = parser.parse_args()
     import megatron.core
 
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    print(f"commit {commit}; dtype {args.dtype}; machine: {os.cpu_count()} CPU cores, gloo, torch "
+    print(f"commit {commit}; dtype {args.dtype}{'; widened (margins.WIDE)' if args.wide else ''}; machine: {os.cpu_count()} CPU cores, gloo, torch "
           f"{__import__('torch').__version__}, megatron-core {megatron.core.__version__}\n", flush=True)
     print("| entry | upstream fix | class | kind | recipe | clean build: verdict (worst ratio) | buggy build: "
           "first mismatch | error / tolerance | detected | replay culprit | localized (expected module, phase) |")
@@ -219,7 +227,7 @@ def main():
             continue
         with tempfile.TemporaryDirectory() as tmp:
             try:
-                o = judge(e, tmp, args.dtype)
+                o = judge(e, tmp, args.dtype, args.wide)
             except Exception as exc:  # noqa: BLE001 - a row of the table, with the error
                 print(f"{e.name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 o = Outcome("error", "—", "error", "—", 0.0, "—", False, False, error=(str(exc).splitlines() or [type(exc).__name__])[-1][:200])
