@@ -250,6 +250,55 @@ def slopes(rows: List[dict], dtype: str = "fp32") -> Dict[Tuple[str, str], Tuple
     return out
 
 
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
+
+
+def plot(rows: List[dict], dtype: str = "fp32") -> str:
+    """An SVG: one panel per axis, the worst error / tolerance of each kind (over families, layouts
+    and seeds) at each rung, log-scaled rungs; the line at 1 is where a clean run would fail."""
+    import math
+
+    panels = [a for a in AXES if any(r["axis"] == a and r.get("dtype") == dtype and r.get("worst") for r in rows)]
+    w, h, pad = 260, 180, 34
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w * len(panels) + 150}" height="{h + 40}" '
+           'font-family="sans-serif" font-size="10">']
+    for i, axis in enumerate(panels):
+        x0 = i * w
+        values = sorted({r["value"] for r in rows if r["axis"] == axis})
+        lo, hi = math.log(values[0]), math.log(values[-1]) if values[-1] > values[0] else math.log(values[0]) + 1
+
+        def px(v, x0=x0, lo=lo, hi=hi):
+            return x0 + pad + (math.log(v) - lo) / (hi - lo) * (w - 2 * pad)
+
+        def py(r):
+            return 10 + (1 - min(r, 1.2) / 1.2) * (h - 30)
+
+        out.append(f'<rect x="{x0 + pad}" y="10" width="{w - 2 * pad}" height="{h - 30}" fill="none" stroke="#999"/>')
+        out.append(f'<line x1="{x0 + pad}" x2="{x0 + w - pad}" y1="{py(1):.1f}" y2="{py(1):.1f}" stroke="red" '
+                   'stroke-dasharray="4 3"/>')
+        out.append(f'<text x="{x0 + w / 2:.0f}" y="{h + 2}" text-anchor="middle">{axis}</text>')
+        for v in values:
+            out.append(f'<text x="{px(v):.1f}" y="{h - 8}" text-anchor="middle">{v}</text>')
+        for tick in (0, 0.5, 1.0):
+            out.append(f'<text x="{x0 + pad - 4}" y="{py(tick) + 3:.1f}" text-anchor="end">{tick:g}</text>')
+        for kind, color in zip(KINDS, _COLORS):
+            points = []
+            for v in values:
+                ratios = [r["worst"][kind]["ratio"] for r in rows if r["axis"] == axis and r["value"] == v
+                          and r.get("dtype") == dtype and kind in r.get("worst", {})]
+                if ratios:
+                    points.append(f"{px(v):.1f},{py(max(ratios)):.1f}")
+            if points:
+                out.append(f'<polyline points="{" ".join(points)}" fill="none" stroke="{color}" stroke-width="1.5"/>')
+    for j, (kind, color) in enumerate(zip(KINDS, _COLORS)):
+        y = 20 + 14 * j
+        x = w * len(panels) + 10
+        out.append(f'<line x1="{x}" x2="{x + 16}" y1="{y}" y2="{y}" stroke="{color}" stroke-width="2"/>'
+                   f'<text x="{x + 20}" y="{y + 3}">{kind}</text>')
+    out.append(f'<text x="{w * len(panels) + 10}" y="{h + 2}">{dtype}: worst error / tolerance</text></svg>')
+    return "\n".join(out)
+
+
 # on paper: Llama-3-8B- and -70B-shaped checks (one microbatch of 8192 tokens, 8 per iteration)
 PAPER = {"8B": dict(h=4096, ffn=14336, L=32, V=128256, s=8192, mbs=1, gbs=8),
          "70B": dict(h=8192, ffn=28672, L=80, V=128256, s=8192, mbs=1, gbs=8)}
@@ -291,6 +340,7 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--table", metavar="JSONL", help="print the tables of a results file and exit")
     ap.add_argument("--paper", action="store_true", help="print the bounds at 8B and 70B shapes and exit")
+    ap.add_argument("--plot", metavar="SVG", help="with --table: also write the ratios' plot here (fp32)")
     args = ap.parse_args(argv)
     if args.paper:
         print(paper())
@@ -299,6 +349,9 @@ def main(argv=None) -> int:
         with open(args.table) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         print(table(rows))
+        if args.plot:
+            with open(args.plot, "w") as f:
+                f.write(plot(rows))
         for dtype in sorted({r.get("dtype") for r in rows if r.get("dtype")}):
             fits = slopes(rows, dtype)
             if fits:

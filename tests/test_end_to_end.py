@@ -335,3 +335,24 @@ def test_loss_reduction_length_is_the_vocabulary():
     from ttrace_megatron.keys import TensorKind
 
     assert reduction_length("loss", None, TensorKind.LOSS, facts) == 256  # log-sum-exp over the vocabulary
+
+
+def test_reduction_lengths_are_never_less_than_the_operands():
+    """K of a tensor covers the reductions that made its operands (docs/tolerance.md): a weight grad
+    summed over few tokens, a position embedding's rows, a loss over a vocabulary smaller than the
+    model is wide, and core attention's output over a long sequence."""
+    from ttrace_megatron.adapter.layouts import ModelFacts, reduction_length
+    from ttrace_megatron.keys import TensorKind
+
+    facts = ModelFacts(num_layers=2, vocab_size=128, sequence_parallel=False, gated_linear_unit=False, tp_size=1,
+                       hidden_size=2048, tokens_per_microbatch=256, tokens_per_iteration=512, seq_length=4096)
+    assert reduction_length("embedding.position_embeddings", None, TensorKind.PARAM_GRAD, facts) == 2048
+    assert reduction_length("decoder.layers.0.mlp.linear_fc2", None, TensorKind.PARAM_GRAD, facts) == 2048
+    assert reduction_length("decoder.layers.0.self_attention.linear_proj", None, TensorKind.MAIN_GRAD, facts) == 4096
+    assert reduction_length("decoder.layers.0.self_attention.linear_proj", None, TensorKind.INPUT, facts) == 4096
+    assert reduction_length("decoder.layers.0.self_attention.linear_qkv", None, TensorKind.GRAD_OUTPUT, facts) == 4096
+    assert reduction_length("loss", None, TensorKind.LOSS, facts) == 2048
+    narrow = ModelFacts(num_layers=2, vocab_size=128, sequence_parallel=False, gated_linear_unit=False, tp_size=1,
+                        hidden_size=64, tokens_per_microbatch=256, tokens_per_iteration=1024, seq_length=32)
+    assert reduction_length("embedding.position_embeddings", None, TensorKind.MAIN_GRAD, narrow) == 64  # 32 sequences
+    assert reduction_length("embedding.word_embeddings", None, TensorKind.MAIN_GRAD, narrow) == 1024

@@ -556,7 +556,8 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
     size for norms and activations, and for core attention's output (linear_proj's input) and
     the grad it sends back (linear_qkv's output-grad) also the sequence, over whose keys its
     softmax, P·V and their backward sum. The loss, the output layer's input and their grads get
-    the vocabulary (log-sum-exp). (The optimizer's scalars get their bounds from the run's own
+    the vocabulary (log-sum-exp), or the hidden size where it is larger (the logits' reduction).
+    (The optimizer's scalars get their bounds from the run's own
     measurements: ``step_bounds``; K is the fallback for traces without them.)
     """
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -586,7 +587,7 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
     if kind is TensorKind.AUX_LOSS and is_router(module):
         return facts.tokens_per_microbatch
     if module_name in (LOSS_MODULE, "output_layer"):
-        return facts.vocab_size
+        return max(facts.vocab_size, facts.hidden_size)  # log-sum-exp over V, of logits reduced over h
     return facts.hidden_size
 
 
