@@ -44,3 +44,22 @@ def test_the_warning_is_printed():
     out = io.StringIO()
     render(report, Console(file=out, width=200))
     assert "resolution: a tolerance of 0.33 relative error" in out.getvalue()
+
+
+def test_an_infinite_tolerance_renders():
+    """A top-k choice at an exact tie of its scores has an infinite tolerance (written "inf" in the
+    JSON): it is no layer's worst, and the report renders (a Mixtral-like bf16 rung of the scale
+    ladder crashed the report here)."""
+    from ttrace_megatron.report import _mismatch_json
+
+    tie = _result(1, 2)
+    tie.tolerance_eps = float("inf")
+    tie.error = 8 * tie.eps
+    other = _result(1, 2)
+    other.error = 0.5 * other.eps
+    tensors = [dict(_mismatch_json(r), verdict=r.verdict, error=r.error, eps=r.eps, depth=r.depth, order=r.order,
+                    shape=list(r.shape)) for r in (tie, other)]
+    report = {"verdict": PASS, "tensors": tensors, "summary": {"compared": 2, "failed": 0}, "first_mismatch": None}
+    out = io.StringIO()
+    render(report, Console(file=out, width=200), num_layers=2)
+    assert "0.5 / " in out.getvalue()

@@ -203,7 +203,7 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
             e = t["error_eps"]
             e_s = f"{e:.3g}" if isinstance(e, (int, float)) else str(e)
             style = "red" if t["verdict"] == FAIL else "green"
-            row.append(f"[{style}]{e_s} / {t['tolerance_eps']:.3g}[/]")
+            row.append(f"[{style}]{e_s} / {_g(t['tolerance_eps'])}[/]")
         table.add_row(*row)
     console.print(table)
     fails = [t for t in tensors if t["verdict"] == FAIL]
@@ -258,6 +258,8 @@ def render_culprits(culprits: list, console: Optional[Console] = None, max_rows:
 
 def _ratio(t: dict) -> float:
     e, tol = t["error_eps"], t["tolerance_eps"]
+    if tol == "inf" and isinstance(e, (int, float)):
+        return 0.0  # a bound that admits anything (a top-k choice at an exact tie of its scores)
     return e / tol if isinstance(e, (int, float)) and isinstance(tol, (int, float)) and tol else math.inf
 
 
