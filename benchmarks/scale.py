@@ -216,7 +216,9 @@ def table(rows: List[dict]) -> str:
             for kind in KINDS:
                 ratios = [r["worst"][kind]["ratio"] for r in runs if kind in r.get("worst", {})]
                 cells.append(f"{max(ratios):.2g}" if ratios else "–")
-            fails = sum(r.get("verdict") != "pass" for r in runs)
+            fails = sum(r.get("verdict") == "fail" for r in runs)
+            errors = sum(r.get("verdict") not in ("pass", "fail") for r in runs)
+            fails = f"{fails} ({errors} did not finish)" if errors else str(fails)
             params = max((r.get("params") or 0) for r in runs)
             out.append(f"| {axis} {value} | {params / 1e6:.1f}M | {runs[0]['tokens']} | {len(runs)} | {fails} | "
                        + " | ".join(cells) + f" | {sum(r['seconds'] for r in runs) / len(runs):.0f} | "
