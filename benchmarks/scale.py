@@ -68,12 +68,12 @@ LAYOUTS = {
     "ep2": dict(parallel={"expert_model_parallel_size": 2}, world_size=2, moe_only=True),
 }
 # the tensor kinds a row reports, in the order of a step
-KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "clip", "moments", "update", "loss")
+KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "clip", "moments", "update", "loss", "routing")
 _KIND_OF = {
     TensorKind.INPUT: "forward", TensorKind.OUTPUT: "forward", TensorKind.AUX_LOSS: "loss",
     TensorKind.GRAD_INPUT: "dgrad", TensorKind.GRAD_OUTPUT: "dgrad", TensorKind.PARAM_GRAD: "wgrad",
     TensorKind.MAIN_GRAD: "main grad", TensorKind.PARAM: "update", TensorKind.LOSS: "loss",
-    TensorKind.SELECTION_SCORES: "forward",
+    TensorKind.SELECTION_SCORES: "forward", TensorKind.SELECTION: "routing",
 }
 
 
@@ -136,9 +136,12 @@ def worst_by_kind(report: dict) -> Dict[str, dict]:
     worst: Dict[str, dict] = {}
     for t in report.get("tensors", []):
         kind = report_kind(t["phase"], t["tensor"])
-        if kind is None or not t.get("tolerance_eps"):
+        tol, err = t.get("tolerance_eps"), t.get("error_eps")
+        if kind is None or not isinstance(err, (int, float)) or tol in (None, 0, "inf"):
+            continue  # "inf": a top-k choice at an exact tie, which admits anything
+        if not isinstance(tol, (int, float)):
             continue
-        ratio = t["error_eps"] / t["tolerance_eps"]
+        ratio = err / tol
         if kind not in worst or ratio > worst[kind]["ratio"]:
             worst[kind] = dict(ratio=ratio, error_eps=t["error_eps"], tolerance_eps=t["tolerance_eps"],
                                tensor=f"it{t['iteration']} {t['module']} {t['tensor']}")
@@ -252,7 +255,8 @@ def slopes(rows: List[dict], dtype: str = "fp32") -> Dict[Tuple[str, str], Tuple
     return out
 
 
-_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf")
+_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf",
+           "#bcbd22")
 
 
 def plot(rows: List[dict], dtype: str = "fp32") -> str:
