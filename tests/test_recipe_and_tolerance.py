@@ -74,6 +74,19 @@ def test_tolerance_grows_with_depth_and_is_in_eps():
     assert "K=64" in t1.source
 
 
+def test_backward_depth_counts_the_forward_pass():
+    """The last layer's weight grad multiplies activations that carry every forward layer's
+    round-off: it is never bounded as if it had no history (the scale ladder's depth finding)."""
+    from ttrace_megatron.keys import FORWARD
+    from ttrace_megatron.tolerance import propagation_depth
+
+    layers = 32
+    assert propagation_depth("backward", layers, layers) == layers + 2
+    assert propagation_depth("backward", layers, layers) > propagation_depth(FORWARD, layers, layers)
+    assert propagation_depth("backward", 0, layers) == 2 * (layers + 1)  # the embedding's grads
+    assert propagation_depth("backward", layers + 1, layers) == propagation_depth(FORWARD, layers + 1, layers)
+
+
 def test_perturbation_estimate_only_raises_the_bound():
     from ttrace_megatron.tolerance import ToleranceConfig, tolerance_for, with_perturbation
 

@@ -155,7 +155,7 @@ class StepBounds:
 
     def _grads_term(self, iteration: int, dtype: str, reduction: int) -> Tuple[float, str]:
         """‖g_cand − g_ref‖ / ‖g_ref‖ over every main grad of the iteration, as compared; where some
-        were not compared, the largest analytic main-grad bound (depth L + 1), which bounds the
+        were not compared, the largest analytic main-grad bound (the embedding's depth, 2(L + 1)), which bounds the
         weighted mean of them all."""
         g = self._grads.get(iteration)
         if g is not None and g.count >= self.expected_grads > 0 and g.ref_sq > 0:

@@ -16,7 +16,9 @@ the final rounding ``u_out`` and fp32 tensors by the accumulation.
 (``tests/functional_tests/python_test_utils/test_optimizer_grads_match.py``), bounds the error of
 a tensor at depth ``d`` by ``k·C**d·ε``: round-off introduced in each layer is amplified by ``C``
 (close to 1) per layer it travels through. Forward tensors of layer ``l`` have travelled ``l``
-layers; backward tensors ``L + 1 − l`` layers from the loss.
+layers. A backward tensor of layer ``l`` is computed from the loss, which every forward layer fed,
+and then back through ``L + 1 − l`` layers: it has travelled ``2(L + 1) − l`` (the embedding is
+layer 0, the output layer and loss ``L + 1``).
 
 Together: ``tolerance = k · C**d · (√K·ε_acc + ε_out)``, expressed in ε of the reported format.
 This module knows nothing about megatron; it sees a tensor's phase, depth, storage dtype and
@@ -51,10 +53,15 @@ class Tolerance:
 
 
 def propagation_depth(phase: str, depth: int, num_layers: int) -> int:
-    """How many layers round-off has travelled through to reach a tensor of layer ``depth``."""
+    """How many layers round-off has travelled through to reach a tensor of layer ``depth``.
+
+    Backward: the forward pass's ``L + 1`` layers to the loss, then ``L + 1 − depth`` back. Counting
+    only the way back (the first version) left the last layer's weight grads with the depth-1 bound
+    while they carry all of the forward's round-off: their error / tolerance climbed with depth
+    (0.10 at 2 layers to 0.22 at 32, BENCHMARKS.md "Depth")."""
     if phase == FORWARD:
         return max(depth, 1)
-    return max(num_layers + 1 - depth, 1)
+    return max(2 * (num_layers + 1) - depth, 1)
 
 
 def single_gemm_error(reduction: int, output_format: str, accumulate: str = "float32") -> float:
