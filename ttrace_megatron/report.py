@@ -68,11 +68,17 @@ def to_json(c: Comparison) -> dict:
 # worth a warning: a bug that moves the
 # tensor by less is indistinguishable from round-off there (BENCHMARKS.md, "On paper at 8B-70B")
 RESOLUTION_WARNING = 0.1
+# the bound's depth factor C^d grows with every layer while measured round-off at initialization does
+# not (BENCHMARKS.md, "Depth"); a layout partitions every layer alike, so fewer layers check it as well
+DEPTH_ADVICE = ("Every layer is partitioned alike: the fewest layers the layout allows (pipeline stages × "
+                "virtual stages), at full width, vocabulary and sequence, check the same layout with tighter "
+                "bounds; or fp32, whose ε is 2¹⁶ times smaller.")
 
 
 def resolution(results) -> Optional[dict]:
     """The loosest tolerance of the comparison, as a relative error: the smallest change a bug
-    must make to that tensor to be seen. Deep bf16 models approach 10 % (k·C^d·ε_bf16 at d = 80)."""
+    must make to that tensor to be seen. bf16 passes 10 % where k·C^d·ε_bf16 does, at d ≈ 40: the
+    forward of a 40-layer model, the backward of a 19-layer one (its depth is 2(L + 1) − l)."""
     # relative bounds only: an element-wise Adam check states its tolerance through the error, and a
     # top-k choice is judged by its scores
     finite = [r for r in results if math.isfinite(r.tolerance_eps) and r.tolerance_eps > 0
@@ -177,7 +183,7 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
     if res and res.get("warn"):
         console.print(f"[yellow]resolution: a tolerance of {res['loosest_relative']:.2g} relative error "
                       f"({res['tensor']}): a bug that moves a tensor by less than its tolerance cannot be told "
-                      f"from round-off there[/]")
+                      f"from round-off there. {DEPTH_ADVICE}[/]")
     tensors = report["tensors"]
     if not tensors:
         return
