@@ -310,26 +310,59 @@ PAPER = {"8B": dict(h=4096, ffn=14336, L=32, V=128256, s=8192, mbs=1, gbs=8),
          "70B": dict(h=8192, ffn=28672, L=80, V=128256, s=8192, mbs=1, gbs=8)}
 
 
-def paper() -> str:
+# the ladder's axes at a paper shape: (axis, the shape's value, the ladder's base value)
+def _paper_axes(c: dict) -> List[Tuple[str, int, int]]:
+    return [("width", c["h"], BASE["hidden"]), ("depth", c["L"], BASE["layers"]), ("vocab", c["V"], BASE["vocab"]),
+            ("seq", c["s"], BASE["seq"]), ("tokens", c["gbs"] * c["s"], BASE["tokens"])]
+
+
+def expected_error(rows: List[dict], dtype: str, kind: str, c: dict) -> Tuple[Optional[float], str]:
+    """The error a clean check of shape ``c`` should show for ``kind``, in ε: the worst error at the
+    ladder's base rung (all families and seeds), times (value / base)^slope along each axis the ladder
+    measured in ``dtype`` (:func:`slopes`). A negative slope counts as 0: an error is not assumed to
+    shrink with size. Axes not measured in ``dtype`` count as flat and are named."""
+    base = [r["worst"][kind]["error_eps"] for r in rows if r.get("dtype") == dtype and r.get("worst")
+            and kind in r["worst"] and r.get("shape") == BASE]
+    if not base:
+        return None, "not measured"
+    fits = slopes(rows, dtype)
+    value, unmeasured = max(base), []
+    for axis, target, at in _paper_axes(c):
+        if target == at:
+            continue
+        if (axis, kind) in fits:
+            value *= (target / at) ** max(fits[(axis, kind)][0], 0.0)
+        else:
+            unmeasured.append(axis)
+    return value, ("flat along " + ", ".join(unmeasured)) if unmeasured else "all axes"
+
+
+def paper(rows: Optional[List[dict]] = None) -> str:
     """The analytic bound of each kind of tensor at 8B and 70B shapes, in fp32 and bf16, from the same
-    ``tolerance_for`` and reduction lengths the checks use (the grad norm's is measured, not listed)."""
+    ``tolerance_for`` and reduction lengths the checks use (the grad norm's is measured, not listed);
+    with the ladder's results (``rows``), the error it predicts there (:func:`expected_error`)."""
     from ttrace_megatron import keys
     from ttrace_megatron.tolerance import tolerance_for
 
-    out = ["| shape | dtype | tensor (K) | bound (ε) | bound (relative) |", "|---|---|---|---|---|"]
+    out = ["| shape | dtype | tensor (K) | bound (ε) | bound (relative) | expected error (ε) | expected / bound "
+           "| fit |", "|---|---|---|---|---|---|---|---|"]
     for name, c in PAPER.items():
         L = c["L"]
-        kinds = [("forward, last layer's fc2 (K = ffn)", keys.FORWARD, L, c["ffn"]),
-                 ("forward, attention's output (K = max(h, s))", keys.FORWARD, L, max(c["h"], c["s"])),
-                 ("dgrad, first layer's fc1 (K = ffn)", keys.BACKWARD, 1, c["ffn"]),
-                 ("wgrad, first layer (K = max(tokens/mb, h))", keys.BACKWARD, 1, max(c["mbs"] * c["s"], c["h"])),
-                 ("main grad, embedding (K = tokens/iteration)", keys.MAIN_GRAD, 0, c["gbs"] * c["s"]),
-                 ("per-token loss (K = V)", keys.FORWARD, L + 1, c["V"])]
-        for dtype in ("float32", "bfloat16"):
-            for label, phase, depth, k in kinds:
+        kinds = [("forward, last layer's fc2 (K = ffn)", keys.FORWARD, L, c["ffn"], "forward"),
+                 ("forward, attention's output (K = max(h, s))", keys.FORWARD, L, max(c["h"], c["s"]), "forward"),
+                 ("dgrad, first layer's fc1 (K = ffn)", keys.BACKWARD, 1, c["ffn"], "dgrad"),
+                 ("wgrad, first layer (K = max(tokens/mb, h))", keys.BACKWARD, 1, max(c["mbs"] * c["s"], c["h"]),
+                  "wgrad"),
+                 ("main grad, embedding (K = tokens/iteration)", keys.MAIN_GRAD, 0, c["gbs"] * c["s"], "main grad"),
+                 ("per-token loss (K = V)", keys.FORWARD, L + 1, c["V"], "loss")]
+        for dtype, short in (("float32", "fp32"), ("bfloat16", "bf16")):
+            for label, phase, depth, k, kind in kinds:
                 t = tolerance_for(phase, depth, L, dtype, k)
+                expected, fit = expected_error(rows, short, kind, c) if rows else (None, "–")
+                cells = (f"{expected:.3g} | {expected / t.tolerance_eps:.2g} | {fit}" if expected is not None
+                         else f"– | – | {fit}")
                 out.append(f"| {name} (h {c['h']}, L {L}, V {c['V']}, s {c['s']}) | {dtype} | {label} | "
-                           f"{t.tolerance_eps:.3g} | {t.tolerance_eps * t.eps:.2e} |")
+                           f"{t.tolerance_eps:.3g} | {t.tolerance_eps * t.eps:.2e} | {cells} |")
     return "\n".join(out)
 
 
@@ -345,11 +378,16 @@ def main(argv=None) -> int:
     ap.add_argument("--workdir", help="where traces go while a rung runs (default: a temporary directory)")
     ap.add_argument("--timeout", type=int, default=3600)
     ap.add_argument("--table", metavar="JSONL", help="print the tables of a results file and exit")
-    ap.add_argument("--paper", action="store_true", help="print the bounds at 8B and 70B shapes and exit")
+    ap.add_argument("--paper", action="store_true", help="print the bounds at 8B and 70B shapes and exit (with "
+                    "--table JSONL: and the errors the ladder's slopes predict there)")
     ap.add_argument("--plot", metavar="SVG", help="with --table: also write the ratios' plot here (fp32)")
     args = ap.parse_args(argv)
     if args.paper:
-        print(paper())
+        rows = None
+        if args.table:
+            with open(args.table) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        print(paper(rows))
         return 0
     if args.table:
         with open(args.table) as f:
