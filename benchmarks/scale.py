@@ -12,7 +12,7 @@ Each rung steps one axis from the base (hidden 256, 2 layers, vocabulary 4096, s
 3 iterations, 512 tokens per iteration):
 
     width   64 256 512 1024, and 2048 at 2 layers
-    depth   2 8 16
+    depth   2 8 16 (32 and 64 with --values: 7 and 13 GB of traces for the llama family)
     vocab   128 32768 131072
     seq     32 512 2048
     iters   3 20
