@@ -95,6 +95,19 @@ def widen(raw: dict) -> dict:
     return raw
 
 
+def chunk_boundary_module(r) -> str:
+    """Where ``vpp_batched_p2p_at_pp2`` shows: the grad arriving at the last layer of virtual chunk 1
+    (the first chunk whose output-grad comes from the other rank's chunk 2). Its global index grows
+    with the layers per chunk: layers.1 at 4 layers in 4 chunks, layers.3 at 8 (``widen``)."""
+    p = r.parallel
+    per_chunk = r.model["num_layers"] // (p["pipeline_model_parallel_size"] * p["virtual_pipeline_model_parallel_size"])
+    return f"decoder.layers.{2 * per_chunk - 1}.mlp.linear_fc2"
+
+
+# entries whose module depends on the recipe's depth: the module is computed from the recipe run
+EXPECTED_AT = {"vpp_batched_p2p_at_pp2": chunk_boundary_module}
+
+
 def recipe(name: str, dtype: str, seed: int, wide: bool = False):
     """A shipped recipe in ``dtype`` with data/initialization seed ``seed`` (``wide``: :func:`widen`)."""
     import yaml
@@ -199,8 +212,11 @@ def main():
     chosen = (lambda bug: bug.split(":")[0] in args.bugs) if args.bugs else (lambda bug: True)
     for name, bug, module, phase, *dtypes in (b for b in BUGS if wanted(b[0]) and chosen(b[1]) and not args.families):
         for dtype in (d for d in (dtypes[0] if dtypes else BUG_DTYPES) if d in args.dtypes):
+            r = recipe(name, dtype, 1, args.wide)
+            if bug in EXPECTED_AT:
+                module = EXPECTED_AT[bug](r)
             with tempfile.TemporaryDirectory() as tmp:
-                c, loc, _ = pair(recipe(name, dtype, 1, args.wide), tmp, [bug], lockstep=not args.no_lockstep)
+                c, loc, _ = pair(r, tmp, [bug], lockstep=not args.no_lockstep)
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"
