@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import warnings
+from typing import Optional, Union
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -74,24 +75,26 @@ CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_t
 WIDE = dict(num_layers=8, hidden_size=512, vocab_size=32768)
 
 
-def widen(raw: dict) -> dict:
-    """A recipe at ``WIDE``'s size: layers, width (FFN, expert FFN, heads and query groups scaled with
-    it), vocabulary; everything else — layout, norms, activations, biases, tying, MoE — as shipped."""
+def widen(raw: dict, size: Optional[dict] = None) -> dict:
+    """A recipe at ``size``'s (default ``WIDE``'s) layers (at least), width (FFN, expert FFN, heads and
+    query groups scaled with it) and vocabulary (at least); everything else — layout, norms,
+    activations, biases, tying, MoE — as shipped."""
+    size = size or WIDE
     model, data = raw["model"], raw["data"]
-    scale = WIDE["hidden_size"] / model["hidden_size"]
+    scale = size["hidden_size"] / model["hidden_size"]
     heads = model["num_attention_heads"]
-    model["num_layers"] = max(model["num_layers"], WIDE["num_layers"])
-    model["hidden_size"] = WIDE["hidden_size"]
+    model["num_layers"] = max(model["num_layers"], size["num_layers"])
+    model["hidden_size"] = size["hidden_size"]
     for field in ("ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "kv_channels"):
         if model.get(field):
             model[field] = int(model[field] * scale) if field != "kv_channels" else model[field]
-    model["num_attention_heads"] = heads * 2 if WIDE["hidden_size"] // (heads * 2) >= 32 else heads
+    model["num_attention_heads"] = heads * 2 if size["hidden_size"] // (heads * 2) >= 32 else heads
     if model.get("num_query_groups"):
         model["num_query_groups"] = model["num_query_groups"] * model["num_attention_heads"] // heads
-    data["vocab_size"] = max(data["vocab_size"], WIDE["vocab_size"])
+    data["vocab_size"] = max(data["vocab_size"], size["vocab_size"])
     for key in ("moe_layer_freq",):  # a per-layer pattern names the shipped depth
         if isinstance(model.get(key), list):
-            model[key] = (model[key] * WIDE["num_layers"])[:model["num_layers"]]
+            model[key] = (model[key] * size["num_layers"])[:model["num_layers"]]
     return raw
 
 
@@ -108,8 +111,9 @@ def chunk_boundary_module(r) -> str:
 EXPECTED_AT = {"vpp_batched_p2p_at_pp2": chunk_boundary_module}
 
 
-def recipe(name: str, dtype: str, seed: int, wide: bool = False):
-    """A shipped recipe in ``dtype`` with data/initialization seed ``seed`` (``wide``: :func:`widen`)."""
+def recipe(name: str, dtype: str, seed: int, wide: Union[bool, dict] = False):
+    """A shipped recipe in ``dtype`` with data/initialization seed ``seed`` (``wide``: :func:`widen`, to
+    ``WIDE`` or to the size it gives)."""
     import yaml
 
     from ttrace_megatron.recipe import recipe_from_dict
@@ -117,7 +121,7 @@ def recipe(name: str, dtype: str, seed: int, wide: bool = False):
     path = os.path.join(REPO, "recipes", name + ".yaml")
     raw = yaml.safe_load(open(path))
     if wide:
-        raw = widen(raw)
+        raw = widen(raw, wide if isinstance(wide, dict) else None)
     raw.update(dtype=dtype, name=name)
     if dtype == "fp8":  # as a recipe that says dtype: fp8 gets it
         raw.get("tolerance", {}).pop("perturbation", None)
@@ -168,15 +172,20 @@ def main():
     parser.add_argument("--no-lockstep", action="store_true", help="candidates train on their own weights")
     parser.add_argument("--wide", action="store_true", help="the recipes widened to 8 layers, hidden 512, "
                         "vocabulary 32k (issue #31's detection at width)")
+    parser.add_argument("--size", nargs=3, type=int, metavar=("LAYERS", "HIDDEN", "VOCAB"),
+                        help="widened to this size instead of --wide's (how a bug's margin dilutes with width)")
     parser.add_argument("--bugs", nargs="*", help="only these bugs (names, without a module pattern)")
     parser.add_argument("--families", action="store_true", help="the model-family recipes, as they ship (no "
                         "calibration runs: the last two columns are left empty)")
     args = parser.parse_args()
+    if args.size:
+        args.wide = dict(zip(("num_layers", "hidden_size", "vocab_size"), args.size))
     wanted = (lambda name: name in args.recipes) if args.recipes else (lambda name: True)
 
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
-    print(f"commit {commit}; machine: {os.cpu_count()} CPU cores, gloo, torch "
+    size = args.wide if isinstance(args.wide, dict) else WIDE if args.wide else None
+    print(f"commit {commit}; {f'widened to {size}; ' if size else ''}machine: {os.cpu_count()} CPU cores, gloo, torch "
           f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}\n")
     print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio "
           "| replay: false culprits | replay: worst local ratio | analytic bound only: false positives "
