@@ -200,9 +200,9 @@ def rungs(families: Iterable[str], layouts: Iterable[str], axes: Iterable[str], 
 
 
 # ---- tables
-def table(rows: List[dict]) -> str:
+def table(rows: List[dict], errors: bool = False) -> str:
     """One markdown table per (family, layout, dtype): a line per rung, the worst ratio per kind over
-    its seeds, and the verdicts."""
+    its seeds, and the verdicts (``errors``: that worst tensor's error and bound in ε beside it)."""
     groups: Dict[Tuple, List[dict]] = collections.defaultdict(list)
     for r in rows:
         groups[(r["family"], r["layout"], r["dtype"])].append(r)
@@ -217,11 +217,15 @@ def table(rows: List[dict]) -> str:
         for (axis, value), runs in sorted(by_rung.items(), key=lambda kv: (list(AXES).index(kv[0][0]), kv[0][1])):
             cells = []
             for kind in KINDS:
-                ratios = [r["worst"][kind]["ratio"] for r in runs if kind in r.get("worst", {})]
-                cells.append(f"{max(ratios):.2g}" if ratios else "–")
+                worst = [r["worst"][kind] for r in runs if kind in r.get("worst", {})]
+                w = max(worst, key=lambda w: w["ratio"]) if worst else None
+                cell = f"{w['ratio']:.2g}" if w else "–"
+                if w and errors and isinstance(w.get("error_eps"), (int, float)):
+                    cell += f" ({w['error_eps']:.2g}/{w['tolerance_eps']:.3g})"
+                cells.append(cell)
             fails = sum(r.get("verdict") == "fail" for r in runs)
-            errors = sum(r.get("verdict") not in ("pass", "fail") for r in runs)
-            fails = f"{fails} ({errors} did not finish)" if errors else str(fails)
+            unfinished = sum(r.get("verdict") not in ("pass", "fail") for r in runs)
+            fails = f"{fails} ({unfinished} did not finish)" if unfinished else str(fails)
             params = max((r.get("params") or 0) for r in runs)
             out.append(f"| {axis} {value} | {params / 1e6:.1f}M | {runs[0]['tokens']} | {len(runs)} | {fails} | "
                        + " | ".join(cells) + f" | {sum(r['seconds'] for r in runs) / len(runs):.0f} | "
@@ -381,6 +385,9 @@ def main(argv=None) -> int:
     ap.add_argument("--paper", action="store_true", help="print the bounds at 8B and 70B shapes and exit (with "
                     "--table JSONL: and the errors the ladder's slopes predict there)")
     ap.add_argument("--plot", metavar="SVG", help="with --table: also write the ratios' plot here (fp32)")
+    ap.add_argument("--errors", action="store_true", help="with --table: each cell also gives the worst tensor's "
+                    "error / bound in ε")
+    ap.add_argument("--axis", choices=list(AXES), help="with --table: only the rungs of this axis")
     args = ap.parse_args(argv)
     if args.paper:
         rows = None
@@ -392,7 +399,9 @@ def main(argv=None) -> int:
     if args.table:
         with open(args.table) as f:
             rows = [json.loads(line) for line in f if line.strip()]
-        print(table(rows))
+        if args.axis:
+            rows = [r for r in rows if r.get("axis") == args.axis]
+        print(table(rows, args.errors))
         if args.plot:
             with open(args.plot, "w") as f:
                 f.write(plot(rows))
