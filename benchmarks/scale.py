@@ -64,7 +64,7 @@ LAYOUTS = {
     "tp2_sp": dict(parallel={"tensor_model_parallel_size": 2, "sequence_parallel": True}, world_size=2),
     "tp4_sp": dict(parallel={"tensor_model_parallel_size": 4, "sequence_parallel": True}, world_size=4),
     "pp2": dict(parallel={"pipeline_model_parallel_size": 2}, world_size=2, microbatches=4),
-    "dp2_distopt": dict(parallel={}, world_size=2, ddp={"use_distributed_optimizer": True}),
+    "dp2_distopt": dict(parallel={}, world_size=2, optimizer={"use_distributed_optimizer": True}),
     "ep2": dict(parallel={"expert_model_parallel_size": 2}, world_size=2, moe_only=True),
 }
 # the tensor kinds a row reports, in the order of a step
@@ -123,12 +123,10 @@ def recipe(family: str, layout: str, shape: Dict[str, int], seed: int, dtype: st
     out = dict(description=f"scale ladder: {family} {layout} h{h} L{shape['layers']} V{shape['vocab']} "
                            f"s{shape['seq']} it{shape['iters']} tok{gbs * shape['seq']}",
                model=model, parallel=dict(lay["parallel"]), world_size=lay["world_size"],
-               optimizer=dict(optimizer="adam", lr=1e-3),
+               optimizer=dict(optimizer="adam", lr=1e-3, **lay.get("optimizer", {})),
                data=dict(seed=seed, vocab_size=shape["vocab"], seq_length=shape["seq"], micro_batch_size=mbs,
                          global_batch_size=gbs),
                train=dict(iterations=shape["iters"]), dtype=dtype)
-    if "ddp" in lay:
-        out["ddp"] = dict(lay["ddp"])
     return out
 
 
