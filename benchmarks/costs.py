@@ -117,8 +117,8 @@ def main():
     warnings.filterwarnings("ignore")
     import torch
 
-    from ttrace_megatron.adapter.launch import launch
-    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, Probes, RunSpec, trace_options
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, Probes, RunSpec, trace_options
     from ttrace_megatron.recipe import recipe_from_dict
     from ttrace_megatron.trace_store import TraceReader
 

@@ -64,7 +64,7 @@ BUGS += [  # the optimizer (issue #16), under Adam with megatron's defaults
     ("moe_tp2_sp_ep2", "grad_norm_misses_expert_ranks", "optimizer", "optimizer"),
 ]
 BUG_DTYPES = ("fp32", "bf16")  # unless the entry names its own (FP8 bugs need the FP8 emulation)
-DTYPES = ("fp32", "bf16", "fp8")  # fp8: TE's hybrid FP8 GEMMs emulated on CPU (adapter.fp8_emulation)
+DTYPES = ("fp32", "bf16", "fp8")  # fp8: TE's hybrid FP8 GEMMs emulated on CPU (adapter.cpu.fp8_emulation)
 FAMILIES = ("gpt3_tp2_sp", "gpt3_pp2_dp2", "llama3_tp2_sp", "llama3_tp4_sp", "qwen2_tp2", "qwen2_pp2_vpp", "mixtral_ep2",
             "mixtral_tp2_sp_ep2", "deepseek_ep2", "deepseek_tp2_sp_ep2")  # issue #17's model families
 CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_dp2_adam", "gpt_tp2_sp_dp2",
@@ -134,8 +134,8 @@ def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
     for it), then the localization replay of iteration 1, the candidate in lock-step with the
     reference as ``ttrace run`` runs it (``lockstep=False``: on its own weights). ``calibrate``:
     also the perturbation run, for every recipe, and the analytic-only comparison."""
-    from ttrace_megatron.adapter.launch import launch
-    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces, localize
 
     seed = os.path.join(tmp, "seed.safetensors")

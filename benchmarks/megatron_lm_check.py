@@ -41,7 +41,7 @@ def ttrace_run(recipe: str, checkout: str, out: str, extra: List[str]) -> Dict:
 def patched_copy(checkout: str, into: str) -> str:
     import subprocess
 
-    from ttrace_megatron.adapter import megatron_lm
+    from ttrace_megatron.adapter.megatron_lm import checkout as megatron_lm
 
     copy = os.path.join(into, "Megatron-LM")
     shutil.copytree(checkout, copy, ignore=shutil.ignore_patterns(".git", "*.so", "__pycache__"))
@@ -58,7 +58,7 @@ def main() -> int:
     parser.add_argument("--json", help="write the rows here")
     args = parser.parse_args()
 
-    from ttrace_megatron.adapter import megatron_lm
+    from ttrace_megatron.adapter.megatron_lm import checkout as megatron_lm
 
     work = tempfile.mkdtemp(prefix="ttrace-mlm-check-")
     checkout = patched_copy(args.checkout, work) if args.patched else os.path.abspath(args.checkout)

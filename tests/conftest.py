@@ -39,8 +39,8 @@ class Runs:
         self._refs = {}
 
     def reference(self, recipe):
-        from ttrace_megatron.adapter.launch import launch
-        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec, trace_options
+        from ttrace_megatron.adapter.run.launch import launch
+        from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
 
         key = repr(sorted(recipe.to_json().items(), key=str))
         if key not in self._refs:
@@ -53,8 +53,8 @@ class Runs:
     def perturbed(self, recipe, seed=1):
         """The perturbation-estimate run of the recipe's reference (round-off-sized noise in every
         module), next to the reference; its trace directory."""
-        from ttrace_megatron.adapter.launch import launch
-        from ttrace_megatron.adapter.runner import REFERENCE, RunSpec, trace_options
+        from ttrace_megatron.adapter.run.launch import launch
+        from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
 
         out = self.reference(recipe)
         trace_dir = os.path.join(out, f"reference-perturbed-{seed}")
@@ -69,8 +69,8 @@ class Runs:
         """A candidate run next to the recipe's reference; ``trace_kwargs`` are TraceOptions fields
         (iterations, modules, replay, reference, keep_tensors, ...). ``lockstep``: in lock-step with
         the reference, as ``ttrace run`` runs it (False: on its own weights)."""
-        from ttrace_megatron.adapter.launch import launch
-        from ttrace_megatron.adapter.runner import CANDIDATE, Probes, RunSpec, trace_options
+        from ttrace_megatron.adapter.run.launch import launch
+        from ttrace_megatron.adapter.run.runner import CANDIDATE, Probes, RunSpec, trace_options
 
         out = self.reference(recipe)
         trace_dir = os.path.join(out, f"{name}-{'-'.join(inject) or 'clean'}".replace(":", "_").replace("*", "x"))

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 
 def main(variants):
-    from ttrace_megatron.adapter import cuda_shim, worker_env  # noqa: F401  (quiet warnings)
+    from ttrace_megatron.adapter.cpu import cuda_shim  # noqa: F401  (quiet warnings)
+    from ttrace_megatron.adapter.run import worker_env
 
     cuda_shim.install()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -24,9 +25,9 @@ def main(variants):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from ttrace_megatron.adapter import build
-    from ttrace_megatron.adapter import config as cfg
-    from ttrace_megatron.adapter.structure import check_built_as_described
+    from ttrace_megatron.adapter.build import model as build
+    from ttrace_megatron.adapter.build import config as cfg
+    from ttrace_megatron.adapter.build.structure import check_built_as_described
     from ttrace_megatron.errors import RecipeError
     from ttrace_megatron.recipe import recipe_from_dict
 

@@ -1,4 +1,4 @@
-"""The CPU shims megatron-core needs under gloo (ttrace_megatron/adapter/cuda_shim.py)."""
+"""The CPU shims megatron-core needs under gloo (ttrace_megatron/adapter/cpu/cuda_shim.py)."""
 
 import os
 
@@ -6,11 +6,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ttrace_megatron.adapter.launch import free_port
+from ttrace_megatron.adapter.run.launch import free_port
 
 
 def _gather_uneven(rank, port, results):
-    from ttrace_megatron.adapter import cuda_shim
+    from ttrace_megatron.adapter.cpu import cuda_shim
 
     cuda_shim.install()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

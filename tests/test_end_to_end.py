@@ -208,7 +208,7 @@ def test_bf16_bug_is_detected(runs):
                                         ("gpt_tp2_sp_fp8", "fp8")])
 def test_tracing_is_bitwise_neutral(runs, name, dtype):
     """Losses and updated parameters are bitwise identical with and without tracing."""
-    from ttrace_megatron.adapter.runner import Probes
+    from ttrace_megatron.adapter.run.runner import Probes
 
     recipe = load(name, dtype=dtype)
     _, traced = runs.candidate(recipe, name="neutral-traced", probes=Probes(dump_state=True), lockstep=False)
@@ -328,7 +328,7 @@ def test_aux_losses_follow_selective_recording(runs):
 def test_loss_reduction_length_is_the_vocabulary():
     """The per-token loss is a log-sum-exp over the vocabulary, not a router aux loss (a regression:
     a name-suffix rule once gave it the token count)."""
-    from ttrace_megatron.adapter.layouts import ModelFacts, reduction_length
+    from ttrace_megatron.adapter.record.layouts import ModelFacts, reduction_length
 
     facts = ModelFacts(num_layers=2, vocab_size=256, sequence_parallel=False, gated_linear_unit=False, tp_size=1,
                        hidden_size=64, tokens_per_microbatch=64, tokens_per_iteration=128)
@@ -341,7 +341,7 @@ def test_reduction_lengths_are_never_less_than_the_operands():
     """K of a tensor covers the reductions that made its operands (docs/tolerance.md): a weight grad
     summed over few tokens, a position embedding's rows, a loss over a vocabulary smaller than the
     model is wide, and core attention's output over a long sequence."""
-    from ttrace_megatron.adapter.layouts import ModelFacts, reduction_length
+    from ttrace_megatron.adapter.record.layouts import ModelFacts, reduction_length
     from ttrace_megatron.keys import TensorKind
 
     facts = ModelFacts(num_layers=2, vocab_size=128, sequence_parallel=False, gated_linear_unit=False, tp_size=1,

@@ -8,7 +8,7 @@ GitHub): the ``--ttrace*`` flags through torchrun, the online compare, bitwise n
 without ``--ttrace``, refusals before training, replay and lock-step under the Megatron-LM call
 structure.
 The explicit calls (attach / begin_iteration / end_iteration / flush) are what every recipe run
-in the other tests goes through (``adapter/runner.py``).
+in the other tests goes through (``adapter/run/runner.py``).
 """
 
 import argparse
@@ -23,7 +23,8 @@ import torch
 from safetensors.torch import load_file
 
 import ttrace_megatron as ttrace
-from ttrace_megatron.adapter.integration import TraceOptions, parse_int_ranges
+from ttrace_megatron.adapter.megatron_lm.arguments import parse_int_ranges
+from ttrace_megatron.adapter.run.session import TraceOptions
 from ttrace_megatron.compare import compare_traces
 from ttrace_megatron.online import combine_online
 
@@ -148,7 +149,7 @@ def test_megatron_lm_unsupported_mode_is_refused_before_training(tmp_path):
 
 
 def test_unsupported_modes_are_named():
-    from ttrace_megatron.adapter.integration import _refuse_unsupported
+    from ttrace_megatron.adapter.run.session import _refuse_unsupported
     from ttrace_megatron.errors import RecipeError
 
     config = types.SimpleNamespace(num_moe_experts=4, fp8=None, recompute_granularity="full")

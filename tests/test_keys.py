@@ -81,6 +81,7 @@ def test_readme_layout_table_matches_the_imports():
     on_disk = {os.path.relpath(os.path.join(d, f), REPO) for d, _, fs in os.walk(package) for f in fs
                if f.endswith(".py") and f != "__init__.py"}
     assert on_disk <= listed, f"modules missing from the README's layout table: {sorted(on_disk - listed)}"
+    assert listed <= on_disk, f"the README's layout table names modules that do not exist: {sorted(listed - on_disk)}"
     core = [p for p, knows in rows if knows.startswith("no")]
     assert len(core) >= 8
     modules = [p[:-3].replace("/", ".") for p in core]

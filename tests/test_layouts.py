@@ -1,4 +1,4 @@
-"""Placement inference per module kind (adapter/layouts.py), without torch.distributed.
+"""Placement inference per module kind (adapter/record/layouts.py), without torch.distributed.
 
 megatron-core's module classes are instantiated without their constructors (which need
 initialized process groups) and given the attributes the rules read: partition sizes, the
@@ -14,8 +14,8 @@ from ttrace_megatron.keys import (BACKWARD, FORWARD, MAIN_GRAD, OPTIMIZER, Tenso
 from ttrace_megatron.placement import Layout, Partial, RangeShard, Replicate, Shard, merge_shards, slice_logical
 
 layers = pytest.importorskip("megatron.core.tensor_parallel.layers")
-from ttrace_megatron.adapter import layouts  # noqa: E402
-from ttrace_megatron.adapter.layouts import KeyLayouts, LayoutInferenceError, ModelFacts, Site  # noqa: E402
+from ttrace_megatron.adapter.record import layouts  # noqa: E402
+from ttrace_megatron.adapter.record.layouts import KeyLayouts, LayoutInferenceError, ModelFacts, Site  # noqa: E402
 
 
 class _Group:

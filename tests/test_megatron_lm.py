@@ -16,7 +16,7 @@ import sys
 
 import pytest
 
-from ttrace_megatron.adapter import megatron_lm
+from ttrace_megatron.adapter.megatron_lm import checkout as megatron_lm
 from ttrace_megatron.errors import RecipeError
 from ttrace_megatron.recipe import load_recipe
 
@@ -150,7 +150,7 @@ def test_help_lists_the_ttrace_flags():
     before printing anything, with or without ttrace: the help of its
     ``--moe-paged-stash-buffer-size-factor-cuda`` has an unescaped ``%`` ("1.10 = 10%)"), which
     argparse formats."""
-    proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.adapter.megatron_lm", CHECKOUT, "--", "--help"],
+    proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.adapter.megatron_lm.checkout", CHECKOUT, "--", "--help"],
                           cwd=CHECKOUT, capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, TTRACE_MEGATRON_LM_CPU="1"))
     if megatron_lm.release_of(CHECKOUT).startswith("0.19."):
@@ -193,10 +193,10 @@ def test_real_loop_and_ttrace_runner_write_the_same_trace(tmp_path):
     megatron-core, megatron-core's MockGPTDataset) and Megatron-LM's pretrain_gpt.py (its --mock-data),
     both as one-rank references from the same seed checkpoint, compare clean tensor by tensor."""
     from conftest import load
-    from ttrace_megatron.adapter.integration import TraceOptions
-    from ttrace_megatron.adapter.launch import launch
-    from ttrace_megatron.adapter.runner import REFERENCE, RunSpec, trace_options
-    from ttrace_megatron.adapter.side import check_tree
+    from ttrace_megatron.adapter.run.session import TraceOptions
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.adapter.run.side import check_tree
     from ttrace_megatron.compare import compare_traces
 
     recipe = load("gpt_tp2", data={"source": "megatron_mock"})

@@ -34,8 +34,8 @@ def _rung():
 
 
 def _run(recipe, role, out, **kwargs):
-    from ttrace_megatron.adapter.launch import launch
-    from ttrace_megatron.adapter.runner import RunSpec, trace_options
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import RunSpec, trace_options
 
     inject = kwargs.pop("inject", [])
     trace = trace_options(out, kwargs.pop("seed_path"), **kwargs)
@@ -45,7 +45,7 @@ def _run(recipe, role, out, **kwargs):
 
 @pytest.fixture(scope="module")
 def rung(tmp_path_factory):
-    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE
 
     root = str(tmp_path_factory.mktemp("scale"))
     recipe = _rung()

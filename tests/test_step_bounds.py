@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from ttrace_megatron import keys
-from ttrace_megatron.adapter.recorder import _GradNormTwin
+from ttrace_megatron.adapter.record.recorder import _GradNormTwin
 from ttrace_megatron.keys import TensorKey
 from ttrace_megatron.step_bounds import StepBounds
 from ttrace_megatron.tolerance import ToleranceConfig

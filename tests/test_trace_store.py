@@ -200,8 +200,8 @@ def test_describe_difference_names_simple_kinds():
 def test_run_stopped_mid_iteration_leaves_an_incomplete_trace(tmp_path):
     """A recorder closed inside an iteration (an exception, then the atexit flush) must not mark
     its trace complete."""
-    from ttrace_megatron.adapter.hooks import Clock
-    from ttrace_megatron.adapter.recorder import Recorder
+    from ttrace_megatron.adapter.record.hooks import Clock
+    from ttrace_megatron.adapter.record.recorder import Recorder
 
     writer = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
     writer.add(KEY, torch.ones(2, 2), Layout((Replicate("tp"),), (2, 2)))

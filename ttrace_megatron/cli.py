@@ -52,16 +52,16 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
 
 def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[str]) -> dict:
     """Reference run, candidate run, compare. Returns the report (JSON form)."""
-    from .adapter.config import validate_recipe
-    from .adapter.launch import launch
-    from .adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
-    from .adapter.side import check_tree
+    from .adapter.build.config import validate_recipe
+    from .adapter.run.launch import launch
+    from .adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from .adapter.run.side import check_tree
 
     validate_recipe(recipe)
     recipes = {REFERENCE: recipe.to_json(), CANDIDATE: recipe.to_json()}
     as_gpt = getattr(args, "reference_model", "same") == "gpt"
     if as_gpt:  # the migration check: a GPTModel reference, the HybridModel candidate named as it
-        from .adapter.hybrid import gpt_equivalent
+        from .adapter.build.hybrid import gpt_equivalent
         from .recipe import recipe_from_dict
 
         recipes[REFERENCE] = gpt_equivalent(recipes[REFERENCE])
@@ -88,7 +88,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     if getattr(args, "megatron_lm_data", None) and not checkout:
         raise RecipeError("--megatron-lm-data needs --megatron-lm")
     if checkout:  # both sides through the checkout's own pretrain_gpt.py
-        from .adapter import megatron_lm
+        from .adapter.megatron_lm import checkout as megatron_lm
 
         checkout = megatron_lm.check_checkout(checkout)
         # refuses an untranslatable field before anything runs
@@ -374,7 +374,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return EXIT_ERROR if e.code not in (0, None) else EXIT_PASS
     if args.verbose:
         os.environ["TTRACE_VERBOSE"] = "1"  # rank processes read it too
-    from .adapter.worker_env import quiet_warnings
+    from .adapter.run.worker_env import quiet_warnings
 
     quiet_warnings()
     console = Console()

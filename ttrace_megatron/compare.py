@@ -482,7 +482,7 @@ def statistic_observed(perturbed: TraceReader, pert_groups, reference: TraceRead
 def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig(),
                    progress: Optional[Callable[[int, int], None]] = None,
                    perturbed: Optional[str] = None) -> Comparison:
-    """``perturbed``: the trace of a perturbation-estimate run of the reference (``adapter.perturb``):
+    """``perturbed``: the trace of a perturbation-estimate run of the reference (``adapter.run.perturb``):
     each tensor's tolerance is then at least k_p times how far that run moved it."""
     ref = TraceReader(reference_dir)
     cand = TraceReader(candidate_dir)

@@ -3,7 +3,7 @@
 ``model:`` holds TransformerConfig fields (plus the GPTModel arguments listed in
 ``GPT_MODEL_KEYS``), ``parallel:`` the candidate's ModelParallelConfig fields, ``optimizer:``
 OptimizerConfig fields, ``ddp:`` DistributedDataParallelConfig fields. Those sections are checked against megatron-core's dataclasses by
-the adapter (:func:`ttrace_megatron.adapter.config.validate_recipe`); this module checks
+the adapter (:func:`ttrace_megatron.adapter.build.config.validate_recipe`); this module checks
 everything else. Unknown keys are errors that name the key.
 """
 
@@ -57,7 +57,7 @@ class TrainConfig:
 @dataclasses.dataclass
 class ToleranceOptions:
     # run the reference a second time with round-off-sized noise and bound each tensor by what the
-    # noise moves it, too (adapter.perturb): for recipes whose round-off is amplified (FP8
+    # noise moves it, too (adapter.run.perturb): for recipes whose round-off is amplified (FP8
     # quantization, bf16, a key norm's bias). Unset: on for dtype bf16 and fp8 and for qk_layernorm
     # with LayerNorm, off otherwise.
     perturbation: Optional[bool] = None

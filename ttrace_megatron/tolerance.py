@@ -112,7 +112,7 @@ def with_perturbation(tol: Tolerance, observed: float, config: ToleranceConfig =
     """The perturbation estimate (the TTrace paper's dynamic tolerance): ``max(analytic, k_p·observed)``.
 
     ``observed`` is the relative error between the reference and a second reference run with
-    round-off-sized noise in every module (``adapter.perturb``): how far legitimate round-off moves
+    round-off-sized noise in every module (``adapter.run.perturb``): how far legitimate round-off moves
     this tensor, amplification included, which the analytic bound cannot see (Adam's sign-like
     first steps, saturated softmaxes). The empirical term only ever raises the bound: a tensor the
     noise does not move keeps the analytic bound. A non-finite observation (the noise changed the

@@ -6,7 +6,7 @@ attention: softmax is shift-invariant), the computed one is pure round-off, its 
 flip, and two correct runs move that element by ±lr: a difference of 2·lr that no relative bound
 on the whole tensor can tell from a bug. Judged element by element, the difference is explained.
 
-How. Under lock-step (``adapter.lockstep``) both runs start the step from the same parameter and
+How. Under lock-step (``adapter.run.lockstep``) both runs start the step from the same parameter and
 the same optimizer state. For Adam(W),
 
     p' = p·(1 − lr·wd) − lr·u,   u = (m'/c1) / (√(v'/c2) + ε),   c1 = 1 − β1^t, c2 = 1 − β2^t,

@@ -1,6 +1,6 @@
 """The bug zoo: every injected bug, end to end and localized (the second table of BENCHMARKS.md).
 
-The bugs themselves are run-time patches in ``ttrace_megatron/adapter/bugs.py`` (never edits of
+The bugs themselves are run-time patches in ``ttrace_megatron/adapter/zoo/bugs.py`` (never edits of
 installed files); the list of (recipe, bug, expected module, expected phase) and the runner live in
 ``benchmarks/margins.py``, which also produces the clean-recipe table. This entry point runs the
 zoo alone:

@@ -12,7 +12,7 @@ against the installed megatron-core:
 
 The installed files are never edited: an overlay is a copy of the installed ``megatron`` package
 with the patch applied, run through ``--candidate-megatron``/``--reference-megatron``
-(``adapter/side.py``). The reference is always the clean build on one rank. An entry counts as
+(``adapter/run/side.py``). The reference is always the clean build on one rank. An entry counts as
 **detected** only if the same recipe's candidate on the clean build passes and on the buggy build
 fails, and as **localized** only if the replay's culprit is the module and phase the fix changed.
 
@@ -166,8 +166,8 @@ class Outcome:
 def judge(entry: Entry, tmp: str, dtype: str = "fp32", wide: bool = False) -> Outcome:
     """Reference (clean build, 1 rank); candidate on the clean build (must pass) and on the buggy
     build (must fail); the replay of the buggy candidate at its first mismatch's iteration."""
-    from ttrace_megatron.adapter.launch import launch
-    from ttrace_megatron.adapter.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces, localize, phase_label
 
     check_release()

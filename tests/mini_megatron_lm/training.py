@@ -11,7 +11,7 @@ It keeps what ttrace relies on from ``megatron/training/training.py`` at ``core_
 
 All numerics are real megatron-core: GPTModel (local spec), Float16Module, DistributedDataParallel,
 ``get_megatron_optimizer`` (a ChainedOptimizer), ``get_forward_backward_func``,
-``finalize_model_grads``. Runs on CPU with gloo (``ttrace_megatron.adapter.cuda_shim``).
+``finalize_model_grads``. Runs on CPU with gloo (``ttrace_megatron.adapter.cpu.cuda_shim``).
 """
 
 import argparse
@@ -75,7 +75,7 @@ def initialize_megatron(extra_args_provider=None):
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    from ttrace_megatron.adapter import cuda_shim
+    from ttrace_megatron.adapter.cpu import cuda_shim
 
     cuda_shim.install()
     dist.init_process_group("gloo", rank=_ARGS.rank, world_size=_ARGS.world_size)

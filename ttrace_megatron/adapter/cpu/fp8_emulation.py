@@ -32,9 +32,9 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 
-from .. import keys
-from ..fp8 import quantize, scale_from_amax
-from . import layouts
+from ... import keys
+from ...fp8 import quantize, scale_from_amax
+from ..record import layouts
 
 FP8_MODULES = "decoder.layers.*"  # TE's FP8 covers the transformer layers' linears only
 
@@ -138,7 +138,7 @@ def install(chunks, settings: FP8Settings, facts: layouts.ModelFacts) -> List[Em
     """Run every decoder-layer linear of ``chunks`` as an emulated FP8 GEMM (before DDP wraps them)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from .naming import named_modules
+    from ..build.naming import named_modules
 
     installed = []
     for name, module in named_modules(chunks, FP8_MODULES, (ColumnParallelLinear, RowParallelLinear)):

@@ -8,8 +8,8 @@ from typing import Any, Dict
 
 import torch
 
-from ..errors import RecipeError
-from ..recipe import Recipe
+from ...errors import RecipeError
+from ...recipe import Recipe
 from . import hybrid, model_fields
 
 # GPTModel constructor arguments (not TransformerConfig fields) a recipe may set under `model:`.

@@ -1,9 +1,9 @@
 """One rank of a reference or candidate run: real megatron-core, real schedules and optimizer.
 
-The model and optimizer come from :mod:`.build` (megatron-core's GPTModel, Float16Module, DDP,
+The model and optimizer come from :mod:`..build.model` (megatron-core's GPTModel, Float16Module, DDP,
 ``get_megatron_optimizer``); every step goes through ``get_forward_backward_func()`` with
 ``finalize_model_grads``: the code paths a Megatron-LM user trains with. Tracing attaches through
-:func:`.integration.attach`, the same call ``pretrain_gpt.py --ttrace`` makes.
+:func:`.session.start`, where ``pretrain_gpt.py --ttrace``'s ``ttrace.attach`` ends too.
 """
 
 from __future__ import annotations
@@ -18,12 +18,13 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ..recipe import SYNTHETIC, Recipe, recipe_from_dict
-from ..trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
-from . import build
-from . import config as cfg
-from . import data, hybrid, layouts
-from .integration import TraceOptions
+from ...recipe import SYNTHETIC, Recipe, recipe_from_dict
+from ...trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
+from ..build import model as build
+from ..build import config as cfg
+from ..build import data, hybrid
+from ..record import layouts
+from .session import TraceOptions
 
 
 @dataclasses.dataclass
@@ -72,7 +73,7 @@ def trace_options(dir: str, seed_checkpoint: str, **kwargs) -> TraceOptions:
 def run_rank(rank: int, spec: RunSpec, probes: Probes = Probes()) -> None:
     """Entry point of a worker process: run one rank of ``spec`` and write its trace."""
     if spec.cpu:
-        from . import cuda_shim
+        from ..cpu import cuda_shim
 
         cuda_shim.install()
         backend = "gloo"
@@ -94,7 +95,9 @@ def run_rank(rank: int, spec: RunSpec, probes: Probes = Probes()) -> None:
 def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     from megatron.core import parallel_state
 
-    from . import bugs, fp8_emulation, integration
+    from ..zoo import bugs
+    from ..cpu import fp8_emulation
+    from . import session
     from .seed_checkpoint import share_initial_weights
 
     recipe = spec.get_recipe()
@@ -139,7 +142,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
 
     def attach_tracer():
         options = dataclasses.replace(spec.trace, role=spec.role, seed_checkpoint=None)  # weights are shared above
-        integration.attach(model, optimizer, config, options=options, facts=facts, signature=signature, run_info={
+        session.start(model, optimizer, config, options, facts, signature, run_info={
             "recipe": recipe.to_json(), "parallel": spec.parallel,
             "injected_bugs": spec.inject if spec.role == CANDIDATE else []})
 
@@ -165,7 +168,7 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
     around it. Returns the losses per iteration and microbatch, the timings and the final flush time."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from . import integration
+    from . import session
 
     forward_backward = get_forward_backward_func()
     seq = recipe.data.seq_length
@@ -197,7 +200,7 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
         if attached_now:
             attach_tracer()
         start = time.perf_counter()
-        integration.begin_iteration(iteration)
+        session.begin_iteration(iteration)
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -211,14 +214,14 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
         if update_successful:
             scheduler.step(increment=1)
         stepped = time.perf_counter()
-        integration.end_iteration(iteration)
+        session.end_iteration(iteration)
         timings.append({"iteration": iteration, "step_s": stepped - start, "flush_s": time.perf_counter() - stepped,
                         "attached": attached_now or (probes.trace and not probes.alternate_idle)})
         if attached_now:
-            integration.flush()
+            session.flush()
         losses.append([float(r["lm loss"][0] / r["lm loss"][1]) for r in reduced])
     closing = time.perf_counter()
-    integration.flush()  # waits for the trace's background writes
+    session.flush()  # waits for the trace's background writes
     return losses, timings, time.perf_counter() - closing
 
 

@@ -24,7 +24,7 @@ from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
 
-from .. import keys
+from ... import keys
 
 
 @dataclasses.dataclass
@@ -136,7 +136,7 @@ def update_rule(optimizer_config) -> dict:
 def param_groups_by_name(optimizer, chunks) -> Dict[str, str]:
     """canonical parameter name -> the name of its param group (:func:`group_name`), for the
     parameters this rank's optimizer steps."""
-    from .naming import all_parameters, full_param_name
+    from ..build.naming import all_parameters, full_param_name
 
     mains = main_params(optimizer)
     out = {}

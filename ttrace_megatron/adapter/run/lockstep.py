@@ -25,10 +25,10 @@ from __future__ import annotations
 
 import torch
 
-from .. import keys
-from ..keys import TensorKey
-from .layouts import Site
-from .recorder import Recorder
+from ... import keys
+from ...keys import TensorKey
+from ..record.layouts import Site
+from ..record.recorder import Recorder
 from .replay import ReferenceValues
 
 

@@ -15,8 +15,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from . import compat
-from .naming import named_modules
+from ..build import compat
+from ..build.naming import named_modules
 
 
 @dataclasses.dataclass(frozen=True)
@@ -373,7 +373,7 @@ def fp8_amax_wrong_group(chunks, pattern: str) -> None:
     recipe with dtype fp8 (``fp8_emulation``)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
-    from . import layouts
+    from ..record import layouts
 
     for name, module in _modules(chunks, pattern, ColumnParallelLinear):
         emulated = getattr(module, "_ttrace_fp8", None)

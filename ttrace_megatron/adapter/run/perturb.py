@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .hooks import GRAD_LEAVES, OUTPUT_LEAVES, PERTURB, Call, Feature
+from ..record.hooks import GRAD_LEAVES, OUTPUT_LEAVES, PERTURB, Call, Feature
 
 
 def _relative_noise(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:

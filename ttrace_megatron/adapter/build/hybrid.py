@@ -24,7 +24,7 @@ import copy
 import re
 from typing import Any, Dict, List, Optional
 
-from ..errors import RecipeError
+from ...errors import RecipeError
 
 PATTERN_KEY = "hybrid_layer_pattern"
 ATTENTION, MLP, MOE, PIPE = "*", "-", "E", "|"

@@ -8,7 +8,7 @@ and ``train_step`` by name, and the ``--ttrace*`` flags are chained onto megatro
 (:func:`_chain_ttrace_arguments`), which is what the patch's ``extra_args_provider`` line does. On
 CPU the rank first applies ``cuda_shim.install_megatron_lm()`` (its ``MEGATRON_LM_SHIMS`` list).
 
-Run a rank directly: ``python -m ttrace_megatron.adapter.megatron_lm CHECKOUT -- FLAGS...``.
+Run a rank directly: ``python -m ttrace_megatron.adapter.megatron_lm.checkout CHECKOUT -- FLAGS...``.
 """
 
 from __future__ import annotations
@@ -22,16 +22,17 @@ import tempfile
 import time
 from typing import Dict, List, Optional, Tuple
 
-from ..errors import RecipeError
-from ..recipe import MEGATRON_MOCK, SYNTHETIC, Recipe
-from . import compat
-from .integration import TraceOptions
+from ...about import SOURCE_ROOT
+from ...errors import RecipeError
+from ...recipe import MEGATRON_MOCK, SYNTHETIC, Recipe
+from ..build import compat
+from ..run.session import TraceOptions
 
 SCRIPT = "pretrain_gpt.py"
 # the patch of each supported Megatron-LM release (patches/), by the megatron-core release its
 # checkout holds (the core_v0.19.0 tag's megatron/core says 0.19.1)
 PATCHES = {"0.16": "megatron_lm_core_v0.16.1.patch", "0.19": "megatron_lm_core_v0.19.0.patch"}
-PATCH_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "patches")
+PATCH_DIR = os.path.join(SOURCE_ROOT, "patches")
 
 # recipe model fields -> Megatron-LM flags (value flags); booleans are below
 _VALUE_FLAGS = {
@@ -216,16 +217,16 @@ def trace_args(trace: TraceOptions) -> List[str]:
     return argv
 
 
-INJECT_ENV = "TTRACE_MEGATRON_LM_INJECT"  # ";"-separated bug specs (adapter.bugs), injected after setup
+INJECT_ENV = "TTRACE_MEGATRON_LM_INJECT"  # ";"-separated bug specs (adapter.zoo.bugs), injected after setup
 
 
 def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject=(), cpu: bool = True,
         log_dir: Optional[str] = None, timeout_s: int = 900, data_path: Optional[str] = None) -> None:
     """One side of a ``ttrace run --megatron-lm``: the reference on one rank, the candidate on the
-    recipe's ranks and layout, ``inject``: bugs for the candidate (adapter.bugs)."""
+    recipe's ranks and layout, ``inject``: bugs for the candidate (adapter.zoo.bugs)."""
     import torch
 
-    from ..trace_store import CANDIDATE
+    from ...trace_store import CANDIDATE
 
     parallel = recipe.parallel if role == CANDIDATE else {}
     world = recipe.world_size if role == CANDIDATE else 1
@@ -243,8 +244,8 @@ def launch(checkout: str, argv: List[str], world_size: int, *, cpu: bool = True,
            log_dir: Optional[str] = None, env: Optional[Dict[str, str]] = None, name: str = "run") -> None:
     """Run ``world_size`` ranks of the checkout's ``pretrain_gpt.py`` with ``argv``, as torchrun
     would; raise RunFailed with each failing rank's output tail."""
-    from ..errors import RunFailed
-    from .launch import free_port
+    from ...errors import RunFailed
+    from ..run.launch import free_port
 
     env = dict(os.environ, **(env or {}), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()),
                WORLD_SIZE=str(world_size), TTRACE_MEGATRON_LM_CPU="1" if cpu else "0", CUDA_DEVICE_MAX_CONNECTIONS="1",
@@ -259,7 +260,7 @@ def launch(checkout: str, argv: List[str], world_size: int, *, cpu: bool = True,
             logs.append(open(os.path.join(log_dir, f"megatron-lm-{name}-rank{rank}.log"), "w+") if log_dir
                         else tempfile.TemporaryFile("w+"))
             procs.append(subprocess.Popen(
-                [sys.executable, "-m", "ttrace_megatron.adapter.megatron_lm", checkout, "--", *argv],
+                [sys.executable, "-m", "ttrace_megatron.adapter.megatron_lm.checkout", checkout, "--", *argv],
                 env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)), cwd=checkout, stdout=logs[-1],
                 stderr=subprocess.STDOUT))
         deadline = time.monotonic() + timeout_s
@@ -296,7 +297,7 @@ def _chain_ttrace_arguments() -> None:
 
     from megatron.training import arguments
 
-    from .integration import extra_args_provider
+    from .arguments import extra_args_provider
 
     original = arguments.parse_args
 
@@ -315,7 +316,7 @@ def _inject_after_setup(bugs: List[str]) -> None:
     weights, as ``ttrace run`` injects before its optimizer copies them."""
     import megatron.training.training as training_module
 
-    from . import bugs as bug_registry
+    from ..zoo import bugs as bug_registry
 
     setup = training_module.setup_model_and_optimizer
 
@@ -346,12 +347,12 @@ def main(argv: List[str]) -> None:
     _python_311()
     sys.path.insert(0, checkout)
     if os.environ.get("TTRACE_MEGATRON_LM_CPU") == "1":
-        from . import cuda_shim
+        from ..cpu import cuda_shim
 
         cuda_shim.install()
         cuda_shim.install_megatron_lm()
-    from . import worker_env  # noqa: F401  (quiet library warnings)
-    from .. import install
+    from ..run import worker_env  # noqa: F401  (quiet library warnings)
+    from .api import install
 
     args_patched, loop_patched = patched(checkout)  # a patched checkout instruments itself
     if not loop_patched:

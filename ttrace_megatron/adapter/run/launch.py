@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
-from ..errors import RecipeError, RunFailed
+from ...errors import RecipeError, RunFailed
 from .runner import Probes, RunSpec, run_rank
 
 __all__ = ["RunFailed", "free_port", "launch"]
@@ -32,8 +32,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-PRELOAD = ["ttrace_megatron.adapter.worker_env", "torch", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-           "megatron.core.pipeline_parallel", "ttrace_megatron.adapter.runner", "ttrace_megatron.adapter.recorder"]
+PRELOAD = ["ttrace_megatron.adapter.run.worker_env", "torch", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
+           "megatron.core.pipeline_parallel", "ttrace_megatron.adapter.run.runner", "ttrace_megatron.adapter.record.recorder"]
 
 
 def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
@@ -60,7 +60,7 @@ def _where(error: BaseException) -> str:
     frames = traceback.extract_tb(error.__traceback__)
     for f in reversed(frames):
         path = f.filename.replace("\\", "/")
-        if path.endswith("/ttrace_megatron/adapter/cuda_shim.py"):
+        if path.endswith("/ttrace_megatron/adapter/cpu/cuda_shim.py"):
             continue  # the CPU shim passes every torch call through
         if "/ttrace_megatron/" in path:
             return ""

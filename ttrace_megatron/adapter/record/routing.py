@@ -44,10 +44,10 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .. import keys
-from ..keys import TensorKey
+from ... import keys
+from ...keys import TensorKey
 from .layouts import Site, is_router
-from .naming import canonical_module_names
+from ..build.naming import canonical_module_names
 
 
 def unobserved_routing(config) -> Optional[str]:

@@ -31,15 +31,15 @@ from typing import Optional
 
 import torch
 
-from .. import keys
-from ..compare import group_records, logical_tensor
-from ..errors import TraceError
-from ..keys import TensorKey
-from ..placement import Coords, Layout, PlacementError, logical_mask, owned_piece, slice_logical
-from ..trace_store import TraceReader
-from .hooks import GRAD_ARRIVES, INPUT_ARRIVES, SUBSTITUTE, Call, Feature
-from .layouts import Site
-from .recorder import Recorder, skips_per_microbatch
+from ... import keys
+from ...compare import group_records, logical_tensor
+from ...errors import TraceError
+from ...keys import TensorKey
+from ...placement import Coords, Layout, PlacementError, logical_mask, owned_piece, slice_logical
+from ...trace_store import TraceReader
+from ..record.hooks import GRAD_ARRIVES, INPUT_ARRIVES, SUBSTITUTE, Call, Feature
+from ..record.layouts import Site
+from ..record.recorder import Recorder, skips_per_microbatch
 
 
 class _Substitute(torch.autograd.Function):

@@ -16,8 +16,8 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from ..errors import RecipeError
-from ..recipe import Recipe
+from ...errors import RecipeError
+from ...recipe import Recipe
 from . import compat, hybrid
 from . import config as cfg
 from .model_fields import STRUCTURE

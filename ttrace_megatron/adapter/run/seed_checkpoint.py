@@ -15,12 +15,12 @@ from typing import Dict, List
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import RecipeError, TraceError
-from ..placement import Coords, merge_shards, slice_logical
-from ..trace_store import REFERENCE
-from . import layouts
-from .layouts import Site
-from .naming import all_parameters, full_param_name
+from ...errors import RecipeError, TraceError
+from ...placement import Coords, merge_shards, slice_logical
+from ...trace_store import REFERENCE
+from ..record import layouts
+from ..record.layouts import Site
+from ..build.naming import all_parameters, full_param_name
 
 
 def share_initial_weights(path: str, chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts,

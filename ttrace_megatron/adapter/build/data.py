@@ -17,8 +17,8 @@ from typing import Callable, Iterator, Tuple
 
 import torch
 
-from ..errors import RecipeError
-from ..recipe import MEGATRON_MOCK, Recipe
+from ...errors import RecipeError
+from ...recipe import MEGATRON_MOCK, Recipe
 from . import compat
 
 Sample = Tuple[torch.Tensor, torch.Tensor]  # (tokens, labels), each of seq_length
