@@ -52,59 +52,10 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
 
 def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[str]) -> dict:
     """Reference run, candidate run, compare. Returns the report (JSON form)."""
-    from .adapter.build.config import validate_recipe
-    from .adapter.run.launch import launch
-    from .adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
-    from .adapter.run.side import check_tree
+    from .adapter.run.runner import CANDIDATE, REFERENCE
 
-    validate_recipe(recipe)
-    recipes = {REFERENCE: recipe.to_json(), CANDIDATE: recipe.to_json()}
-    as_gpt = getattr(args, "reference_model", "same") == "gpt"
-    if as_gpt:  # the migration check: a GPTModel reference, the HybridModel candidate named as it
-        from .adapter.build.hybrid import gpt_equivalent
-        from .recipe import recipe_from_dict
-
-        recipes[REFERENCE] = gpt_equivalent(recipes[REFERENCE])
-        validate_recipe(recipe_from_dict(recipes[REFERENCE], recipe.source))
-    trees = {role: check_tree(path, flag) if path else None for role, flag, path in (
-        (REFERENCE, "--reference-megatron", getattr(args, "reference_megatron", None)),
-        (CANDIDATE, "--candidate-megatron", getattr(args, "candidate_megatron", None)))}
+    run_side = _side_runner(recipe, out, args, console)
     ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
-    seed = os.path.join(out, "seed_checkpoint.safetensors")
-    for d in (ref_dir, cand_dir):
-        shutil.rmtree(d, ignore_errors=True)
-    if os.path.exists(seed):
-        os.remove(seed)  # the reference writes it anew: a kept --out may hold another recipe's weights
-    console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
-    selective = dict(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
-
-
-    def spec(role, trace_dir, inject=(), **trace):
-        return RunSpec(recipe=recipes[role], role=role, cpu=args.cpu, inject=list(inject), megatron=trees[role],
-                       trace=trace_options(trace_dir, seed, **dict(selective, **trace)),
-                       as_gpt=as_gpt and role == CANDIDATE)
-
-    checkout = getattr(args, "megatron_lm", None)
-    if getattr(args, "megatron_lm_data", None) and not checkout:
-        raise RecipeError("--megatron-lm-data needs --megatron-lm")
-    if checkout:  # both sides through the checkout's own pretrain_gpt.py
-        from .adapter.megatron_lm import checkout as megatron_lm
-
-        checkout = megatron_lm.check_checkout(checkout)
-        # refuses an untranslatable field before anything runs
-        megatron_lm.training_args(recipe, REFERENCE, {}, release=megatron_lm.release_of(checkout))
-        if as_gpt or any(trees.values()) or args.online or recipe.tolerance.perturbation or args.perturb:
-            raise RecipeError(f"{recipe.source}: --megatron-lm runs neither --reference-model gpt, "
-                              f"--candidate/--reference-megatron, --online nor the perturbation estimate yet")
-
-        def run_side(role, trace_dir, inject=(), **trace):
-            side = spec(role, trace_dir, inject, **trace)
-            megatron_lm.run(checkout, side.get_recipe(), role, side.trace, inject=side.inject, cpu=args.cpu,
-                            log_dir=out, data_path=args.megatron_lm_data)
-    else:
-        def run_side(role, trace_dir, inject=(), **trace):
-            launch(spec(role, trace_dir, inject, **trace))
-
     online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     console.print(f"reference run (1 rank) → {ref_dir}")
@@ -135,18 +86,81 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
                       f"(iteration {first['iteration']}) → {replay_dir}")
         run_side(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]], **lockstep)
         report["culprits"] = _localize(ref_dir, replay_dir, console)
+    _write_reports(report, out, json_path, getattr(args, "html", None))
+    return report
+
+
+def _side_runner(recipe, out: str, args, console: Console):
+    """``run_side(role, trace_dir, inject=(), **trace)``: one side of the check, on the installed
+    megatron-core, a source tree of its own, or a Megatron-LM checkout's ``pretrain_gpt.py``.
+    Everything a side could refuse is refused here, before any side runs; the reference's last
+    seed checkpoint and traces under ``out`` are removed."""
+    from .adapter.build.config import validate_recipe
+    from .adapter.run.launch import launch
+    from .adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from .adapter.run.side import check_tree
+
+    validate_recipe(recipe)
+    recipes = {REFERENCE: recipe.to_json(), CANDIDATE: recipe.to_json()}
+    as_gpt = getattr(args, "reference_model", "same") == "gpt"
+    if as_gpt:  # the migration check: a GPTModel reference, the HybridModel candidate named as it
+        from .adapter.build.hybrid import gpt_equivalent
+        from .recipe import recipe_from_dict
+
+        recipes[REFERENCE] = gpt_equivalent(recipes[REFERENCE])
+        validate_recipe(recipe_from_dict(recipes[REFERENCE], recipe.source))
+    trees = {role: check_tree(path, flag) if path else None for role, flag, path in (
+        (REFERENCE, "--reference-megatron", getattr(args, "reference_megatron", None)),
+        (CANDIDATE, "--candidate-megatron", getattr(args, "candidate_megatron", None)))}
+    seed = os.path.join(out, "seed_checkpoint.safetensors")
+    for d in ("reference", "candidate"):
+        shutil.rmtree(os.path.join(out, d), ignore_errors=True)
+    if os.path.exists(seed):
+        os.remove(seed)  # the reference writes it anew: a kept --out may hold another recipe's weights
+    console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
+    selective = dict(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
+
+    def spec(role, trace_dir, inject=(), **trace):
+        return RunSpec(recipe=recipes[role], role=role, cpu=args.cpu, inject=list(inject), megatron=trees[role],
+                       trace=trace_options(trace_dir, seed, **dict(selective, **trace)),
+                       as_gpt=as_gpt and role == CANDIDATE)
+
+    checkout = getattr(args, "megatron_lm", None)
+    if getattr(args, "megatron_lm_data", None) and not checkout:
+        raise RecipeError("--megatron-lm-data needs --megatron-lm")
+    if not checkout:
+        return lambda role, trace_dir, inject=(), **trace: launch(spec(role, trace_dir, inject, **trace))
+    # both sides through the checkout's own pretrain_gpt.py
+    from .adapter.megatron_lm import checkout as megatron_lm
+
+    checkout = megatron_lm.check_checkout(checkout)
+    # refuses an untranslatable field before anything runs
+    megatron_lm.training_args(recipe, REFERENCE, {}, release=megatron_lm.release_of(checkout))
+    if as_gpt or any(trees.values()) or args.online or recipe.tolerance.perturbation or args.perturb:
+        raise RecipeError(f"{recipe.source}: --megatron-lm runs neither --reference-model gpt, "
+                          f"--candidate/--reference-megatron, --online nor the perturbation estimate yet")
+
+    def run_side(role, trace_dir, inject=(), **trace):
+        side = spec(role, trace_dir, inject, **trace)
+        megatron_lm.run(checkout, side.get_recipe(), role, side.trace, inject=side.inject, cpu=args.cpu,
+                        log_dir=out, data_path=args.megatron_lm_data)
+
+    return run_side
+
+
+def _write_reports(report: dict, out: str, json_path: Optional[str], html_path: Optional[str]) -> None:
+    """report.json and report.html in ``out``, and where ``--json`` and ``--html`` ask."""
+    from .report import write_html
+
     if json_path:
         os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
         with open(json_path, "w") as f:
             json.dump(report, f, indent=1)
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
-    from .report import write_html
-
     write_html(report, os.path.join(out, "report.html"))
-    if getattr(args, "html", None):
-        write_html(report, args.html)
-    return report
+    if html_path:
+        write_html(report, html_path)
 
 
 def _localize(ref_dir: str, replay_dir: str, console: Console) -> list:

@@ -493,35 +493,61 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         if not pert.run.get("perturbation_seed"):
             raise ConfigMismatchError("this trace is not a perturbation run (run.json has no perturbation_seed)",
                                       path=pert.dir)
-    pert_groups = group_records(pert) if pert is not None else {}
-    num_layers = int(ref.run.get("num_layers", 0))
-    ref_groups = group_records(ref)
-    cand_groups = group_records(cand)
-    update_check = UpdateCheck.for_runs(ref, ref_groups, cand, cand_groups, tol_config)
-    order = reference_order(ref_groups)
-    unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand.run)}
-    both = set(ref_groups) & set(cand_groups)
-    unjudged = sorted((k for k in both if coverage.param_of(k) in unjudged_params), key=lambda k: order[k])
-    common = sorted(both - set(unjudged), key=lambda k: order[k])
+    judge = _TraceJudge(ref, cand, pert, tol_config)
     results: List[TensorResult] = []
-    cancellations = Cancellation(ref, ref_groups)
-    step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
-    reclip = Reclip(ref, ref_groups)
-    for i, key in enumerate(common):
-        rec = ref_groups[key][0][1]
-        ref_merged = logical_tensor(ref, ref_groups[key])
+    for i, key in enumerate(judge.common):
+        results.append(judge.tensor(key))
+        if progress:
+            progress(i + 1, len(judge.common))
+    absent = sorted((k for k in set(judge.ref_groups) - set(judge.cand_groups) if recorded_by_choice(cand.run, k)),
+                    key=lambda k: judge.order[k])
+    skipped = [k for k in absent if not_recorded_by(cand.run, k)]
+    missing_in_candidate = [k for k in absent if not not_recorded_by(cand.run, k)]
+    missing_in_reference = sorted(set(judge.cand_groups) - set(judge.ref_groups), key=str)
+    return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
+                      ref.run, cand.run, skipped=skipped, unjudged=judge.unjudged)
+
+
+class _TraceJudge:
+    """One offline comparison's state: both traces' records grouped by key, the keys to judge in the
+    reference's order (and the ones no comparison can judge), and what judging a key needs beside
+    its own records: cancellation factors, the step's bounds, re-clipping, the update check."""
+
+    def __init__(self, ref: TraceReader, cand: TraceReader, pert: Optional[TraceReader], tol_config: ToleranceConfig):
+        self.ref, self.cand, self.pert, self.tol_config = ref, cand, pert, tol_config
+        self.pert_groups = group_records(pert) if pert is not None else {}
+        self.num_layers = int(ref.run.get("num_layers", 0))
+        self.ref_groups = ref_groups = group_records(ref)
+        self.cand_groups = group_records(cand)
+        self.update_check = UpdateCheck.for_runs(ref, ref_groups, cand, self.cand_groups, tol_config)
+        self.order = order = reference_order(ref_groups)
+        unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand.run)}
+        both = set(ref_groups) & set(self.cand_groups)
+        self.unjudged = sorted((k for k in both if coverage.param_of(k) in unjudged_params), key=lambda k: order[k])
+        self.common = sorted(both - set(self.unjudged), key=lambda k: order[k])
+        self.cancellations = Cancellation(ref, ref_groups)
+        self.step_bounds = StepBounds(ref.run, self.num_layers, tol_config, has_reference=lambda k: k in ref_groups)
+        self.reclip = Reclip(ref, ref_groups)
+
+    def tensor(self, key: TensorKey) -> TensorResult:
+        """One key's verdict: the reference merged, the candidate merged or shard by shard."""
+        ref, cand, pert = self.ref, self.cand, self.pert
+        rec = self.ref_groups[key][0][1]
+        ref_merged = logical_tensor(ref, self.ref_groups[key])
         judged_against = ref_merged.tensor
-        if step_bounds.reclipped(key):  # judged by its grads alone: the coefficients' difference taken out
-            judged_against = reclip.state(key, ref_merged.tensor, reclip.clip(cand, cand_groups, key.iteration))
+        if self.step_bounds.reclipped(key):  # judged by its grads alone: the coefficients' difference taken out
+            judged_against = self.reclip.state(key, ref_merged.tensor,
+                                               self.reclip.clip(cand, self.cand_groups, key.iteration))
         notes = [replica_note("reference", m.ranks, m.max_abs_diff, m.axis) for m in ref_merged.replica_mismatches]
-        observed = perturbation_observed(pert, pert_groups, key, ref_merged.tensor) if pert is not None else None
+        observed = perturbation_observed(pert, self.pert_groups, key, ref_merged.tensor) if pert is not None else None
         if observed is not None and rec.statistic_of:
-            observed = max(observed, statistic_observed(pert, pert_groups, ref, ref_groups, key, rec))
-        pieces = cand_groups[key]
+            observed = max(observed, statistic_observed(pert, self.pert_groups, ref, self.ref_groups, key, rec))
+        pieces = self.cand_groups[key]
         layout = _common_layout(pieces)
         replica_max_abs_diff = None
         cancellation = 1.0
-        element_wise = update_check is not None and keys.is_updated_value(key)
+        cand_merged = None
+        element_wise = self.update_check is not None and keys.is_updated_value(key)
         choice = key.kind is TensorKind.SELECTION
         split_alike = any(r.layout != layout for _, r in pieces)  # replicas split each their own way
         if element_wise or choice or split_alike or any(isinstance(p, Partial) for p in layout.placements):
@@ -534,44 +560,42 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
             whole = Layout((), tuple(cand_merged.tensor.shape))
             if any(isinstance(p, Partial) for p in layout.placements):
                 magnitude = sum(piece_norm(cand.load(rt, r), r.layout) for rt, r in pieces)
-                cancellation = cancellations.note_partial(key, magnitude, cand_merged.tensor)
+                cancellation = self.cancellations.note_partial(key, magnitude, cand_merged.tensor)
             entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, judged_against))]
         else:
-            # shard by shard: never more than the reference, one candidate piece and its slice in memory
-            for rt, r in pieces:
-                try:
-                    check_coords(rt.coords, r.layout)
-                except PlacementError as e:
-                    raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
-            entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, judged_against))
-                       for rt, r in pieces]
-            by_rank = {rt.rank: (rt, r) for rt, r in pieces}
-
-            def replica_max_abs_diff(ranks, by_rank=by_rank):
-                loaded = [cand.load(*by_rank[r]) for r in ranks]
-                return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
-
-        cancellation = max(cancellation, cancellations.factor(key, ref_merged.tensor))
+            entries, replica_max_abs_diff = self._shard_by_shard(key, pieces, judged_against)
+        cancellation = max(cancellation, self.cancellations.factor(key, ref_merged.tensor))
         roundoff = max((r.roundoff for _, r in pieces), key=abs)
         if roundoff:
             entries = [(rank, dataclasses.replace(e, roundoff=roundoff)) for rank, e in entries]
-        result = combine_shards(key, entries, rec, num_layers, order[key], tol_config, cand.dir, notes,
-                                replica_max_abs_diff, observed, cancellation, step=step_bounds)
+        result = combine_shards(key, entries, rec, self.num_layers, self.order[key], self.tol_config, cand.dir, notes,
+                                replica_max_abs_diff, observed, cancellation, step=self.step_bounds)
         if element_wise:
-            result = update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
+            result = self.update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
         if choice:
-            result = judge_choice(result, key, cand_merged.tensor, ref_merged.tensor, (cand, cand_groups),
-                                  (ref, ref_groups))
-        results.append(result)
-        if progress:
-            progress(i + 1, len(common))
-    absent = sorted((k for k in set(ref_groups) - set(cand_groups) if recorded_by_choice(cand.run, k)),
-                    key=lambda k: order[k])
-    skipped = [k for k in absent if not_recorded_by(cand.run, k)]
-    missing_in_candidate = [k for k in absent if not not_recorded_by(cand.run, k)]
-    missing_in_reference = sorted(set(cand_groups) - set(ref_groups), key=str)
-    return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
-                      ref.run, cand.run, skipped=skipped, unjudged=unjudged)
+            result = judge_choice(result, key, cand_merged.tensor, ref_merged.tensor, (cand, self.cand_groups),
+                                  (ref, self.ref_groups))
+        return result
+
+    def _shard_by_shard(self, key: TensorKey, pieces, judged_against: torch.Tensor):
+        """Each candidate piece's sums against its slice of the reference: never more than the
+        reference, one candidate piece and its slice in memory. Also how to measure, only when
+        asked, how far the candidate's replicas of a piece differ."""
+        cand = self.cand
+        for rt, r in pieces:
+            try:
+                check_coords(rt.coords, r.layout)
+            except PlacementError as e:
+                raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
+        entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, judged_against))
+                   for rt, r in pieces]
+        by_rank = {rt.rank: (rt, r) for rt, r in pieces}
+
+        def replica_max_abs_diff(ranks):
+            loaded = [cand.load(*by_rank[r]) for r in ranks]
+            return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
+
+        return entries, replica_max_abs_diff
 
 
 class Reclip:

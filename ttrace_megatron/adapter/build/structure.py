@@ -66,29 +66,14 @@ def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwar
                              pattern: Optional[str] = None) -> List[str]:
     """What differs between the built chunks of this rank and the recipe's fields ("" list: none);
     ``pattern``: the recipe's hybrid layer pattern (a HybridModel)."""
-    from megatron.core.transformer.moe.moe_layer import MoELayer
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
     problems: List[str] = []
     contents = layer_contents(config, pattern)
-    kv = config.kv_channels or config.hidden_size // config.num_attention_heads
-    groups = config.num_query_groups or config.num_attention_heads
     norm_kind = "RMSNorm" if config.normalization == "RMSNorm" else "LayerNorm"
-    moe_field = "num_moe_experts / moe_layer_freq (MoE layer)" if pattern is None else "hybrid_layer_pattern (E)"
     for chunk in chunks:
         model = unwrap(chunk)
-        for a in ("share_embeddings_and_output_weights", "position_embedding_type"):
-            if a in gpt_kwargs:
-                _expect(problems, "model", a, gpt_kwargs[a], getattr(model, a, None))
-        if getattr(model, "pre_process", False):
-            learned = gpt_kwargs.get("position_embedding_type") == "learned_absolute"
-            _expect(problems, "embedding", "position_embedding_type learned_absolute (position_embeddings)", learned,
-                    _has_params(getattr(model.embedding, "position_embeddings", None)))
-        if getattr(model, "post_process", False):
-            final = "final_layernorm" if pattern is None else "final_norm"
-            found = type(getattr(model.decoder, final, None)).__name__
-            if norm_kind not in found:
-                problems.append(f"decoder.{final}: normalization asks for {norm_kind}, the built model has {found}")
+        _check_model(problems, model, gpt_kwargs, pattern, norm_kind)
         for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
             n = layer.layer_number  # global, 1-based
             where = f"decoder.layers.{n - 1}"
@@ -103,43 +88,71 @@ def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwar
                 if not present:
                     _expect(problems, f"{where}.{norm}", "hybrid_layer_pattern (no such sublayer)", False,
                             _has_params(getattr(layer, norm)))
-            attn = layer.self_attention
-            if not attention:
-                _expect(problems, f"{where}.self_attention", "hybrid_layer_pattern (an MLP layer, no attention)",
-                        False, _has_params(attn))
-            elif not hasattr(attn, "linear_qkv"):
-                problems.append(f"{where}.self_attention: hybrid_layer_pattern (*) asks for attention, the built "
-                                f"model has {type(attn).__name__}")
-            else:
-                for qk in ("q_layernorm", "k_layernorm"):
-                    _expect(problems, f"{where}.self_attention.{qk}", "qk_layernorm", bool(config.qk_layernorm),
-                            _has_params(getattr(attn, qk, None)))
-                _expect(problems, f"{where}.self_attention.linear_qkv", "add_bias_linear or add_qkv_bias",
-                        bool(config.add_bias_linear or config.add_qkv_bias), _bias(attn.linear_qkv))
-                _expect(problems, f"{where}.self_attention.linear_proj", "add_bias_linear",
-                        bool(config.add_bias_linear), _bias(attn.linear_proj))
-                _expect(problems, f"{where}.self_attention.linear_qkv output size",
-                        "kv_channels × (num_attention_heads + 2·num_query_groups)",
-                        kv * (config.num_attention_heads + 2 * groups), int(attn.linear_qkv.output_size))
-            if mlp is None:
-                _expect(problems, f"{where}.mlp", "hybrid_layer_pattern (an attention layer, no MLP)", False,
-                        _has_params(layer.mlp))
-                continue
-            is_moe = isinstance(layer.mlp, MoELayer)
-            _expect(problems, f"{where}.mlp", moe_field, mlp == "moe", is_moe)
-            if not is_moe:
-                _check_linears(problems, f"{where}.mlp", layer.mlp, config, config.ffn_hidden_size)
-                continue
-            experts = getattr(layer.mlp.experts, "local_experts", None) or []
-            for i, expert in enumerate(experts):
-                _check_linears(problems, f"{where}.mlp.experts.local_experts.{i}", expert, config,
-                               config.moe_ffn_hidden_size)
-            shared = getattr(layer.mlp, "shared_experts", None)
-            _expect(problems, f"{where}.mlp.shared_experts", "moe_shared_expert_intermediate_size (a shared expert)",
-                    bool(config.moe_shared_expert_intermediate_size), shared is not None)
-            if shared is not None:
-                _check_linears(problems, f"{where}.mlp.shared_experts", shared, config,
-                               config.moe_shared_expert_intermediate_size)
-                _expect(problems, f"{where}.mlp.shared_experts", "moe_shared_expert_gate (a gate weight)",
-                        bool(config.moe_shared_expert_gate), getattr(shared, "gate_weight", None) is not None)
+            _check_attention(problems, f"{where}.self_attention", layer.self_attention, attention, config)
+            _check_mlp(problems, f"{where}.mlp", layer.mlp, mlp, config, pattern)
     return problems
+
+
+def _check_model(problems: List[str], model, gpt_kwargs: Dict[str, Any], pattern: Optional[str],
+                 norm_kind: str) -> None:
+    """The GPTModel arguments, the position embedding (first stage) and the final norm (last stage)."""
+    for a in ("share_embeddings_and_output_weights", "position_embedding_type"):
+        if a in gpt_kwargs:
+            _expect(problems, "model", a, gpt_kwargs[a], getattr(model, a, None))
+    if getattr(model, "pre_process", False):
+        learned = gpt_kwargs.get("position_embedding_type") == "learned_absolute"
+        _expect(problems, "embedding", "position_embedding_type learned_absolute (position_embeddings)", learned,
+                _has_params(getattr(model.embedding, "position_embeddings", None)))
+    if getattr(model, "post_process", False):
+        final = "final_layernorm" if pattern is None else "final_norm"
+        found = type(getattr(model.decoder, final, None)).__name__
+        if norm_kind not in found:
+            problems.append(f"decoder.{final}: normalization asks for {norm_kind}, the built model has {found}")
+
+
+def _check_attention(problems: List[str], where: str, attn, attention: bool, config) -> None:
+    """A layer's attention: present where the pattern asks for it, its qk norms, biases and the
+    width of linear_qkv (query, key and value heads)."""
+    if not attention:
+        _expect(problems, where, "hybrid_layer_pattern (an MLP layer, no attention)", False, _has_params(attn))
+        return
+    if not hasattr(attn, "linear_qkv"):
+        problems.append(f"{where}: hybrid_layer_pattern (*) asks for attention, the built model has "
+                        f"{type(attn).__name__}")
+        return
+    kv = config.kv_channels or config.hidden_size // config.num_attention_heads
+    groups = config.num_query_groups or config.num_attention_heads
+    for qk in ("q_layernorm", "k_layernorm"):
+        _expect(problems, f"{where}.{qk}", "qk_layernorm", bool(config.qk_layernorm),
+                _has_params(getattr(attn, qk, None)))
+    _expect(problems, f"{where}.linear_qkv", "add_bias_linear or add_qkv_bias",
+            bool(config.add_bias_linear or config.add_qkv_bias), _bias(attn.linear_qkv))
+    _expect(problems, f"{where}.linear_proj", "add_bias_linear", bool(config.add_bias_linear), _bias(attn.linear_proj))
+    _expect(problems, f"{where}.linear_qkv output size", "kv_channels × (num_attention_heads + 2·num_query_groups)",
+            kv * (config.num_attention_heads + 2 * groups), int(attn.linear_qkv.output_size))
+
+
+def _check_mlp(problems: List[str], where: str, module, mlp: Optional[str], config, pattern: Optional[str]) -> None:
+    """A layer's MLP: absent, dense or MoE as the recipe asks, its linears, the experts and a shared
+    expert with its gate."""
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    if mlp is None:
+        _expect(problems, where, "hybrid_layer_pattern (an attention layer, no MLP)", False, _has_params(module))
+        return
+    is_moe = isinstance(module, MoELayer)
+    moe_field = "num_moe_experts / moe_layer_freq (MoE layer)" if pattern is None else "hybrid_layer_pattern (E)"
+    _expect(problems, where, moe_field, mlp == "moe", is_moe)
+    if not is_moe:
+        _check_linears(problems, where, module, config, config.ffn_hidden_size)
+        return
+    experts = getattr(module.experts, "local_experts", None) or []
+    for i, expert in enumerate(experts):
+        _check_linears(problems, f"{where}.experts.local_experts.{i}", expert, config, config.moe_ffn_hidden_size)
+    shared = getattr(module, "shared_experts", None)
+    _expect(problems, f"{where}.shared_experts", "moe_shared_expert_intermediate_size (a shared expert)",
+            bool(config.moe_shared_expert_intermediate_size), shared is not None)
+    if shared is not None:
+        _check_linears(problems, f"{where}.shared_experts", shared, config, config.moe_shared_expert_intermediate_size)
+        _expect(problems, f"{where}.shared_experts", "moe_shared_expert_gate (a gate weight)",
+                bool(config.moe_shared_expert_gate), getattr(shared, "gate_weight", None) is not None)

@@ -116,6 +116,22 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
     (``parallel``: the candidate's settings, or {} for the one-rank reference; ``data_path``: an
     indexed dataset for Megatron-LM's GPTDataset instead of its mock data). Raises RecipeError
     naming a recipe field with no translation."""
+    argv = _model_flags(recipe) + _parallel_flags(recipe, parallel) + _optimizer_flags(recipe)
+    _refuse_untranslated_data(recipe, data_path)
+    argv += _loop_flags(recipe, release, data_path)
+    # megatron-core's TransformerConfig computes attention softmax in fp32 by default; Megatron-LM's
+    # flag defaults to off: the recipe's (TransformerConfig's) value is passed on
+    if recipe.model.get("attention_softmax_in_fp32", True):
+        argv += ["--attention-softmax-in-fp32"]
+    if recipe.dtype == "bf16":
+        argv += ["--bf16"]
+    elif recipe.dtype != "fp32":
+        raise RecipeError(f"{recipe.source}: --megatron-lm: dtype {recipe.dtype} has no translation in ttrace yet")
+    return argv + ["--ttrace-role", role]
+
+
+def _model_flags(recipe: Recipe) -> List[str]:
+    """The recipe's model fields as Megatron-LM's flags; a field with no translation is refused."""
     model = dict(recipe.model)
     argv: List[str] = []
     for key, value in model.items():
@@ -136,7 +152,7 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
         elif key == "share_embeddings_and_output_weights":
             argv += [] if value else ["--untie-embeddings-and-output-weights"]
         elif key == "attention_softmax_in_fp32":
-            pass  # below
+            pass  # training_args
         elif key == "qk_layernorm":
             argv += ["--qk-layernorm"] if value else []
         else:
@@ -144,6 +160,11 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
                               f"in ttrace yet")
     if "share_embeddings_and_output_weights" not in model:  # GPT_MODEL_KEYS: ttrace's default is untied
         argv += ["--untie-embeddings-and-output-weights"]
+    return argv
+
+
+def _parallel_flags(recipe: Recipe, parallel: Dict) -> List[str]:
+    argv: List[str] = []
     for key, value in parallel.items():
         if key == "sequence_parallel":
             argv += ["--sequence-parallel"] if value else []
@@ -151,14 +172,21 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
             argv += [_PARALLEL_FLAGS[key], str(value)]
         else:
             raise RecipeError(f"{recipe.source}: --megatron-lm: parallel: '{key}' has no translation in ttrace yet")
-    opt = recipe.optimizer
-    for key in opt:
+    return argv
+
+
+def _optimizer_flags(recipe: Recipe) -> List[str]:
+    """The distributed optimizer's flag (the optimizer and lr are loop flags); any other optimizer
+    or ddp field is refused."""
+    for key in recipe.optimizer:
         if key not in ("optimizer", "lr", "use_distributed_optimizer"):
             raise RecipeError(f"{recipe.source}: --megatron-lm: optimizer: '{key}' has no translation in ttrace yet")
     if recipe.ddp:
         raise RecipeError(f"{recipe.source}: --megatron-lm: ddp: fields have no translation in ttrace yet")
-    if opt.get("use_distributed_optimizer"):
-        argv += ["--use-distributed-optimizer"]
+    return ["--use-distributed-optimizer"] if recipe.optimizer.get("use_distributed_optimizer") else []
+
+
+def _refuse_untranslated_data(recipe: Recipe, data_path: Optional[str]) -> None:
     d, t = recipe.data, recipe.train
     if data_path and d.source == MEGATRON_MOCK:
         raise RecipeError(f"{recipe.source}: --megatron-lm-data: data: source '{MEGATRON_MOCK}' asks for the mock "
@@ -170,7 +198,13 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
     if t.frozen or t.start_weight_decay is not None or t.end_weight_decay is not None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: train: frozen parameters and weight-decay schedules "
                           f"have no translation in ttrace yet")
-    argv += [
+
+
+def _loop_flags(recipe: Recipe, release: str, data_path: Optional[str]) -> List[str]:
+    """The optimizer's schedule, the data, the tokenizer, and what keeps the run deterministic and
+    on megatron's local layers (no dropout, no fusions, no evaluation)."""
+    opt, d, t = recipe.optimizer, recipe.data, recipe.train
+    return [
         "--optimizer", opt.get("optimizer", "adam"), "--lr", str(opt.get("lr", 1e-3)), "--min-lr", "0",
         "--lr-decay-style", t.lr_decay_style, "--lr-warmup-iters", str(t.lr_warmup_iters),
         "--lr-decay-iters", str(t.lr_decay_iters or t.iterations),
@@ -182,22 +216,13 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
         # the recipe's vocabulary (the logical one, before padding), NullTokenizer's EOD token included
         "--tokenizer-type", "NullTokenizer",
         "--vocab-size", str(compat.null_tokenizer_vocab_flag(d.vocab_size, release)),
-        "--make-vocab-size-divisible-by", str(model.get("make_vocab_size_divisible_by", 128)),
+        "--make-vocab-size-divisible-by", str(recipe.model.get("make_vocab_size_divisible_by", 128)),
         "--transformer-impl", "local", "--hidden-dropout", "0", "--attention-dropout", "0",
         "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-bias-gelu-fusion",
         "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion", "--no-persist-layer-norm",
         "--eval-iters", "0", "--eval-interval", str(10 ** 6), "--log-interval", "1",
         "--use-cpu-initialization",
     ]
-    # megatron-core's TransformerConfig computes attention softmax in fp32 by default; Megatron-LM's
-    # flag defaults to off: the recipe's (TransformerConfig's) value is passed on
-    if model.get("attention_softmax_in_fp32", True):
-        argv += ["--attention-softmax-in-fp32"]
-    if recipe.dtype == "bf16":
-        argv += ["--bf16"]
-    elif recipe.dtype != "fp32":
-        raise RecipeError(f"{recipe.source}: --megatron-lm: dtype {recipe.dtype} has no translation in ttrace yet")
-    return argv + ["--ttrace-role", role]
 
 
 def trace_args(trace: TraceOptions) -> List[str]:
