@@ -11,7 +11,7 @@ setup(
     install_requires=[
         # a floor, never a pin: a user's CUDA build of torch must not be replaced
         "torch>=2.3",
-        # every release from 0.16 to 0.19 (adapter/build/compat.py); 0.17 on declare Python >= 3.12, so pip
+        # every release from 0.16 to 0.19 (adapter/recipe/compat.py); 0.17 on declare Python >= 3.12, so pip
         # picks 0.16.1 on Python 3.10 and 3.11 and the newest on 3.12
         "megatron-core>=0.16,<0.20",
         "numpy",

@@ -1,7 +1,7 @@
 """The configuration sweep: megatron-core GPT configurations nobody tuned ttrace to.
 
 A seeded generator draws recipes from megatron-core's own config space: every structure and
-numerics field of TransformerConfig (``adapter.build.model_fields``) that has a domain in ``FIELDS``
+numerics field of TransformerConfig (``adapter.recipe.model_fields``) that has a domain in ``FIELDS``
 below (the rest are listed in ``NOT_DRAWN`` with why; ``tests/test_sweep.py`` fails on a field in
 neither), GPTModel's arguments, the layouts (TP 1/2/4, SP, PP even and uneven, VPP, DP, the
 distributed optimizer, EP, expert-TP), the optimizer and the dtype. Each configuration ends in one
@@ -324,7 +324,7 @@ class Outcome:
 
 def _megatron_accepts(recipe) -> Optional[str]:
     """None, or megatron-core's reason for rejecting the candidate's config."""
-    from ttrace_megatron.adapter.build import config as cfg
+    from ttrace_megatron.adapter.recipe import config as cfg
     from ttrace_megatron.errors import RecipeError
 
     try:
@@ -337,7 +337,7 @@ def _megatron_accepts(recipe) -> Optional[str]:
 
 def run_one(raw: Dict[str, Any], tmp: str) -> Outcome:
     """Classify one configuration: validate, run reference and candidate (lock-step), compare."""
-    from ttrace_megatron.adapter.build.config import validate_recipe
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
     from ttrace_megatron.adapter.run.launch import launch
     from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces

@@ -25,9 +25,9 @@ def main(variants):
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    from ttrace_megatron.adapter.build import model as build
-    from ttrace_megatron.adapter.build import config as cfg
-    from ttrace_megatron.adapter.build.structure import check_built_as_described
+    from ttrace_megatron.adapter.recipe import build
+    from ttrace_megatron.adapter.recipe import config as cfg
+    from ttrace_megatron.adapter.recipe.structure import check_built_as_described
     from ttrace_megatron.errors import RecipeError
     from ttrace_megatron.recipe import recipe_from_dict
 

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from ttrace_megatron.adapter.build import compat, hybrid
+from ttrace_megatron.adapter.recipe import compat, hybrid
 from ttrace_megatron.compare import compare_traces
 from ttrace_megatron.errors import RecipeError
 from ttrace_megatron.recipe import load_recipe
@@ -87,7 +87,7 @@ HYBRID_RECIPES = sorted(n[:-5] for n in os.listdir(RECIPES) if n.startswith("hyb
 @pytest.mark.skipif(compat.has_hybrid_model(), reason="the installed megatron-core has HybridModel")
 @pytest.mark.parametrize("name", HYBRID_RECIPES)
 def test_hybrid_recipes_are_refused_on_a_release_without_hybrid_model(name):
-    from ttrace_megatron.adapter.build.config import validate_recipe
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
 
     with pytest.raises(RecipeError, match="needs HybridModel, which megatron-core 0.18 added; the installed"):
         validate_recipe(load_recipe(os.path.join(RECIPES, name + ".yaml")))

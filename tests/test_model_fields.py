@@ -1,7 +1,7 @@
 """The model under test is the model the recipe describes (issue #23).
 
 Every TransformerConfig field of the installed megatron-core has a role in
-``adapter/build/model_fields.py``; refused fields are refused naming the field; each structure field is
+``adapter/recipe/model_fields.py``; refused fields are refused naming the field; each structure field is
 built (its parameters exist in the built model) and the structure check sees it: the same variant
 built with the layer spec ttrace used to build, which dropped spec-level fields, is caught.
 """
@@ -14,8 +14,8 @@ import sys
 import pytest
 
 pytest.importorskip("megatron.core")
-from ttrace_megatron.adapter.build import model_fields  # noqa: E402
-from ttrace_megatron.adapter.build.config import validate_recipe  # noqa: E402
+from ttrace_megatron.adapter.recipe import model_fields  # noqa: E402
+from ttrace_megatron.adapter.recipe.config import validate_recipe  # noqa: E402
 from ttrace_megatron.errors import RecipeError  # noqa: E402
 from ttrace_megatron.recipe import recipe_from_dict  # noqa: E402
 
@@ -56,7 +56,7 @@ def test_fp16_is_refused_with_the_reason():
 
 
 def test_every_ddp_config_field_is_honoured_or_refused():
-    from ttrace_megatron.adapter.build import config
+    from ttrace_megatron.adapter.recipe import config
 
     fields = set(config.ddp_fields())
     known = set(config.DDP_HONOURED) | set(config.DDP_REFUSED)
@@ -68,7 +68,7 @@ def test_every_ddp_config_field_is_honoured_or_refused():
 
 
 def test_ddp_section_accepts_megatrons_fields_and_refuses_with_the_reason():
-    from ttrace_megatron.adapter.build import config
+    from ttrace_megatron.adapter.recipe import config
 
     recipe = recipe_from_dict({"model": BASE, "world_size": 1, "ddp": {"overlap_grad_reduce": True, "bucket_size": 1000}})
     validate_recipe(recipe)
@@ -103,7 +103,7 @@ def test_megatron_limits_are_refused_up_front_naming_the_field():
 
 
 def test_activation_func_by_name():
-    from ttrace_megatron.adapter.build import config
+    from ttrace_megatron.adapter.recipe import config
 
     recipe = recipe_from_dict({"model": dict(BASE, gated_linear_unit=True, activation_func="silu"), "world_size": 1})
     validate_recipe(recipe)
@@ -203,14 +203,14 @@ def test_structure_check_catches_the_old_spec(built, variant):
 def test_the_field_table_in_docs_is_current():
     path = os.path.join(os.path.dirname(__file__), "..", "docs", "model_fields.md")
     with open(path) as f:
-        assert f.read() == model_fields.markdown(), "regenerate: python -m ttrace_megatron.adapter.build.model_fields"
+        assert f.read() == model_fields.markdown(), "regenerate: python -m ttrace_megatron.adapter.recipe.model_fields"
 
 
-@pytest.mark.parametrize("field", sorted(__import__("ttrace_megatron.adapter.build.config", fromlist=["x"]).PARALLEL_REFUSED))
+@pytest.mark.parametrize("field", sorted(__import__("ttrace_megatron.adapter.recipe.config", fromlist=["x"]).PARALLEL_REFUSED))
 def test_later_releases_parallel_fields_are_refused_not_passed_through(field):
     """A ModelParallelConfig field of a later release that ttrace does not honour is refused with the
     reason when set; on a release without it, it is an unknown key. Never accepted."""
-    from ttrace_megatron.adapter.build import config
+    from ttrace_megatron.adapter.recipe import config
 
     recipe = recipe_from_dict({"model": BASE, "world_size": 1, "parallel": {field: 2}})
     with pytest.raises(RecipeError) as e:

@@ -13,8 +13,8 @@ from conftest import RECIPES
 
 @pytest.mark.parametrize("name", sorted(n[:-5] for n in os.listdir(RECIPES) if n.endswith(".yaml")))
 def test_shipped_recipes_validate(name):
-    from ttrace_megatron.adapter.build import compat
-    from ttrace_megatron.adapter.build.config import validate_recipe
+    from ttrace_megatron.adapter.recipe import compat
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
 
     recipe = load_recipe(os.path.join(RECIPES, name + ".yaml"))
     if "hybrid_layer_pattern" in recipe.model and not compat.has_hybrid_model():
@@ -33,7 +33,7 @@ def test_shipped_recipes_validate(name):
     ("data", "batch", "data: unknown key 'batch'"),
 ])
 def test_unknown_keys_are_named(section, key, message):
-    from ttrace_megatron.adapter.build.config import validate_recipe
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
 
     raw = {k: (dict(v) if isinstance(v, dict) else v) for k, v in DEFAULT_RECIPE.items()}
     (raw if section is None else raw[section])[key] = 1
@@ -42,7 +42,7 @@ def test_unknown_keys_are_named(section, key, message):
 
 
 def test_dropout_is_refused():
-    from ttrace_megatron.adapter.build.config import validate_recipe
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
 
     raw = dict(DEFAULT_RECIPE, model=dict(DEFAULT_RECIPE["model"], hidden_dropout=0.1))
     with pytest.raises(RecipeError, match="dropout"):

@@ -2,14 +2,14 @@
 clean and with one injected bug (and the HybridModel recipes where the release has HybridModel), on
 whichever megatron-core release is installed. The whole suite
 runs on one release; CI runs this slice on the oldest and the newest supported release too
-(``.ci/run``, ``adapter.build.compat.SUPPORTED``)."""
+(``.ci/run``, ``adapter.recipe.compat.SUPPORTED``)."""
 
 import json
 import os
 
 import pytest
 
-from ttrace_megatron.adapter.build import compat
+from ttrace_megatron.adapter.recipe import compat
 from ttrace_megatron.compare import compare_traces
 from ttrace_megatron.recipe import load_recipe
 

@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 import sweep  # noqa: E402
 
-from ttrace_megatron.adapter.build import model_fields  # noqa: E402
+from ttrace_megatron.adapter.recipe import model_fields  # noqa: E402
 
 # the slice CI runs: configurations of the generator's seed CI_SEED, each run end to end
 CI_SEED = 17

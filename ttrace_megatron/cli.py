@@ -95,7 +95,7 @@ def _side_runner(recipe, out: str, args, console: Console):
     megatron-core, a source tree of its own, or a Megatron-LM checkout's ``pretrain_gpt.py``.
     Everything a side could refuse is refused here, before any side runs; the reference's last
     seed checkpoint and traces under ``out`` are removed."""
-    from .adapter.build.config import validate_recipe
+    from .adapter.recipe.config import validate_recipe
     from .adapter.run.launch import launch
     from .adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from .adapter.run.side import check_tree
@@ -104,7 +104,7 @@ def _side_runner(recipe, out: str, args, console: Console):
     recipes = {REFERENCE: recipe.to_json(), CANDIDATE: recipe.to_json()}
     as_gpt = getattr(args, "reference_model", "same") == "gpt"
     if as_gpt:  # the migration check: a GPTModel reference, the HybridModel candidate named as it
-        from .adapter.build.hybrid import gpt_equivalent
+        from .adapter.recipe.hybrid import gpt_equivalent
         from .recipe import recipe_from_dict
 
         recipes[REFERENCE] = gpt_equivalent(recipes[REFERENCE])

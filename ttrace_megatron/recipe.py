@@ -3,7 +3,7 @@
 ``model:`` holds TransformerConfig fields (plus the GPTModel arguments listed in
 ``GPT_MODEL_KEYS``), ``parallel:`` the candidate's ModelParallelConfig fields, ``optimizer:``
 OptimizerConfig fields, ``ddp:`` DistributedDataParallelConfig fields. Those sections are checked against megatron-core's dataclasses by
-the adapter (:func:`ttrace_megatron.adapter.build.config.validate_recipe`); this module checks
+the adapter (:func:`ttrace_megatron.adapter.recipe.config.validate_recipe`); this module checks
 everything else. Unknown keys are errors that name the key.
 """
 

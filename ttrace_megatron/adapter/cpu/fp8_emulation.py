@@ -138,7 +138,7 @@ def install(chunks, settings: FP8Settings, facts: layouts.ModelFacts) -> List[Em
     """Run every decoder-layer linear of ``chunks`` as an emulated FP8 GEMM (before DDP wraps them)."""
     from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
-    from ..build.naming import named_modules
+    from ..recipe.naming import named_modules
 
     installed = []
     for name, module in named_modules(chunks, FP8_MODULES, (ColumnParallelLinear, RowParallelLinear)):

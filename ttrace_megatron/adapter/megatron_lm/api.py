@@ -51,7 +51,7 @@ def model_facts(chunks: List, config, args: Any = None, *, logical_vocab_size: O
     from megatron.core.tensor_parallel.layers import VocabParallelEmbedding
 
     from ..record.layouts import model_facts as build_facts
-    from ..build.naming import unwrap
+    from ..recipe.naming import unwrap
 
     if logical_vocab_size is None and args is not None and hasattr(args, "padded_vocab_size"):
         logical_vocab_size = _tokenizer_vocab_size()  # Megatron-LM pads its tokenizer's vocabulary
@@ -88,7 +88,7 @@ def _tokenizer_vocab_size() -> Optional[int]:
 
 
 def training_signature(args: Any) -> Dict[str, Any]:
-    """What Megatron-LM's arguments say about the data and the loop (see :func:`..build.model.model_signature`)."""
+    """What Megatron-LM's arguments say about the data and the loop (see :func:`..recipe.build.model_signature`)."""
     if args is None:
         return {}
     names = {"seed": "seed", "seq_length": "seq_length", "micro_batch_size": "micro_batch_size",
@@ -109,11 +109,11 @@ def attach(model, optimizer, config, *, options: Optional[TraceOptions] = None, 
 
     Options come from ``options`` or else from Megatron-LM's ``--ttrace*`` arguments. Raises
     RecipeError before training starts for parallel modes that cannot be traced yet. ``facts`` and
-    ``signature`` (:func:`..build.model.model_signature`) are read from the model, the optimizer
+    ``signature`` (:func:`..recipe.build.model_signature`) are read from the model, the optimizer
     and Megatron-LM's arguments unless the caller gives them (a loop that describes the model as
     it built it, before anything patched it).
     """
-    from ..build.model import model_signature
+    from ..recipe.build import model_signature
     from ..run import session
 
     if args is None and options is None:

@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 from ...about import SOURCE_ROOT
 from ...errors import RecipeError
 from ...recipe import MEGATRON_MOCK, SYNTHETIC, Recipe
-from ..build import compat
+from ..recipe import compat
 from ..run.session import TraceOptions
 
 SCRIPT = "pretrain_gpt.py"

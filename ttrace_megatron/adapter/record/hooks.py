@@ -41,7 +41,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from . import layouts
-from ..build.naming import canonical_module_names
+from ..recipe.naming import canonical_module_names
 
 PERTURB = "perturb"
 RECORD = "record"

@@ -388,7 +388,7 @@ def zero_gradient_params(chunks, facts: ModelFacts) -> Dict[str, str]:
     """{parameter: why} for parameters whose exact gradient is zero whatever the data, so that
     reference and candidate each hold their own round-off there (a relative error against a zero
     is meaningless): listed as not judged (``run.json`` ``unjudged_params``), never silently."""
-    from ..build.naming import all_parameters, full_param_name, unwrap
+    from ..recipe.naming import all_parameters, full_param_name, unwrap
 
     out = {}
     rotary = any(getattr(unwrap(c), "position_embedding_type", "") in ("rope", "mrope", "yarn") for c in chunks)

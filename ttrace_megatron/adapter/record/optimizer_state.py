@@ -136,7 +136,7 @@ def update_rule(optimizer_config) -> dict:
 def param_groups_by_name(optimizer, chunks) -> Dict[str, str]:
     """canonical parameter name -> the name of its param group (:func:`group_name`), for the
     parameters this rank's optimizer steps."""
-    from ..build.naming import all_parameters, full_param_name
+    from ..recipe.naming import all_parameters, full_param_name
 
     mains = main_params(optimizer)
     out = {}

@@ -40,11 +40,11 @@ import torch
 from ... import keys
 from ...keys import TensorKey
 from ...placement import Coords, Layout, owned_piece
-from ..build import compat
+from ..recipe import compat
 from . import layouts
 from .hooks import INPUT_ARRIVES, RECORD, Call, Clock, Feature
 from .layouts import Site
-from ..build.naming import all_parameters, canonical_module_names, unwrap
+from ..recipe.naming import all_parameters, canonical_module_names, unwrap
 from .optimizer_state import expected_states, group_settings, main_params, step_count
 
 

@@ -47,7 +47,7 @@ import torch
 from ... import keys
 from ...keys import TensorKey
 from .layouts import Site, is_router
-from ..build.naming import canonical_module_names
+from ..recipe.naming import canonical_module_names
 
 
 def unobserved_routing(config) -> Optional[str]:

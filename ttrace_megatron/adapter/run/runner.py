@@ -1,6 +1,6 @@
 """One rank of a reference or candidate run: real megatron-core, real schedules and optimizer.
 
-The model and optimizer come from :mod:`..build.model` (megatron-core's GPTModel, Float16Module, DDP,
+The model and optimizer come from :mod:`..recipe.build` (megatron-core's GPTModel, Float16Module, DDP,
 ``get_megatron_optimizer``); every step goes through ``get_forward_backward_func()`` with
 ``finalize_model_grads``: the code paths a Megatron-LM user trains with. Tracing attaches through
 :func:`.session.start`, where ``pretrain_gpt.py --ttrace``'s ``ttrace.attach`` ends too.
@@ -20,9 +20,9 @@ import torch.distributed as dist
 
 from ...recipe import SYNTHETIC, Recipe, recipe_from_dict
 from ...trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
-from ..build import model as build
-from ..build import config as cfg
-from ..build import data, hybrid
+from ..recipe import build
+from ..recipe import config as cfg
+from ..recipe import data, hybrid
 from ..record import layouts
 from .session import TraceOptions
 

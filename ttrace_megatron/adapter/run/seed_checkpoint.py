@@ -20,7 +20,7 @@ from ...placement import Coords, merge_shards, slice_logical
 from ...trace_store import REFERENCE
 from ..record import layouts
 from ..record.layouts import Site
-from ..build.naming import all_parameters, full_param_name
+from ..recipe.naming import all_parameters, full_param_name
 
 
 def share_initial_weights(path: str, chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts,

@@ -127,7 +127,7 @@ def start(model, optimizer, config, options: TraceOptions, facts, signature: Opt
     """Start recording ``model`` (a chunk or a list of chunks) and ``optimizer``.
 
     ``facts``: the model's :class:`..record.layouts.ModelFacts`; ``signature``: the model signature
-    (:func:`..build.model.model_signature`) as the caller built the model, before anything patched
+    (:func:`..recipe.build.model_signature`) as the caller built the model, before anything patched
     it (``ttrace run`` injects bugs); rank 0 writes it to ``run.json`` with ``run_info``. Without
     ``options.enabled`` nothing happens and None is returned.
     """
@@ -188,7 +188,7 @@ def _unobserved(chunks: List, config, facts, sizes: Dict[str, int]) -> Dict[str,
     """What this run cannot record or judge, with why (the report lists it; the parameters' part
     is printed now): MoE routing choices, expert tokens, parameters no gradient reaches. Coverage
     starts from the parameters this rank holds (the one-rank reference: all of them)."""
-    from ..build.naming import all_parameters, full_param_name
+    from ..recipe.naming import all_parameters, full_param_name
     from ..record import layouts
     from ..record.routing import unobserved_routing
 

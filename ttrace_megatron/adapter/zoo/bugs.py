@@ -15,8 +15,8 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from ..build import compat
-from ..build.naming import named_modules
+from ..recipe import compat
+from ..recipe.naming import named_modules
 
 
 @dataclasses.dataclass(frozen=True)
