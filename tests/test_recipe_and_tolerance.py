@@ -129,3 +129,24 @@ def test_difference_norms_reads_views_without_copying_them_whole():
         got = difference_norms(cand, view, chunk=chunk)
         want = (float((cand.double() - view.double()).norm()), float(view.double().norm()))
         assert got == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("section,key,home", [
+    ("parallel", "overlap_grad_reduce", "'ddp:' (DistributedDataParallelConfig)"),  # a Megatron-LM user's flag
+    ("parallel", "--overlap-grad-reduce", "the field 'overlap_grad_reduce' belongs under 'ddp:'"),
+    ("optimizer", "num_layers", "'model:' (TransformerConfig)"),
+    ("ddp", "sequence_parallel", "'parallel:' (ModelParallelConfig)"),
+    ("model", "clip_grad", "'optimizer:' (OptimizerConfig)"),
+])
+def test_a_field_in_the_wrong_section_is_refused_naming_its_section(section, key, home):
+    """A megatron field put under another section than its dataclass's is refused with the section
+    it belongs in (never a bare 'unknown key' for a field megatron has)."""
+    pytest.importorskip("megatron.core")
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    raw = {"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4}, "parallel": {}, "world_size": 1}
+    raw.setdefault(section, {})[key] = True
+    with pytest.raises(RecipeError) as e:
+        validate_recipe(recipe_from_dict(raw))
+    assert f"{section}: unknown key '{key}'" in str(e.value) and home in str(e.value), str(e.value)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict
+from typing import Any, Dict, Tuple
 
 import torch
 
@@ -43,6 +43,32 @@ def parallel_fields():
     return _fields(ModelParallelConfig)
 
 
+def _section_fields() -> Dict[str, Tuple[str, Dict[str, dataclasses.Field]]]:
+    """Each megatron section of a recipe: the dataclass its fields belong to, and those fields."""
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    parallel = parallel_fields()
+    model = {k: f for k, f in _fields(TransformerConfig).items() if k not in parallel}  # parallel: its own section
+    return {"model": ("TransformerConfig", {**model, **dict.fromkeys(GPT_MODEL_KEYS)}),
+            "parallel": ("ModelParallelConfig", parallel),
+            "optimizer": ("OptimizerConfig", _fields(OptimizerConfig)),
+            "ddp": ("DistributedDataParallelConfig", ddp_fields())}
+
+
+def _elsewhere(key: str, section: str) -> str:
+    """Where an unknown key of ``section`` belongs instead: the sections whose megatron dataclass
+    has it (a Megatron-LM user's ``--overlap-grad-reduce`` is DistributedDataParallelConfig's,
+    ``ddp:``), with a flag's spelling (dashes) read as the field's; "" where none has it."""
+    field = key.lstrip("-").replace("-", "_")
+    homes = [f"'{name}:' ({cls})" for name, (cls, fields) in _section_fields().items()
+             if field in fields and (name != section or field != key)]
+    if not homes:
+        return ""
+    spelled = f"the field '{field}'" if field != key else "it"
+    return f"; {spelled} belongs under " + " or ".join(homes)
+
+
 def validate_recipe(recipe: Recipe) -> None:
     """Check the megatron sections of a recipe; raise RecipeError naming the first bad key."""
     from megatron.core.optimizer import OptimizerConfig
@@ -56,7 +82,7 @@ def validate_recipe(recipe: Recipe) -> None:
             raise RecipeError(f"{where}: model: '{key}' is a parallel setting; put it under 'parallel:'")
         if key not in tc and key not in GPT_MODEL_KEYS and key != hybrid.PATTERN_KEY:
             raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field "
-                              f"nor one of {sorted(GPT_MODEL_KEYS) + [hybrid.PATTERN_KEY]})")
+                              f"nor one of {sorted(GPT_MODEL_KEYS) + [hybrid.PATTERN_KEY]})" + _elsewhere(key, "model"))
     hybrid.check(recipe.model, recipe.parallel, where)  # before the fields: it names the pattern's own refusals
     model_fields.check_fields(recipe.model, where)
     if "activation_func" in recipe.model and recipe.model["activation_func"] not in activations():
@@ -64,14 +90,16 @@ def validate_recipe(recipe: Recipe) -> None:
                           f"got {recipe.model['activation_func']!r}")
     for key in recipe.parallel:
         if key not in pc:
-            raise RecipeError(f"{where}: parallel: unknown key '{key}' (not a ModelParallelConfig field)")
+            raise RecipeError(f"{where}: parallel: unknown key '{key}' (not a ModelParallelConfig field)"
+                              + _elsewhere(key, "parallel"))
         if key in PRECISION_FIELDS:
             raise RecipeError(f"{where}: parallel: '{key}' is not supported by ttrace: {PRECISION_FIELDS[key]}")
         if key in PARALLEL_REFUSED and recipe.parallel[key] != pc[key].default:
             raise RecipeError(f"{where}: parallel: '{key}' is not supported by ttrace: {PARALLEL_REFUSED[key]}")
     for key in recipe.optimizer:
         if key not in _fields(OptimizerConfig):
-            raise RecipeError(f"{where}: optimizer: unknown key '{key}' (not an OptimizerConfig field)")
+            raise RecipeError(f"{where}: optimizer: unknown key '{key}' (not an OptimizerConfig field)"
+                              + _elsewhere(key, "optimizer"))
     check_ddp_fields(recipe)
     for key in ("hidden_dropout", "attention_dropout"):
         if recipe.model.get(key, 0.0) != 0.0:
@@ -153,7 +181,8 @@ def check_ddp_fields(recipe: Recipe) -> None:
     fields = ddp_fields()
     for key, value in recipe.ddp.items():
         if key not in fields:
-            raise RecipeError(f"{recipe.source}: ddp: unknown key '{key}' (not a DistributedDataParallelConfig field)")
+            raise RecipeError(f"{recipe.source}: ddp: unknown key '{key}' (not a DistributedDataParallelConfig field)"
+                              + _elsewhere(key, "ddp"))
         if key in DDP_REFUSED and value != fields[key].default:
             raise RecipeError(f"{recipe.source}: ddp: '{key}' is not supported by ttrace: {DDP_REFUSED[key]}")
         if key not in DDP_HONOURED and key not in DDP_REFUSED:
