@@ -105,11 +105,14 @@ def test_distributed_optimizer_main_grads_merge_by_owned_ranges(runs):
     c = compare_traces(ref, cand)
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     main_grads = [r for r in c.results if r.key.phase == "main_grad"]
-    assert len(main_grads) > 10 and max(r.error_eps for r in main_grads) > 0
+    assert len(main_grads) > 10
+    # the reference adds its two microbatches' grads in fp32, the candidate adds one from each DP
+    # rank: the same single addition, so main grads may be bitwise equal; what shows the candidate
+    # is not the reference is that each main grad comes in two owned ranges, one per rank
     from ttrace_megatron.trace_store import TraceReader
-    placements = {type(rec.layout.placements[-1]).__name__ for _, rec in TraceReader(cand).records()
-                  if rec.key.phase == "main_grad"}
-    assert placements == {"RangeShard"}
+    records = [(rt.rank, rec) for rt, rec in TraceReader(cand).records() if rec.key.phase == "main_grad"]
+    assert {type(rec.layout.placements[-1]).__name__ for _, rec in records} == {"RangeShard"}
+    assert {rank for rank, _ in records} == {0, 1}
 
 
 @pytest.mark.parametrize("name", ["moe_tp2_sp_ep2", "moe_ep2", "moe_etp2"])

@@ -138,12 +138,16 @@ def test_norm_weight_under_sp_and_a_tag_on_a_replicated_param_is_an_error():
         layouts.param_layout(site, facts())
 
 
-def test_vocab_embedding_trims_padding_and_orders_its_output_like_every_activation():
+def test_vocab_embedding_keeps_its_padding_and_orders_its_output_like_every_activation():
+    """A vocabulary's padding rows are real parameters (in the softmax, the grad norm, the weight
+    decay), so the logical tensor is the padded one: 256 rows held over TP2, 256 compared, though
+    the tokenizer's vocabulary is 250."""
     emb = fake(layers.VocabParallelEmbedding, num_embeddings_per_partition=128, reduce_scatter_embeddings=False,
                weight=param(128, 16))
     site = Site("embedding.word_embeddings", emb, "weight", emb.weight)
+    assert facts().vocab_size == 250
     value = layouts.param_layout(site, facts())
-    assert value.logical_shape == (250, 16)  # 256 rows held, 250 logical
+    assert value.logical_shape == (256, 16)
     roundtrip(value, {"dp": 1, "tp": 2}, (128, 16))
     out = layouts.activation_layout(TensorKind.OUTPUT, site.module_name, emb, facts(), (2, 32, 16))
     assert out.permute == (1, 0, 2) and out.logical_shape == (32, 2, 16)  # stored [b, s, h]

@@ -41,7 +41,7 @@ class ModelFacts:
     """What placement inference needs to know about the model, beyond each module."""
 
     num_layers: int
-    vocab_size: int  # logical (unpadded) vocabulary
+    vocab_size: int  # the tokenizer's vocabulary, before megatron pads it (what token ids index)
     sequence_parallel: bool
     gated_linear_unit: bool
     tp_size: int
@@ -63,8 +63,8 @@ class ModelFacts:
 def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
                 tokens_per_iteration: int, seq_length: int = 0) -> ModelFacts:
     """The one way to build :class:`ModelFacts`, from the built model's config and megatron's
-    parallel state (``ttrace run`` and ``--ttrace`` alike). ``vocab_size`` is the logical
-    vocabulary: the rows past it are padding."""
+    parallel state (``ttrace run`` and ``--ttrace`` alike). ``vocab_size`` is the tokenizer's
+    vocabulary: the rows past it are megatron's padding."""
     from megatron.core import parallel_state as ps
 
     tp = ps.get_tensor_model_parallel_world_size()
@@ -187,10 +187,6 @@ def layer_depth(canonical_name: str, num_layers: int) -> int:
     return num_layers + 1
 
 
-def _is_vocab_parallel(module_name: str) -> bool:
-    return module_name.endswith("word_embeddings") or module_name == "output_layer"
-
-
 def _column_stride(module_name: str, facts: ModelFacts) -> int:
     return 2 if facts.gated_linear_unit and module_name.endswith("linear_fc1") else 1
 
@@ -244,9 +240,10 @@ def param_layout(site: Site, facts: ModelFacts, *, microbatch_grad: bool = False
             raise LayoutInferenceError(f"{full_name}: local shape {local} does not match the module's "
                                        f"partition size {expect_local} on dim {dim}")
         _check_attr(param, full_name, True, dim, stride)
+        # a vocabulary's padding rows (megatron pads it to a multiple of make_vocab_size_divisible_by ×
+        # TP) are real parameters: in the softmax, the grad norm and the weight decay. Both sides pad
+        # alike (the model signature holds the padded size), so they are compared like any other row
         logical[dim] = local[dim] * tp
-        if _is_vocab_parallel(module_name) and dim == 0:
-            logical[0] = facts.vocab_size
         placements = (Shard(dim, tp_axis, stride),)
     else:
         _check_attr(param, full_name, False, -1, 1)
@@ -416,14 +413,11 @@ def is_router(module: Optional[torch.nn.Module]) -> bool:
     return isinstance(module, Router)
 
 
-def _scaled_logical(local: Sequence[int], placements: Sequence[Placement], sizes: Dict[str, int],
-                    vocab_dim_size: Optional[int] = None) -> Tuple[int, ...]:
+def _scaled_logical(local: Sequence[int], placements: Sequence[Placement], sizes: Dict[str, int]) -> Tuple[int, ...]:
     shape = list(local)
     for p in placements:
         if isinstance(p, Shard):
             shape[p.dim % len(shape)] *= sizes[p.axis]
-    if vocab_dim_size is not None:
-        shape[-1] = vocab_dim_size
     return tuple(shape)
 
 
@@ -448,7 +442,6 @@ def activation_layout(kind: TensorKind, module_name: str, module: torch.nn.Modul
     out_permute = None
     seq_sharded = (Shard(0, tp_axis),)
     replicated = (Replicate(tp_axis),)
-    vocab = facts.vocab_size if _is_vocab_parallel(module_name) else None
     if is_expert(module):
         # an expert sees the tokens routed to it, the same on every expert-TP rank; its fc2 returns
         # partial sums that the token dispatcher reduces
@@ -456,21 +449,18 @@ def activation_layout(kind: TensorKind, module_name: str, module: torch.nn.Modul
             in_pl, out_pl = replicated, (Shard(-1, tp_axis, _column_stride(module_name, facts)),)
         else:
             in_pl, out_pl = (Shard(-1, tp_axis),), (Partial(tp_axis),)
-        vocab = None
     elif isinstance(module, ColumnParallelLinear):
         in_pl = seq_sharded if module.sequence_parallel else replicated
         out_pl = replicated if module.gather_output else (Shard(-1, TP, _column_stride(module_name, facts)),)
     elif isinstance(module, RowParallelLinear):
         in_pl = (Shard(-1, TP),)
         out_pl = seq_sharded if module.sequence_parallel else replicated
-        vocab = None
     elif is_router(module) or is_moe_layer(module):
         # router: input [s, b, h], probs [s·b, experts]; MoE layer: [s, b, h] in and out (routing,
         # dispatch, experts and combine as one module): all split on tokens under SP
         in_pl = out_pl = seq_sharded if facts.sequence_parallel else replicated
     elif isinstance(module, VocabParallelEmbedding):
         in_pl = replicated
-        vocab = None
         if module.reduce_scatter_embeddings:  # stored [s/tp, b, h]: already megatron's [s, b, h] order
             out_pl = seq_sharded
         else:  # stored [b, s, h]: logical order is [s, b, h] like every other activation
@@ -480,7 +470,7 @@ def activation_layout(kind: TensorKind, module_name: str, module: torch.nn.Modul
     if kind in (TensorKind.INPUT, TensorKind.GRAD_INPUT):
         layout = Layout(in_pl, _scaled_logical(shape, in_pl, sizes))
     else:
-        stored = _scaled_logical(shape, out_pl, sizes, vocab)
+        stored = _scaled_logical(shape, out_pl, sizes)
         logical = tuple(stored[d] for d in out_permute) if out_permute else stored
         layout = Layout(out_pl, logical, out_permute)
     return _grad_layout(layout, module) if kind in (TensorKind.GRAD_INPUT, TensorKind.GRAD_OUTPUT) else layout

@@ -3,8 +3,9 @@
 Equal seeds do not give equal logical weights once PP or EP change the order the RNG is drawn in,
 so candidate and reference start from one state instead. The reference merges its parameters to
 logical tensors and saves them (safetensors, keyed by canonical parameter name); each run, the
-reference included, loads its own shard of each through the same placements. Padding (the
-vocabulary padded per TP size) is not part of the logical tensor and loads as zeros.
+reference included, loads its own shard of each through the same placements. A vocabulary's
+padding rows are part of the logical tensor: both sides pad to one size (the model signature holds
+it), and the candidate's padding starts as the reference's.
 """
 
 from __future__ import annotations
@@ -27,9 +28,8 @@ def share_initial_weights(path: str, chunks: List[torch.nn.Module], key_layouts:
                           coords: Coords, rank: int, role: str, world: int, optimizer=None) -> None:
     """The one way a run gets its initial weights (``ttrace run`` and ``--ttrace`` alike): the
     reference (world size 1) writes its logical weights to ``path`` if the file is absent; then
-    every run, the reference included, loads its shard of each weight from it. Loading zeroes the
-    padding rows (the vocabulary padded per TP size), so the reference's padding is the
-    candidate's. Given the ``optimizer`` (a run that loads after it was built), its main copies
+    every run, the reference included, loads its shard of each weight from it, a vocabulary's
+    padding rows included. Given the ``optimizer`` (a run that loads after it was built), its main copies
     of the weights are refreshed with ``reload_model_params``."""
     if not os.path.exists(path):
         if role != REFERENCE or world != 1:

@@ -214,6 +214,25 @@ def cross_entropy_mask_missing(chunks) -> None:
 
 
 @bug()
+def cross_entropy_grad_into_padding(chunks) -> None:
+    """Vocab-parallel cross entropy's backward writes into the last logit column of the last TP
+    rank: with a padded vocabulary, a padding logit, so its effect lands only in the output layer's
+    padding rows (their grad, their moments, their update) and in the grad norm."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import cross_entropy
+
+    original = cross_entropy.VocabParallelCrossEntropy.calculate_gradients
+
+    def calculate_gradients(*args, **kwargs):
+        grad_input = original(*args, **kwargs)
+        if ps.get_tensor_model_parallel_rank() == ps.get_tensor_model_parallel_world_size() - 1:
+            grad_input[..., -1] -= grad_input.abs().amax(dim=-1)
+        return grad_input
+
+    cross_entropy.VocabParallelCrossEntropy.calculate_gradients = staticmethod(calculate_gradients)
+
+
+@bug()
 def distopt_grad_shard_offset(chunks) -> None:
     """The distributed optimizer reads each parameter's owned range of the reduced grad buffer one
     element off (a shard-offset bug, like a bucket offset applied twice): the grad reduction is
