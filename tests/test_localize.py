@@ -7,7 +7,7 @@ import pytest
 
 from ttrace_megatron.compare import localize, phase_label
 
-from conftest import load
+from conftest import RECIPES, load
 
 pytestmark = pytest.mark.multiprocess
 
@@ -145,3 +145,20 @@ def test_adam_replay_judges_the_step_given_the_reference_main_grads(runs):
     assert not loc.culprits, loc.culprit
     assert {r.key.iteration for r in loc.comparison.results} == {2}
     assert any(r.key.phase == "optimizer" for r in loc.comparison.results)
+
+
+def test_a_model_built_on_the_wrong_pipeline_chunk_is_a_localized_fail(tmp_path):
+    """A valid recipe that megatron builds as another model is megatron's bug, not the user's: a FAIL
+    (exit 1) localized to the build, not a usage error. Here a virtual-pipeline layer offset computed
+    for the next pipeline rank builds every layer once, each on the wrong chunk (issue #33)."""
+    from ttrace_megatron.cli import main
+
+    recipe = os.path.join(RECIPES, "gpt_pp2_vpp.yaml")
+    assert main(["run", recipe, "--out", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"),
+                 "--inject", "vpp_layer_offset_off_by_one_stage"]) == 1
+    with open(tmp_path / "a.json") as f:
+        report = json.load(f)
+    first = report["first_mismatch"]
+    assert report["verdict"] == "fail" and first["phase"] == "build" and report["build"]["side"] == "candidate"
+    assert first["module"] == "decoder.layers.3" and "puts it on pipeline stage 1, virtual chunk 1" in first["reason"]
+    assert os.path.exists(tmp_path / "a" / "report.html")

@@ -51,10 +51,26 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
 
 
 def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[str]) -> dict:
-    """Reference run, candidate run, compare. Returns the report (JSON form)."""
-    from .adapter.run.runner import CANDIDATE, REFERENCE
+    """Reference run, candidate run, compare. Returns the report (JSON form). A valid recipe that
+    megatron builds as another model is a FAIL localized to the build (no tensor is compared)."""
+    from .errors import BuiltOtherwise
+    from .report import build_failure, render
 
     run_side = _side_runner(recipe, out, args, console)
+    try:
+        report = _run_and_compare(recipe, out, args, console, run_side)
+    except BuiltOtherwise as e:
+        report = build_failure(e.side, e.rank, e.module, e.problems, recipe.name)
+        render(report, console)
+    _write_reports(report, out, json_path, getattr(args, "html", None))
+    return report
+
+
+def _run_and_compare(recipe, out: str, args, console: Console, run_side) -> dict:
+    """The reference, the candidate (in lock-step unless asked otherwise), the perturbation run the
+    recipe asks for, the comparison, and on a mismatch the replay that localizes it."""
+    from .adapter.run.runner import CANDIDATE, REFERENCE
+
     ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
     online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
@@ -86,7 +102,6 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
                       f"(iteration {first['iteration']}) → {replay_dir}")
         run_side(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]], **lockstep)
         report["culprits"] = _localize(ref_dir, replay_dir, console)
-    _write_reports(report, out, json_path, getattr(args, "html", None))
     return report
 
 

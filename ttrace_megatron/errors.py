@@ -33,3 +33,22 @@ class ConfigMismatchError(TraceError):
 
 class RunFailed(RuntimeError):
     """A reference or candidate rank failed or timed out (exit status 2 in the CLI)."""
+
+
+class BuiltOtherwise(RuntimeError):
+    """megatron built a model other than the one a valid recipe describes: not bad input but a
+    finding about megatron (a FAIL, exit status 1), localized to the build. ``problems``: what
+    differs, each "module: what the recipe asks for, what was built"."""
+
+    def __init__(self, problems, *, side: Optional[str] = None, rank: Optional[int] = None):
+        self.problems = list(problems)
+        self.side, self.rank = side, rank
+        where = " ".join(x for x in (side and f"the {side}'s", rank is not None and f"rank {rank}") if x)
+        super().__init__(f"the model megatron built{' on ' + where if where else ''} is not the model the recipe "
+                         f"describes: " + "; ".join(self.problems[:5])
+                         + (f" (and {len(self.problems) - 5} more)" if len(self.problems) > 5 else ""))
+
+    @property
+    def module(self) -> str:
+        """The module of the first problem (the text before its first colon)."""
+        return self.problems[0].split(":", 1)[0] if self.problems else "model"

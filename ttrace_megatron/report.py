@@ -64,6 +64,23 @@ def to_json(c: Comparison) -> dict:
     }
 
 
+BUILD = "build"  # the phase of a model built other than its recipe describes
+
+
+def build_failure(side: str, rank: int, module: str, problems: List[str], recipe: Optional[str] = None) -> dict:
+    """The report of a check that stopped at the build: a valid recipe that one side built as
+    another model. A FAIL localized to the build (the first problem's module), with no tensor
+    compared: the two sides would not be the same model."""
+    first = {"module": module, "phase": BUILD, "tensor": "structure", "iteration": 0, "microbatch": -1,
+             "error_eps": None, "tolerance_eps": None, "reason": problems[0] if problems else "",
+             "tolerance_source": ""}
+    return {"verdict": FAIL, "recipe": recipe, "build": {"side": side, "rank": rank, "problems": list(problems)},
+            "first_mismatch": first, "culprits": [],
+            "summary": {"compared": 0, "failed": 0, "missing_in_candidate": 0, "missing_in_reference": 0,
+                        "skipped": 0},
+            "tensors": []}
+
+
 # a tolerance above this relative error (10 %: bf16 past ~40 layers, k·C^d·ε_bf16) is a blind spot
 # worth a warning: a bug that moves the
 # tensor by less is indistinguishable from round-off there (BENCHMARKS.md, "On paper at 8B-70B")
@@ -109,6 +126,11 @@ def headline(report: dict) -> str:
                 f"compared, none above its tolerance"
                 + (f" ({skipped} skipped: per-rank partial sums online, or per-microbatch tensors the candidate's "
                    f"layout has no counterpart for)" if skipped else ""))
+    build = report.get("build")
+    if build:
+        more = len(build["problems"]) - 1
+        return (f"the {build['side']}'s model, as megatron built it on rank {build['rank']}, is not the model the "
+                f"recipe describes: {build['problems'][0]}" + (f" (and {more} more)" if more > 0 else ""))
     fm = report["first_mismatch"]
     if fm is None:
         s = report["summary"]

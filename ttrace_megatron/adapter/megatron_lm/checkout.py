@@ -338,11 +338,14 @@ def _chain_ttrace_arguments() -> None:
 def _inject_after_setup(bugs: List[str]) -> None:
     """Inject ``bugs`` into the candidate's model once Megatron-LM has built it and ttrace has
     attached (and loaded the seed checkpoint), then refresh the optimizer's main copies of the
-    weights, as ``ttrace run`` injects before its optimizer copies them."""
+    weights, as ``ttrace run`` injects before its optimizer copies them. A bug in how megatron
+    builds the model is injected now, before Megatron-LM builds it."""
     import megatron.training.training as training_module
 
     from ..zoo import bugs as bug_registry
 
+    for bug in bugs:
+        bug_registry.inject_before_build(bug)
     setup = training_module.setup_model_and_optimizer
 
     def setup_model_and_optimizer(*args, **kwargs):

@@ -16,12 +16,12 @@ from typing import Any, Dict, List, Sequence
 
 import torch
 
-from ...errors import RecipeError
+from ...errors import BuiltOtherwise, RecipeError
 from ...recipe import Recipe
 from . import compat, hybrid
 from . import config as cfg
 from .model_fields import STRUCTURE
-from .structure import check_built_as_described
+from .structure import check_built_as_described, check_layer_placement
 from .naming import NAME_MAP_ATTR, all_parameters, full_param_name, unwrap
 
 
@@ -64,9 +64,11 @@ def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True, as
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     problems = check_built_as_described(chunks, config, cfg.gpt_model_kwargs(recipe), pattern)
-    if problems:
-        raise RecipeError(f"{recipe.source}: the model megatron built is not the model the recipe describes: "
-                          + "; ".join(problems[:5]) + (f" (and {len(problems) - 5} more)" if len(problems) > 5 else ""))
+    if pattern is None:  # a HybridModel's stages are its pattern's segments (hybrid.side_pattern)
+        check_layer_placement(problems, chunks, config, parallel_state.get_pipeline_model_parallel_rank(),
+                              sizes["pp"], vpp)
+    if problems:  # the recipe passed validation: megatron built something else, a finding
+        raise BuiltOtherwise(problems, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
     for mname, pname, _, param in all_parameters(chunks):
         if any(fnmatch.fnmatchcase(full_param_name(mname, pname), p) for p in recipe.train.frozen):
             param.requires_grad_(False)

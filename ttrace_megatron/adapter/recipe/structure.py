@@ -3,12 +3,15 @@
 Checked on the built chunks of every rank before the first iteration, field by field for the
 ``STRUCTURE`` fields of ``model_fields`` and the GPTModel arguments: what each field implies for the
 module tree and the parameter set (a q/k layernorm with parameters, a bias on every linear, the MoE
-layer pattern, a shared expert, the fused QKV's width). A model built other than described is
-refused with the field, the module and what was found, never compared.
+layer pattern, a shared expert, the fused QKV's width), and which layers each pipeline stage and
+virtual chunk built (:func:`layer_split`). A model built other than described is never compared:
+its problems (the field, the module and what was found) make the check a FAIL localized to the
+build, since the recipe itself passed validation.
 """
 
 from __future__ import annotations
 
+import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
@@ -156,3 +159,103 @@ def _check_mlp(problems: List[str], where: str, module, mlp: Optional[str], conf
         _check_linears(problems, f"{where}.shared_experts", shared, config, config.moe_shared_expert_intermediate_size)
         _expect(problems, f"{where}.shared_experts", "moe_shared_expert_gate (a gate weight)",
                 bool(config.moe_shared_expert_gate), getattr(shared, "gate_weight", None) is not None)
+
+
+# ---- which layers each pipeline stage and virtual chunk builds
+
+
+def layer_split(config, pp: int, vpp: int) -> Dict[Tuple[int, int], List[int]]:
+    """{(pipeline rank, virtual chunk): the global 0-based numbers of the decoder layers it builds},
+    by Megatron-LM's documented split, written here apart from megatron's own offset code so that
+    a wrong offset there is caught: an explicit ``pipeline_model_parallel_layout`` (segments listed
+    chunk-major: chunk 0 of every stage, then chunk 1, ...), or uneven first and last stages
+    (``num_layers_in_first/last_pipeline_stage``, the other stages sharing the rest evenly), or the
+    embedding and the loss counted as a layer each (``account_for_*_in_pipeline_split``), or an even
+    split. A stage's layers are shared evenly by its chunks, and layers are numbered chunk-major."""
+    layout = getattr(config, "pipeline_model_parallel_layout", None)
+    if layout is not None:
+        counts = _layout_counts(getattr(layout, "input_data", layout), pp, vpp)
+    else:
+        counts = {}
+        per_chunk = _even_chunk_sizes(config, pp, vpp)
+        for v in range(vpp):
+            for p in range(pp):
+                counts[(p, v)] = per_chunk(p, v)
+    split, first = {}, 0
+    for v in range(vpp):
+        for p in range(pp):
+            split[(p, v)] = list(range(first, first + counts[(p, v)]))
+            first += counts[(p, v)]
+    return split
+
+
+def _even_chunk_sizes(config, pp: int, vpp: int):
+    num_layers = config.num_layers
+    first, last = config.num_layers_in_first_pipeline_stage, config.num_layers_in_last_pipeline_stage
+    if first is not None or last is not None:
+        given = [n for n in (first, last) if n is not None]
+        rest = pp - len(given)
+        middle = (num_layers - sum(given)) // rest if rest > 0 else 0
+        stage = [middle] * pp
+        if first is not None:
+            stage[0] = first
+        if last is not None:
+            stage[-1] = last
+        return lambda p, v: stage[p] // vpp
+    embedding = int(bool(config.account_for_embedding_in_pipeline_split))
+    loss = int(bool(config.account_for_loss_in_pipeline_split))
+    slots = (num_layers + embedding + loss) // (pp * vpp)
+    return lambda p, v: slots - (embedding if (p, v) == (0, 0) else 0) - (loss if (p, v) == (pp - 1, vpp - 1) else 0)
+
+
+_LAYOUT_REPEAT = (re.compile(r"\(([^)]+)\)\*(\d+)"), re.compile(r"(.)\*(\d+)"))
+
+
+def _layout_counts(layout, pp: int, vpp: int) -> Dict[Tuple[int, int], int]:
+    """Decoder layers per (pipeline rank, virtual chunk) of an explicit layout: a list of segments
+    or its string form ("Ett|(tt|)*2,L": ``|`` ends a segment, ``(x)*n`` and ``x*n`` repeat, ``t`` is a
+    decoder layer; ``E``, ``L``, ``m`` are the embedding, loss and MTP)."""
+    if isinstance(layout, str):
+        text = layout.replace(",", "")
+        for pattern in _LAYOUT_REPEAT:
+            text = pattern.sub(lambda m: m.group(1) * int(m.group(2)), text)
+        segments = [list(s) for s in text.split("|")]
+    else:
+        segments = [list(s) for s in layout]
+    if len(segments) != pp * vpp:
+        raise ValueError(f"pipeline_model_parallel_layout has {len(segments)} segments for PP {pp} × VPP {vpp}")
+    decoder = ("t", "decoder")
+    return {(s % pp, s // pp): sum(str(x).strip().lower() in decoder for x in seg) for s, seg in enumerate(segments)}
+
+
+def check_layer_placement(problems: List[str], chunks: Sequence[torch.nn.Module], config, pp_rank: int, pp: int,
+                          vpp: int) -> None:
+    """Every chunk of this rank built exactly the layers the split assigns it. Each rank checks its
+    own chunks against the same split, and the split hands every layer to one chunk of one stage,
+    so all ranks passing means every layer is built once, where it belongs."""
+    from megatron.core.transformer.transformer_layer import TransformerLayer
+
+    expected = layer_split(config, pp, vpp)
+    owner = {n: stage for stage, layers in expected.items() for n in layers}
+    fields = _split_fields(config)
+    for v, chunk in enumerate(chunks):
+        built = sorted(m.layer_number - 1 for m in unwrap(chunk).modules() if isinstance(m, TransformerLayer))
+        want = expected[(pp_rank, v)]
+        here = _stage(pp_rank, v, vpp)
+        for n in (n for n in built if n not in want):
+            belongs = f"puts it on {_stage(*owner[n], vpp)}" if n in owner else "has no such layer"
+            problems.append(f"decoder.layers.{n}: built on {here}; the pipeline split ({fields}) {belongs}")
+        for n in (n for n in want if n not in built):
+            problems.append(f"decoder.layers.{n}: not built on {here}, where the pipeline split ({fields}) puts it")
+
+
+def _stage(pp_rank: int, vp: int, vpp: int) -> str:
+    return f"pipeline stage {pp_rank}" + (f", virtual chunk {vp}" if vpp > 1 else "")
+
+
+def _split_fields(config) -> str:
+    fields = ("num_layers", "pipeline_model_parallel_size", "virtual_pipeline_model_parallel_size",
+              "num_layers_in_first_pipeline_stage", "num_layers_in_last_pipeline_stage",
+              "account_for_embedding_in_pipeline_split", "account_for_loss_in_pipeline_split",
+              "pipeline_model_parallel_layout")
+    return ", ".join(f"{f}={getattr(config, f)}" for f in fields if getattr(config, f, None) not in (None, False))

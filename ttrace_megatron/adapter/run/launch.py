@@ -10,6 +10,7 @@ its traceback is raised in the parent with the rank named.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import tempfile
@@ -20,7 +21,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
-from ...errors import RecipeError, RunFailed
+from ...errors import BuiltOtherwise, RecipeError, RunFailed
 from .runner import Probes, RunSpec, run_rank
 
 __all__ = ["RunFailed", "free_port", "launch"]
@@ -44,9 +45,13 @@ def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
         if spec.cpu:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
         run_rank(rank, spec, probes)
-    except RecipeError as e:  # a refusal (megatron's own build-time checks, the structure check): no traceback
+    except RecipeError as e:  # a refusal (megatron's own build-time checks): no traceback
         with open(os.path.join(error_dir, f"rank{rank}.refused"), "w") as f:
             f.write(str(e))
+        os._exit(1)
+    except BuiltOtherwise as e:  # a valid recipe built as another model: a finding, not an error
+        with open(os.path.join(error_dir, f"rank{rank}.built"), "w") as f:
+            json.dump(e.problems, f)
         os._exit(1)
     except BaseException as e:
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
@@ -112,6 +117,11 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
                     refusals.append(f.read())
         if refusals:
             raise RecipeError(refusals[0])
+        for r in range(len(procs)):
+            path = os.path.join(error_dir, f"rank{r}.built")
+            if os.path.exists(path):
+                with open(path) as f:
+                    raise BuiltOtherwise(json.load(f), side=spec.role, rank=r)
         errors = []
         for r, p in enumerate(procs):
             path = os.path.join(error_dir, f"rank{r}.txt")

@@ -112,6 +112,8 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     dp_size = parallel_state.get_data_parallel_world_size()
     coords = layouts.rank_coordinates()
 
+    for bug in spec.inject if spec.role == CANDIDATE else []:
+        bugs.inject_before_build(bug)  # a bug in how megatron builds the model
     chunks, config = build.gpt_chunks(recipe, spec.parallel, cpu=spec.cpu, as_gpt=spec.as_gpt)
     # traced as its GPT equivalent, the model is described (depths, signature) by that GPT's config
     described = cfg.transformer_config(recipe_from_dict(hybrid.gpt_equivalent(spec.recipe)), {}) if spec.as_gpt \

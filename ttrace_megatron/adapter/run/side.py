@@ -21,9 +21,9 @@ import tempfile
 from typing import Optional
 
 from ...about import SOURCE_ROOT
-from ...errors import RecipeError, RunFailed
+from ...errors import BuiltOtherwise, RecipeError, RunFailed
 
-OK, REFUSED, FAILED = "ok", "refused", "failed"
+OK, REFUSED, FAILED, BUILT = "ok", "refused", "failed", "built"
 
 
 def check_tree(path: str, flag: str = "--candidate-megatron") -> str:
@@ -57,5 +57,7 @@ def launch_on_tree(spec, timeout_s: Optional[float], probes) -> None:
             result = json.load(f)
     if result["outcome"] == REFUSED:
         raise RecipeError(result["message"])
+    if result["outcome"] == BUILT:
+        raise BuiltOtherwise(result["problems"], side=result["side"], rank=result["rank"])
     if result["outcome"] == FAILED:
         raise RunFailed(result["message"])

@@ -8,14 +8,14 @@ import json
 import os
 import sys
 
-from ...errors import RecipeError, RunFailed
-from .side import FAILED, OK, REFUSED
+from ...errors import BuiltOtherwise, RecipeError, RunFailed
+from .side import BUILT, FAILED, OK, REFUSED
 
 
 def _main(spec_path: str, result_path: str) -> None:
     with open(spec_path) as f:
         raw = json.load(f)
-    outcome, message = OK, ""
+    outcome, message, built = OK, "", {}
     try:
         import megatron.core
 
@@ -32,6 +32,8 @@ def _main(spec_path: str, result_path: str) -> None:
         launch(spec, timeout_s=raw["timeout_s"], probes=Probes(**raw["probes"]))
     except RecipeError as e:
         outcome, message = REFUSED, str(e)
+    except BuiltOtherwise as e:
+        outcome, message, built = BUILT, str(e), {"problems": e.problems, "side": e.side, "rank": e.rank}
     except RunFailed as e:
         outcome, message = FAILED, str(e)
     except Exception as e:  # noqa: BLE001 - reported to the parent, which raises it as a failed run
@@ -39,7 +41,7 @@ def _main(spec_path: str, result_path: str) -> None:
 
         outcome, message = FAILED, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"
     with open(result_path, "w") as f:
-        json.dump({"outcome": outcome, "message": message}, f)
+        json.dump({"outcome": outcome, "message": message, **built}, f)
 
 
 if __name__ == "__main__":

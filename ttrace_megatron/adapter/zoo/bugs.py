@@ -24,6 +24,7 @@ class Bug:
     name: str
     inject: Callable
     default_pattern: Optional[str]  # None: the bug acts on the whole run and takes no pattern
+    at_build: bool = False  # patches how megatron builds the model: injected before the build, takes no chunks
 
     @property
     def doc(self) -> str:
@@ -33,13 +34,15 @@ class Bug:
 BUGS: Dict[str, Bug] = {}
 
 
-def bug(default_pattern: Optional[str] = None):
+def bug(default_pattern: Optional[str] = None, *, at_build: bool = False):
     """Register a bug under its function's name. With ``default_pattern`` it is called as
-    ``fn(chunks, pattern)``; without, as ``fn(chunks)``, and a pattern given for it is refused."""
+    ``fn(chunks, pattern)``; without, as ``fn(chunks)``, and a pattern given for it is refused.
+    ``at_build``: it patches megatron's model building, is called as ``fn()`` before the build and
+    takes no pattern."""
     def register(fn: Callable) -> Callable:
         if fn.__name__ in BUGS:
             raise ValueError(f"bug {fn.__name__!r} registered twice")
-        BUGS[fn.__name__] = Bug(fn.__name__, fn, default_pattern)
+        BUGS[fn.__name__] = Bug(fn.__name__, fn, default_pattern, at_build)
         return fn
     return register
 
@@ -232,6 +235,29 @@ def cross_entropy_grad_into_padding(chunks) -> None:
     cross_entropy.VocabParallelCrossEntropy.calculate_gradients = staticmethod(calculate_gradients)
 
 
+@bug(at_build=True)
+def vpp_layer_offset_off_by_one_stage() -> None:
+    """With virtual pipeline stages, the layer offset of every chunk after the first is computed
+    for the next pipeline rank: every layer is still built once, but chunk v of rank p holds the
+    layers megatron's split gives chunk v of rank p + 1 (mod PP). Names, weights from the seed
+    checkpoint and the pipeline all follow the wrong numbers, so the run trains another model."""
+    from megatron.core.transformer import transformer_block, transformer_layer
+
+    original = transformer_layer.get_transformer_layer_offset
+
+    def get_transformer_layer_offset(config, vp_stage=None, pp_rank=None):
+        if vp_stage:
+            from megatron.core import parallel_state
+
+            pp = config.pipeline_model_parallel_size
+            rank = parallel_state.get_pipeline_model_parallel_rank() if pp_rank is None else pp_rank
+            pp_rank = (rank + 1) % pp
+        return original(config, vp_stage, pp_rank)
+
+    transformer_layer.get_transformer_layer_offset = get_transformer_layer_offset
+    transformer_block.get_transformer_layer_offset = get_transformer_layer_offset
+
+
 @bug()
 def distopt_grad_shard_offset(chunks) -> None:
     """The distributed optimizer reads each parameter's owned range of the reduced grad buffer one
@@ -403,12 +429,30 @@ def fp8_amax_wrong_group(chunks, pattern: str) -> None:
         emulated.groups = dict(emulated.groups, input=[layouts.axis_group(layouts.DP)])
 
 
-def inject(chunks: List[torch.nn.Module], spec: str) -> None:
-    """Inject ``NAME`` or ``NAME:MODULE_PATTERN`` into the candidate's model."""
+def _entry(spec: str):
     name, has_pattern, pattern = spec.partition(":")
     if name not in BUGS:
         raise ValueError(f"unknown bug {name!r}; known: {', '.join(sorted(BUGS))}")
-    entry = BUGS[name]
+    return BUGS[name], has_pattern, pattern
+
+
+def inject_before_build(spec: str) -> None:
+    """Inject ``spec`` now if it patches how megatron builds the model (else :func:`inject` does,
+    after the build)."""
+    entry, has_pattern, pattern = _entry(spec)
+    if entry.at_build:
+        if has_pattern:
+            raise ValueError(f"bug {entry.name!r} patches the build and takes no module pattern (got {pattern!r})")
+        entry.inject()
+
+
+def inject(chunks: List[torch.nn.Module], spec: str) -> None:
+    """Inject ``NAME`` or ``NAME:MODULE_PATTERN`` into the candidate's model (a bug that patches the
+    build was injected before it, by :func:`inject_before_build`)."""
+    entry, has_pattern, pattern = _entry(spec)
+    name = entry.name
+    if entry.at_build:
+        return
     if entry.default_pattern is None:
         if has_pattern:
             raise ValueError(f"bug {name!r} acts on the whole run and takes no module pattern (got {pattern!r})")
