@@ -359,3 +359,42 @@ def test_reduction_lengths_are_never_less_than_the_operands():
                         hidden_size=64, tokens_per_microbatch=256, tokens_per_iteration=1024, seq_length=32)
     assert reduction_length("embedding.position_embeddings", None, TensorKind.MAIN_GRAD, narrow) == 64  # 32 sequences
     assert reduction_length("embedding.word_embeddings", None, TensorKind.MAIN_GRAD, narrow) == 1024
+
+
+@pytest.mark.parametrize("model", [
+    {},  # the recipe: full recomputation, uniform, one layer a checkpoint, inputs distributed over TP
+    {"recompute_method": "block", "recompute_num_layers": 1, "distribute_saved_activations": False},
+    {"recompute_granularity": "selective", "recompute_method": None, "recompute_num_layers": None,
+     "distribute_saved_activations": False},  # core attention, megatron's default recompute_modules
+])
+def test_activation_recomputation_is_judged_once_per_tensor(runs, model):
+    """The candidate recomputes, the reference keeps its activations: a recomputed module's values
+    are recorded once (the first run's), its grads from the recomputed graph, and every tensor of
+    the run without recomputation is judged, no more and no fewer."""
+    import yaml
+
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_recompute.yaml")))
+    raw["model"] = {k: v for k, v in dict(raw["model"], **model).items() if v is not None}
+    raw["name"] = "gpt_tp2_recompute" + "".join(f"_{k}" for k in model)
+    ref, cand = runs.candidate(recipe_from_dict(raw))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    assert not c.missing_in_candidate and not c.missing_in_reference
+    plain = compare_traces(*runs.candidate(load("gpt_tp2")))  # the same model without recomputation
+    assert sorted(str(r.key) for r in c.results) == sorted(str(r.key) for r in plain.results)
+    assert "recompute_granularity" not in c.reference_run["recipe"]["model"]  # the reference keeps activations
+    assert c.candidate_run["recipe"]["model"]["recompute_granularity"] == raw["model"]["recompute_granularity"]
+
+
+def test_recomputation_of_unchecked_modules_is_refused_with_the_reason():
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.errors import RecipeError
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    recipe = recipe_from_dict({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                         "recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
+                               "world_size": 1})
+    with pytest.raises(RecipeError, match="'recompute_modules' is not supported by ttrace: 'layernorm'.*random.py:589"):
+        validate_recipe(recipe)

@@ -48,6 +48,10 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     ("gpt_tp2", "fp32", "qkv_groups_reversed:decoder.layers.1.self_attention.linear_qkv",
      "decoder.layers.1.self_attention.linear_qkv", "forward", "output"),
     ("gpt_tp2", "fp32", "cross_entropy_mask_missing", "loss", "forward (loss)", "per_token_loss"),
+    # a recomputed layer's input regathered wrongly: the recomputed residual path is not hooked, so the
+    # replay names the grad arriving at the last hooked module before it (issue #33)
+    ("gpt_tp2_recompute", "fp32", "recompute_input_shards_swapped", "decoder.layers.1.self_attention.linear_proj",
+     "backward (arrival)", "grad_output"),
     # lands only in the padded vocabulary's rows: found where it enters, not at the grad norm (issue #33)
     ("gpt_tp2", "fp32", "cross_entropy_grad_into_padding", "output_layer", "backward (arrival)", "grad_output"),
     ("gpt_pp2", "fp32", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction",
@@ -70,7 +74,7 @@ def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor)
     assert culprit.error_eps > 10 * culprit.tolerance_eps
     if bug == "dp_grad_not_averaged":
         assert "2× the reference" in culprit.reason
-    if bug in ("vpp_batched_p2p_at_pp2", "cross_entropy_grad_into_padding"):
+    if bug in ("vpp_batched_p2p_at_pp2", "cross_entropy_grad_into_padding", "recompute_input_shards_swapped"):
         assert "every module passes given the reference's inputs" in culprit.reason
     if bug == "tied_embedding_grads_not_synced":
         assert "replicas differ" in culprit.reason

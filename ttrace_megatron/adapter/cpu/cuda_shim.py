@@ -32,6 +32,9 @@ SHIMS = (
     "CUDA ones; gloo's all_to_all_single takes split sizes as sequences, not tensors)",
     "torch.distributed.all_gather with pieces of different sizes on gloo (NCCL takes them; megatron's "
     "expert-TP token gathers send them): every piece padded to the largest, gathered, trimmed",
+    "activation recomputation (tensor_parallel.random's CheckpointFunction and "
+    "CheckpointWithoutOutputFunction) runs its backward, where the forward runs again, under the CUDA-to-CPU "
+    "rewrite too: the autograd engine does not carry torch function modes into backward",
     "WrappedTorchNorm accepts sequence_parallel (as apex's FusedLayerNorm does) and tags its "
     "params sequence_parallel=True so finalize_model_grads all-reduces their grads over TP",
 )
@@ -211,6 +214,26 @@ class _DoneWork:
         return True
 
 
+def _install_recompute_under_mode() -> None:
+    """The forward a recomputation runs again inside backward allocates tensors too (megatron's
+    default causal mask on ``device="cuda"``); the autograd engine runs backward without the torch
+    function modes of the caller, so each checkpoint function's backward enters the mode itself."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    for name in ("CheckpointFunction", "CheckpointWithoutOutputFunction"):
+        function = getattr(tp_random, name, None)
+        if function is None or getattr(function.backward, "_ttrace_cpu", False):
+            continue
+        original = function.backward
+
+        def backward(ctx, *grads, _original=original):
+            with _CudaToCpuMode():
+                return _original(ctx, *grads)
+
+        backward._ttrace_cpu = True
+        function.backward = staticmethod(backward)
+
+
 def install() -> None:
     """Apply every shim to this process. Idempotent."""
     global _installed
@@ -230,6 +253,7 @@ def install() -> None:
     _install_sequence_parallel_norm()
     _install_moe_without_te()
     _install_uneven_all_gather()
+    _install_recompute_under_mode()
     _CudaToCpuMode().__enter__()
     _installed = True
 

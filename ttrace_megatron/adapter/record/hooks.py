@@ -28,6 +28,12 @@ each chunk once per microbatch, in megatron's data order. Pipeline schedules run
 backward after later forwards, so a hook on each chunk's output grad marks which microbatch the
 parameter grads that follow belong to.
 
+Activation recomputation runs a module's forward twice: first without grad (its values), then
+inside backward with grad (the graph its grads flow through). Both are one call of the same
+microbatch (the second takes the microbatch whose backward runs): features that act on values
+(a substitution, a perturbation) act on both alike, so the recomputed graph is the first run's;
+the recorder records the values once and the grads once.
+
 Neutrality: a feature that only observes copies tensors. To see the grad w.r.t. a module's own
 input (not the sum over every consumer of that tensor) the input is passed to the module through
 ``view_as``, an identity in forward and backward. No hook issues a collective.
@@ -72,11 +78,16 @@ class Clock:
 
 @dataclasses.dataclass(frozen=True)
 class Call:
-    """One forward of one hooked module: where, and which iteration and microbatch."""
+    """One forward of one hooked module: where, and which iteration and microbatch.
+
+    ``recompute``: the forward runs again inside backward (activation recomputation: megatron's
+    ``tensor_parallel.checkpoint`` ran it first without grad, and runs it again, now with grad, when
+    the backward reaches it). Its values are the first run's; its grads exist only now."""
 
     site: layouts.Site
     iteration: int
     microbatch: int
+    recompute: bool = False
 
 
 class Feature:
@@ -209,13 +220,20 @@ class Dispatcher:
 
         return hook
 
+    def _call(self, site: layouts.Site) -> Call:
+        """This forward of ``site``: inside backward it is a recomputation, of the microbatch whose
+        backward runs."""
+        if torch._C._current_autograd_node() is not None:
+            return Call(site, self.clock.iteration, self.clock.backward_microbatch, recompute=True)
+        return Call(site, self.clock.iteration, self.clock.microbatch)
+
     def _pre_hook(self, site: layouts.Site, features: List[Feature]):
         def hook(module, args, kwargs):
             if not self.clock.in_iteration or not args or not isinstance(args[0], torch.Tensor):
                 return None
-            call = Call(site, self.clock.iteration, self.clock.microbatch)
+            call = self._call(site)
             x = args[0]
-            if x.requires_grad:
+            if x.requires_grad and torch.is_grad_enabled():  # not the first, grad-less run of a recomputation
                 leaves = self._grad_chain(call, features, GRAD_LEAVES)
                 if leaves is not None:
                     x = x.view_as(x)  # this module's own input: its grad is the module's dgrad alone
@@ -233,7 +251,7 @@ class Dispatcher:
             out = output[0] if isinstance(output, tuple) else output
             if not self.clock.in_iteration or not isinstance(out, torch.Tensor):
                 return None
-            call = Call(site, self.clock.iteration, self.clock.microbatch)
+            call = self._call(site)
             first = out
             for f in features:
                 if f.wants(call, OUTPUT_LEAVES):

@@ -42,7 +42,7 @@ from ...keys import TensorKey
 from ...placement import Coords, Layout, owned_piece
 from ..recipe import compat
 from . import layouts
-from .hooks import INPUT_ARRIVES, RECORD, Call, Clock, Feature
+from .hooks import INPUT_ARRIVES, OUTPUT_LEAVES, RECORD, Call, Clock, Feature
 from .layouts import Site
 from ..recipe.naming import all_parameters, canonical_module_names, unwrap
 from .optimizer_state import expected_states, group_settings, main_params, step_count
@@ -108,6 +108,8 @@ class Recorder(Feature):
         return not skips_per_microbatch(site, self.facts)
 
     def wants(self, call: Call, event: str) -> bool:
+        if call.recompute and event in (INPUT_ARRIVES, OUTPUT_LEAVES):
+            return False  # a recomputed forward: its values were recorded when it first ran
         if event == INPUT_ARRIVES and layouts.is_router(call.site.module):
             return True  # the recorder notes which router runs, recorded or not (_AuxLossTap)
         return self._wants(call.site.module_name, call.microbatch)

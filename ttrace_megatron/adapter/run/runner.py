@@ -22,7 +22,7 @@ from ...recipe import SYNTHETIC, Recipe, recipe_from_dict
 from ...trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
 from ..recipe import build
 from ..recipe import config as cfg
-from ..recipe import data, hybrid
+from ..recipe import data, hybrid, model_fields
 from ..record import layouts
 from .session import TraceOptions
 
@@ -42,7 +42,11 @@ class RunSpec:
     as_gpt: bool = False
 
     def get_recipe(self) -> Recipe:
-        return recipe_from_dict(self.recipe)
+        """The recipe this side runs: the reference without the candidate's activation recomputation
+        (it keeps its activations, so the check judges the recomputation)."""
+        if self.role == CANDIDATE:
+            return recipe_from_dict(self.recipe)
+        return recipe_from_dict(dict(self.recipe, model=model_fields.for_reference(self.recipe["model"])))
 
     @property
     def parallel(self) -> Dict:

@@ -106,8 +106,12 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
     problems = [f"{k.upper()}={v}" for k, v in sizes.items() if k in ("cp",) and v > 1]
     if getattr(config, "fp8", None):
         problems.append("FP8")
-    if getattr(config, "recompute_granularity", None) == "full":
-        problems.append("full activation recompute (module forwards run again during backward)")
+    if getattr(config, "recompute_granularity", None) and options.perturb:
+        problems.append("--ttrace-perturb with activation recomputation (the noise of a module's recomputed "
+                        "forward would not be its first run's)")
+    if getattr(config, "recompute_granularity", None) and getattr(config, "num_moe_experts", None):
+        problems.append("activation recomputation of MoE layers (a recomputed router would route, and record its "
+                        "aux losses, twice)")
     te = sorted({type(m).__name__ for c in chunks for m in c.modules() if type(m).__name__.startswith("TE")})
     if te:
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")

@@ -235,6 +235,23 @@ def cross_entropy_grad_into_padding(chunks) -> None:
     cross_entropy.VocabParallelCrossEntropy.calculate_gradients = staticmethod(calculate_gradients)
 
 
+@bug()
+def recompute_input_shards_swapped(chunks) -> None:
+    """Activation recomputation with ``distribute_saved_activations``: each TP rank keeps 1/TP of a
+    checkpointed layer's input and the backward gathers the pieces again, here in the wrong order
+    (rolled by one rank). The recomputed forward then runs on another input than the first: its
+    values were right, its grads are not."""
+    from megatron.core.tensor_parallel import random as tp_random
+
+    original = tp_random.gather_split_1d_tensor
+
+    def gather_split_1d_tensor(tensor):
+        gathered = original(tensor)
+        return torch.roll(gathered, shifts=tensor.numel())  # rank r's piece where rank r + 1's belongs
+
+    tp_random.gather_split_1d_tensor = gather_split_1d_tensor
+
+
 @bug(at_build=True)
 def vpp_layer_offset_off_by_one_stage() -> None:
     """With virtual pipeline stages, the layer offset of every chunk after the first is computed
