@@ -398,3 +398,12 @@ def test_recomputation_of_unchecked_modules_is_refused_with_the_reason():
                                "world_size": 1})
     with pytest.raises(RecipeError, match="'recompute_modules' is not supported by ttrace: 'layernorm'.*random.py:589"):
         validate_recipe(recipe)
+
+
+def test_nope_layers_under_pipeline_parallelism(runs):
+    """no_rope_freq (Llama 4's NoPE layers) is honoured by megatron's attention through the global
+    layer number: a PP=2 candidate whose second stage holds the NoPE layer matches the reference."""
+    ref, cand = runs.candidate(load("gpt_pp2_nope"))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    assert c.candidate_run["recipe"]["model"]["no_rope_freq"] == [0, 0, 1, 0]

@@ -52,6 +52,9 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     # replay names the grad arriving at the last hooked module before it (issue #33)
     ("gpt_tp2_recompute", "fp32", "recompute_input_shards_swapped", "decoder.layers.1.self_attention.linear_proj",
      "backward (arrival)", "grad_output"),
+    # NoPE layers picked by a stage-local layer number: the fault is in core attention (issue #33)
+    ("gpt_pp2_nope", "fp32", "attention_layer_number_stage_local", "decoder.layers.2.self_attention.linear_proj",
+     "forward (arrival)", "input"),
     # lands only in the padded vocabulary's rows: found where it enters, not at the grad norm (issue #33)
     ("gpt_tp2", "fp32", "cross_entropy_grad_into_padding", "output_layer", "backward (arrival)", "grad_output"),
     ("gpt_pp2", "fp32", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction",
@@ -74,7 +77,8 @@ def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor)
     assert culprit.error_eps > 10 * culprit.tolerance_eps
     if bug == "dp_grad_not_averaged":
         assert "2× the reference" in culprit.reason
-    if bug in ("vpp_batched_p2p_at_pp2", "cross_entropy_grad_into_padding", "recompute_input_shards_swapped"):
+    if bug in ("vpp_batched_p2p_at_pp2", "cross_entropy_grad_into_padding", "recompute_input_shards_swapped",
+               "attention_layer_number_stage_local"):
         assert "every module passes given the reference's inputs" in culprit.reason
     if bug == "tied_embedding_grads_not_synced":
         assert "replicas differ" in culprit.reason

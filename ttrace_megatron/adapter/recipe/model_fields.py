@@ -47,6 +47,7 @@ STRUCTURE = (
 )
 
 NUMERICS = (
+    "no_rope_freq",  # NoPE layers (Llama 4): which layers skip RoPE, by the global layer number
     "hidden_dropout", "attention_dropout",  # must be 0: refused otherwise by validate_recipe
     "softmax_scale", "fp32_residual_connection", "apply_residual_connection_post_layernorm", "layernorm_epsilon",
     "layernorm_zero_centered_gamma", "glu_linear_offset", "activation_func_clamp_value", "rotary_interleaved",
@@ -105,7 +106,6 @@ REFUSED: Dict[str, str] = {
     "test_mode": "megatron's internal test switch",
     "multi_latent_attention": "multi-latent attention needs MLATransformerConfig's fields (q_lora_rank, "
                               "kv_lora_rank, ...), which a recipe cannot set yet",
-    "no_rope_freq": UNVERIFIED,
     "experimental_attention_variant": UNVERIFIED,
     "dsa_indexer_n_heads": UNVERIFIED, "dsa_indexer_head_dim": UNVERIFIED, "dsa_indexer_topk": UNVERIFIED,
     "dsa_indexer_loss_coeff": UNVERIFIED, "dsa_indexer_use_sparse_loss": UNVERIFIED,

@@ -252,6 +252,20 @@ def recompute_input_shards_swapped(chunks) -> None:
     tp_random.gather_split_1d_tensor = gather_split_1d_tensor
 
 
+@bug()
+def attention_layer_number_stage_local(chunks) -> None:
+    """Every attention numbers itself within its pipeline chunk (1, 2, ...) instead of by its global
+    layer number: what depends on the layer's number (which layers are NoPE, ``no_rope_freq``;
+    which use a sliding window) is right on the first stage and wrong on the others."""
+    from megatron.core.transformer.attention import Attention
+
+    for chunk in chunks:
+        attentions = [m for m in chunk.modules() if isinstance(m, Attention)]
+        first = min((a.layer_number for a in attentions), default=1)
+        for attention in attentions:
+            attention.layer_number = attention.layer_number - first + 1
+
+
 @bug(at_build=True)
 def vpp_layer_offset_off_by_one_stage() -> None:
     """With virtual pipeline stages, the layer offset of every chunk after the first is computed
