@@ -44,6 +44,8 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     # NoPE layers picked by a stage-local layer number (issue #33): the third layer, on the second stage,
     # gets RoPE; the fault is inside core attention, between linear_qkv and linear_proj
     ("gpt_pp2_nope", "attention_layer_number_stage_local", "decoder.layers.2.self_attention.linear_proj", "forward"),
+    # attention sinks' offsets on the wrong heads (issue #33): inside core attention
+    ("gpt_tp2_sinks", "softmax_offsets_on_the_wrong_heads", "decoder.layers.0.self_attention.linear_proj", "forward"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
     ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer"),
     ("gpt_pp2_vpp", "vpp_batched_p2p_at_pp2", "decoder.layers.1.mlp.linear_fc2", "backward"),
@@ -76,7 +78,7 @@ FAMILIES = ("gpt3_tp2_sp", "gpt3_pp2_dp2", "llama3_tp2_sp", "llama3_tp4_sp", "qw
             "mixtral_tp2_sp_ep2", "deepseek_ep2", "deepseek_tp2_sp_ep2")  # issue #17's model families
 CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_dp2_adam", "gpt_tp2_sp_dp2",
          "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2", "qwen3_tp2",
-         "gpt_tp2_recompute", "gpt_pp2_nope")
+         "gpt_tp2_recompute", "gpt_pp2_nope", "gpt_tp2_sinks")
 
 
 # issue #31's detection at width: the zoo's recipes widened to (at least) this, structure and layout kept

@@ -407,3 +407,19 @@ def test_nope_layers_under_pipeline_parallelism(runs):
     c = compare_traces(ref, cand)
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     assert c.candidate_run["recipe"]["model"]["no_rope_freq"] == [0, 0, 1, 0]
+
+
+@pytest.mark.parametrize("softmax_type", ["learnable", "off-by-one"])
+def test_attention_sinks_under_tensor_parallelism(runs, softmax_type):
+    """softmax_type (gpt-oss's attention sinks): off-by-one adds a zero logit per head; learnable
+    adds a per-head parameter that each TP rank holds for its own heads, though megatron does not
+    tag it tensor_model_parallel. ttrace places it by the module's heads: merged over TP, it is
+    the reference's, and its grads, moments and updates are judged."""
+    ref, cand = runs.candidate(load("gpt_tp2_sinks", model={"softmax_type": softmax_type}))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    offsets = [r for r in c.results if r.key.tensor.startswith("softmax_offset")]
+    assert bool(offsets) == (softmax_type == "learnable")
+    if offsets:
+        assert {r.key.phase for r in offsets} >= {"backward", "main_grad", "optimizer"}
+        assert all(r.shape == (4,) for r in offsets if r.key.tensor == "softmax_offset.main_grad")

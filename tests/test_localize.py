@@ -55,6 +55,9 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     # NoPE layers picked by a stage-local layer number: the fault is in core attention (issue #33)
     ("gpt_pp2_nope", "fp32", "attention_layer_number_stage_local", "decoder.layers.2.self_attention.linear_proj",
      "forward (arrival)", "input"),
+    # attention sinks' offsets on the wrong heads: inside core attention (issue #33)
+    ("gpt_tp2_sinks", "fp32", "softmax_offsets_on_the_wrong_heads", "decoder.layers.0.self_attention.linear_proj",
+     "forward (arrival)", "input"),
     # lands only in the padded vocabulary's rows: found where it enters, not at the grad norm (issue #33)
     ("gpt_tp2", "fp32", "cross_entropy_grad_into_padding", "output_layer", "backward (arrival)", "grad_output"),
     ("gpt_pp2", "fp32", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction",
@@ -78,7 +81,7 @@ def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor)
     if bug == "dp_grad_not_averaged":
         assert "2× the reference" in culprit.reason
     if bug in ("vpp_batched_p2p_at_pp2", "cross_entropy_grad_into_padding", "recompute_input_shards_swapped",
-               "attention_layer_number_stage_local"):
+               "attention_layer_number_stage_local", "softmax_offsets_on_the_wrong_heads"):
         assert "every module passes given the reference's inputs" in culprit.reason
     if bug == "tied_embedding_grads_not_synced":
         assert "replicas differ" in culprit.reason

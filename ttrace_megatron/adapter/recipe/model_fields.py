@@ -47,6 +47,7 @@ STRUCTURE = (
 )
 
 NUMERICS = (
+    "softmax_type",  # attention sinks (gpt-oss): off-by-one, or a learnable offset per head, sharded over TP
     "no_rope_freq",  # NoPE layers (Llama 4): which layers skip RoPE, by the global layer number
     "hidden_dropout", "attention_dropout",  # must be 0: refused otherwise by validate_recipe
     "softmax_scale", "fp32_residual_connection", "apply_residual_connection_post_layernorm", "layernorm_epsilon",
@@ -95,7 +96,6 @@ REFUSED: Dict[str, str] = {
     "mtp_num_layers": "multi-token prediction: its block and loss are not recorded or compared yet",
     "mtp_loss_scaling_factor": "multi-token prediction is not supported yet",
     "attention_backend": _TE,
-    "softmax_type": UNVERIFIED + " (the learnable softmax offset is a parameter ttrace does not place)",
     "activation_func_fp8_input_store": _FP8,
     "qk_l2_norm": "Megatron-LM's local layer spec drops it for dense models; " + UNVERIFIED,
     "qk_clip": UNVERIFIED + " (it rescales weights in the optimizer)",

@@ -245,6 +245,14 @@ def param_layout(site: Site, facts: ModelFacts, *, microbatch_grad: bool = False
         # alike (the model signature holds the padded size), so they are compared like any other row
         logical[dim] = local[dim] * tp
         placements = (Shard(dim, tp_axis, stride),)
+    elif is_head_sharded(module, param_name):
+        # a learnable softmax offset (attention sinks): one per attention head, each TP rank holding
+        # its heads', though megatron does not tag it tensor_model_parallel
+        if local[0] != module.num_attention_heads_per_partition:
+            raise LayoutInferenceError(f"{full_name}: local shape {local} is not one per head of this rank's "
+                                       f"{module.num_attention_heads_per_partition}")
+        logical[0] = local[0] * tp
+        placements = (Shard(0, tp_axis),)
     else:
         _check_attr(param, full_name, False, -1, 1)
         sp_partial = microbatch_grad and facts.sequence_parallel and sees_sequence_shard(module, param_name)
@@ -259,6 +267,12 @@ def param_layout(site: Site, facts: ModelFacts, *, microbatch_grad: bool = False
         # per-microbatch grads are each stage's share of the sum, its main grad and value replicas
         placements = ((Partial(PP) if microbatch_grad else Replicate(PP)),) + placements
     return Layout(placements, tuple(logical))
+
+
+def is_head_sharded(module: Optional[torch.nn.Module], param_name: str) -> bool:
+    """A parameter with one entry per attention head of this rank: DotProductAttention's learnable
+    softmax offset (``softmax_type: learnable``)."""
+    return param_name == "softmax_offset" and hasattr(module, "num_attention_heads_per_partition")
 
 
 def is_expert(module: Optional[torch.nn.Module]) -> bool:

@@ -266,6 +266,23 @@ def attention_layer_number_stage_local(chunks) -> None:
             attention.layer_number = attention.layer_number - first + 1
 
 
+@bug()
+def softmax_offsets_on_the_wrong_heads(chunks) -> None:
+    """Attention sinks (``softmax_type: learnable``): each rank's per-head softmax offsets are applied
+    to its heads in reverse order, as a head-sharded parameter indexed against another head order
+    would be."""
+    from megatron.core.fusions import fused_softmax
+
+    original = fused_softmax.FusedScaleMaskSoftmax.forward_torch_softmax
+
+    def forward_torch_softmax(self, input, mask, softmax_offset=None):
+        if softmax_offset is not None:
+            softmax_offset = softmax_offset.flip(0)
+        return original(self, input, mask, softmax_offset)
+
+    fused_softmax.FusedScaleMaskSoftmax.forward_torch_softmax = forward_torch_softmax
+
+
 @bug(at_build=True)
 def vpp_layer_offset_off_by_one_stage() -> None:
     """With virtual pipeline stages, the layer offset of every chunk after the first is computed
