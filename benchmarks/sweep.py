@@ -82,6 +82,26 @@ def _router_bias(rng, model):
     return rng.random() < 0.5 if model.get("num_moe_experts") else None
 
 
+def _no_rope(rng, model):
+    # NoPE layers (issue #33): with RoPE, sometimes one layer without it, picked by its global number
+    if model.get("position_embedding_type", "rope") != "rope" or rng.random() >= 0.2:
+        return None
+    pattern = [0] * model["num_layers"]
+    pattern[rng.randrange(model["num_layers"])] = 1
+    return pattern
+
+
+def _recompute(rng, model):
+    # activation recomputation (issue #33), the candidate's only; ttrace refuses it for MoE layers
+    if model.get("num_moe_experts"):
+        return None
+    return rng.choice([None, None, None, None, "full", "selective"])
+
+
+def _recompute_full(field: str, value: Any) -> Draw:
+    return lambda rng, model: value if model.get("recompute_granularity") == "full" else None
+
+
 def _capacity(rng, model):
     return rng.choice([None, None, 1.0, 1.5]) if model.get("num_moe_experts") else None
 
@@ -135,6 +155,11 @@ FIELDS: Dict[str, Draw] = {
     "moe_pad_expert_input_to_capacity": _moe(_sometimes(0.3, True)),
     "moe_token_drop_policy": _moe(_choice("probs", "position")),
     "position_embedding_type": _choice("rope", "learned_absolute"),
+    "no_rope_freq": _no_rope,
+    "softmax_type": _choice(None, None, None, None, "off-by-one", "learnable"),
+    "recompute_granularity": _recompute,
+    "recompute_method": _recompute_full("recompute_method", "uniform"),
+    "recompute_num_layers": _recompute_full("recompute_num_layers", 1),
     "share_embeddings_and_output_weights": _choice(True, False),
     "rotary_percent": _sometimes(0.15, 0.5),
     "rotary_base": _sometimes(0.15, 500000),
@@ -271,6 +296,12 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("qkv bias")
     if m.get("qk_layernorm"):
         tags.append("qk_layernorm")
+    if m.get("no_rope_freq"):
+        tags.append("NoPE")
+    if m.get("softmax_type"):
+        tags.append(f"sinks {m['softmax_type']}")
+    if m.get("recompute_granularity"):
+        tags.append(f"recompute {m['recompute_granularity']}")
     if groups == 1:
         tags.append("MQA")
     elif groups < heads:

@@ -33,7 +33,8 @@ def test_drawn_configurations_are_valid_recipes_and_cover_the_features():
     assert len(configs) == 60 and rejected >= 0
     tags = {t for raw in configs for t in sweep.features(raw)}
     for wanted in ("MoE", "GQA", "MQA", "query groups < TP", "PP uneven", "VPP", "SP", "EP", "qk_layernorm",
-                   "learned_absolute", "tied", "padded vocab", "distributed optimizer", "bf16"):
+                   "learned_absolute", "tied", "padded vocab", "distributed optimizer", "bf16", "NoPE",
+                   "sinks learnable", "recompute full"):
         assert wanted in tags, f"60 draws never produced {wanted!r}"
 
 
