@@ -396,8 +396,16 @@ def test_recomputation_of_unchecked_modules_is_refused_with_the_reason():
     recipe = recipe_from_dict({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
                                          "recompute_granularity": "selective", "recompute_modules": ["layernorm"]},
                                "world_size": 1})
-    with pytest.raises(RecipeError, match="'recompute_modules' is not supported by ttrace: 'layernorm'.*random.py:589"):
+    with pytest.raises(RecipeError, match="'recompute_granularity' is not supported by ttrace: recompute_modules "
+                                          "'layernorm'.*random.py:589"):
         validate_recipe(recipe)
+    moe = recipe_from_dict({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                      "num_moe_experts": 4, "add_bias_linear": False,
+                                      "recompute_granularity": "full", "recompute_method": "uniform",
+                                      "recompute_num_layers": 1}, "world_size": 1})
+    with pytest.raises(RecipeError, match="'recompute_granularity' is not supported by ttrace: activation "
+                                          "recomputation of MoE layers"):
+        validate_recipe(moe)  # before any run starts, not at the candidate's attach
 
 
 def test_nope_layers_under_pipeline_parallelism(runs):

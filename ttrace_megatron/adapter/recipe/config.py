@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Dict, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -215,19 +215,25 @@ RECOMPUTE_MODULES_REFUSED = {
     "mlp": "megatron-core's recomputed MLP (megatron/core/transformer/transformer_layer.py, tensor_parallel.checkpoint "
            "of self.mlp) did not finish on CPU within 120 s for a 2-layer, hidden-64 model: not verified by ttrace yet",
     "moe": "activation recomputation of MoE layers is not supported by ttrace yet",
-    "moe_act": "activation recomputation of MoE layers is not supported by ttrace yet",
-    "shared_experts": "activation recomputation of MoE layers is not supported by ttrace yet",
+    "moe_act": "see moe",
+    "shared_experts": "see moe",
     "mla_up_proj": "multi-latent attention is not supported by ttrace yet",
 }
 
 
-def _recompute_modules_refused(model: Dict[str, Any]):
-    """Selective recomputation's modules ttrace has not checked, each with why (None: all checked)."""
-    if model.get("recompute_granularity") != "selective":
+def recompute_refused(granularity: Optional[str], modules, moe: bool) -> Optional[str]:
+    """Why ttrace cannot trace this activation recomputation (None: it can), from the fields of a
+    recipe or of a TransformerConfig alike (``ttrace run`` and ``--ttrace`` refuse by one rule)."""
+    if not granularity:
         return None
-    for module in model.get("recompute_modules") or RECOMPUTE_MODULES_CHECKED:
-        if module not in RECOMPUTE_MODULES_CHECKED:
-            return f"{module!r}: " + RECOMPUTE_MODULES_REFUSED.get(module, "not verified by ttrace yet")
+    if moe:
+        return "activation recomputation of MoE layers (a recomputed router would route, and record its aux " \
+               "losses, twice) is not supported by ttrace yet"
+    if granularity == "selective":
+        for module in modules or RECOMPUTE_MODULES_CHECKED:
+            if module not in RECOMPUTE_MODULES_CHECKED:
+                return f"recompute_modules {module!r}: " + RECOMPUTE_MODULES_REFUSED.get(module, "not verified by "
+                                                                                         "ttrace yet")
     return None
 
 
@@ -239,9 +245,10 @@ def megatron_cannot_run(recipe: Recipe):
     model, opt = recipe.model, recipe.optimizer
     sizes = parallel_sizes(recipe.parallel)
     dp = recipe.world_size // (sizes["tp"] * sizes["pp"] * sizes["cp"])
-    refused_module = _recompute_modules_refused(model)
-    if refused_module:
-        yield ("model", "recompute_modules", refused_module)
+    recompute = recompute_refused(model.get("recompute_granularity"), model.get("recompute_modules"),
+                                  bool(model.get("num_moe_experts")))
+    if recompute:
+        yield ("model", "recompute_granularity", recompute)
     if (model.get("num_moe_experts") and model.get("moe_expert_capacity_factor") is not None
             and sizes["tp"] > 1 and recipe.parallel.get("sequence_parallel")):
         yield ("model", "moe_expert_capacity_factor",

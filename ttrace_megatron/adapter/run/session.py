@@ -109,9 +109,12 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
     if getattr(config, "recompute_granularity", None) and options.perturb:
         problems.append("--ttrace-perturb with activation recomputation (the noise of a module's recomputed "
                         "forward would not be its first run's)")
-    if getattr(config, "recompute_granularity", None) and getattr(config, "num_moe_experts", None):
-        problems.append("activation recomputation of MoE layers (a recomputed router would route, and record its "
-                        "aux losses, twice)")
+    from ..recipe.config import recompute_refused
+
+    recompute = recompute_refused(getattr(config, "recompute_granularity", None),
+                                  getattr(config, "recompute_modules", None), bool(getattr(config, "num_moe_experts", None)))
+    if recompute:
+        problems.append(recompute)
     te = sorted({type(m).__name__ for c in chunks for m in c.modules() if type(m).__name__.startswith("TE")})
     if te:
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
