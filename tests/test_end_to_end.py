@@ -431,3 +431,46 @@ def test_attention_sinks_under_tensor_parallelism(runs, softmax_type):
     if offsets:
         assert {r.key.phase for r in offsets} >= {"backward", "main_grad", "optimizer"}
         assert all(r.shape == (4,) for r in offsets if r.key.tensor == "softmax_offset.main_grad")
+
+
+@pytest.mark.parametrize("model,parallel", [
+    ({"mtp_num_layers": 2}, None),  # two depths, TP=2 + SP
+    # DeepSeek-V3's layout: the MTP layer is an MoE layer like the decoder's last, experts over EP=2 at DP=2
+    ({"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [0, 1],
+      "moe_token_dispatcher_type": "alltoall"},
+     {"tensor_model_parallel_size": 1, "sequence_parallel": False, "expert_model_parallel_size": 2}),
+])
+def test_multi_token_prediction(runs, model, parallel):
+    """mtp_num_layers (DeepSeek-V3): each MTP depth embeds the tokens shifted once more, projects
+    them with the previous depth's hidden states through a transformer layer, and scores them with
+    the shared output layer. The word embeddings and the output layer run once per depth and
+    microbatch: each call is judged under its own name, and each depth's loss too."""
+    overrides = {"model": model}
+    if parallel:
+        overrides["parallel"] = parallel
+    ref, cand = runs.candidate(load("deepseek_mtp_tp2_sp", **overrides))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    assert not c.missing_in_candidate and not c.missing_in_reference
+    modules = {r.key.module for r in c.results}
+    depths = c.candidate_run["recipe"]["model"]["mtp_num_layers"]
+    for k in range(depths):
+        assert {f"mtp.layers.{k}.loss", f"mtp.layers.{k}.output_layer", f"mtp.layers.{k}.embedding.word_embeddings",
+                f"mtp.layers.{k}.eh_proj", f"mtp.layers.{k}.transformer_layer.self_attention.linear_qkv"} <= modules
+    assert f"mtp.layers.{depths}.loss" not in modules and "output_layer#1" not in modules
+    losses = [r for r in c.results if r.key.tensor == "per_token_loss"]
+    assert {r.key.module for r in losses} == {"loss"} | {f"mtp.layers.{k}.loss" for k in range(depths)}
+
+
+@pytest.mark.parametrize("fields,why", [
+    ({"parallel": {"tensor_model_parallel_size": 1, "sequence_parallel": False, "pipeline_model_parallel_size": 2}},
+     "with pipeline parallelism yet"),
+    ({"dtype": "fp8"}, "with dtype fp8 yet"),
+])
+def test_multi_token_prediction_refusals_name_the_reason(fields, why):
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.errors import RecipeError
+
+    recipe = load("deepseek_mtp_tp2_sp", **{k: v for k, v in fields.items()})
+    with pytest.raises(RecipeError, match=f"'mtp_num_layers' is not supported by ttrace {why}"):
+        validate_recipe(recipe)

@@ -58,6 +58,12 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     # attention sinks' offsets on the wrong heads: inside core attention (issue #33)
     ("gpt_tp2_sinks", "fp32", "softmax_offsets_on_the_wrong_heads", "decoder.layers.0.self_attention.linear_proj",
      "forward (arrival)", "input"),
+    # multi-token prediction (issue #33): the projection's gather sums its grad over TP, a collective between
+    # eh_proj and the MTP transformer layer; the MTP loss at the wrong scale, between the MTP logits and the loss
+    ("deepseek_mtp_tp2_sp", "fp32", "mtp_projection_gather_reduces_grad", "mtp.layers.0.eh_proj",
+     "backward (arrival)", "grad_output"),
+    ("deepseek_mtp_tp2_sp", "fp32", "mtp_loss_scale_ignores_microbatches", "mtp.layers.0.output_layer",
+     "backward (arrival)", "grad_output"),
     # lands only in the padded vocabulary's rows: found where it enters, not at the grad norm (issue #33)
     ("gpt_tp2", "fp32", "cross_entropy_grad_into_padding", "output_layer", "backward (arrival)", "grad_output"),
     ("gpt_pp2", "fp32", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction",
@@ -81,7 +87,8 @@ def test_replay_names_the_culprit(runs, name, dtype, bug, module, phase, tensor)
     if bug == "dp_grad_not_averaged":
         assert "2× the reference" in culprit.reason
     if bug in ("vpp_batched_p2p_at_pp2", "cross_entropy_grad_into_padding", "recompute_input_shards_swapped",
-               "attention_layer_number_stage_local", "softmax_offsets_on_the_wrong_heads"):
+               "attention_layer_number_stage_local", "softmax_offsets_on_the_wrong_heads",
+               "mtp_projection_gather_reduces_grad", "mtp_loss_scale_ignores_microbatches"):
         assert "every module passes given the reference's inputs" in culprit.reason
     if bug == "tied_embedding_grads_not_synced":
         assert "replicas differ" in culprit.reason

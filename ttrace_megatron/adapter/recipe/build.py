@@ -78,9 +78,22 @@ def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True, as
 def _gpt_model(recipe: Recipe, config, where: Dict[str, Any]):
     from megatron.core.models.gpt import GPTModel
 
-    return GPTModel(config=config, transformer_layer_spec=layer_spec(config, where["vp_stage"]),
+    spec = layer_spec(config, where["vp_stage"])
+    return GPTModel(config=config, transformer_layer_spec=spec, mtp_block_spec=mtp_block_spec(config, spec, where),
                     vocab_size=cfg.padded_vocab_size(recipe), max_sequence_length=recipe.data.seq_length,
                     **where, **cfg.gpt_model_kwargs(recipe))
+
+
+def mtp_block_spec(config, decoder_spec, where: Dict[str, Any]):
+    """The multi-token prediction block of a model with ``mtp_num_layers``, as Megatron-LM's GPT
+    builder makes it for the local implementation: each MTP layer's transformer layer is the
+    decoder's last layer spec (an MoE layer if the decoder ends with one), local norms and
+    projection; megatron builds it on the stage that holds the MTP layers (None elsewhere)."""
+    if not config.mtp_num_layers:
+        return None
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+    return get_gpt_mtp_block_spec(config, decoder_spec, use_transformer_engine=False, vp_stage=where["vp_stage"])
 
 
 def _hybrid_model(recipe: Recipe, config, pattern: str, where: Dict[str, Any]):

@@ -120,6 +120,31 @@ def validate_recipe(recipe: Recipe) -> None:
                           f"as in megatron)")
     for section, key, why in megatron_cannot_run(recipe):
         raise RecipeError(f"{where}: {section}: '{key}' is not supported by ttrace: {why}")
+    mtp = mtp_refused(recipe)
+    if mtp:
+        raise RecipeError(f"{where}: model: 'mtp_num_layers' is not supported by ttrace {mtp}")
+
+
+def mtp_refused(recipe: Recipe) -> Optional[str]:
+    """Why ttrace cannot trace this recipe's multi-token prediction (None: it can)."""
+    model = recipe.model
+    if not model.get("mtp_num_layers"):
+        return None
+    if parallel_sizes(recipe.parallel)["pp"] > 1:
+        return ("with pipeline parallelism yet: megatron-core keeps a second copy of the word embeddings on the "
+                "last stage for the MTP depths (megatron/core/models/common/language_module/language_module.py, "
+                "setup_embeddings_and_output_layer), whose per-microbatch grads are one part of the reference "
+                "embedding's, a placement ttrace does not have yet; compare the MTP layout at PP 1")
+    if recipe.dtype == "fp8":
+        return ("with dtype fp8 yet: ttrace emulates TE's FP8 GEMMs in the decoder's layers only, and TE runs the "
+                "MTP layers' GEMMs in FP8 too (megatron/core/transformer/multi_token_prediction.py, "
+                "_proj_and_transformer_layer)")
+    if model.get("recompute_granularity"):
+        return ("with activation recomputation yet: megatron recomputes an MTP layer by its own rules "
+                "(megatron/core/transformer/multi_token_prediction.py, _checkpointed_forward), " + model_fields.UNVERIFIED)
+    if hybrid.pattern_of(model) is not None:
+        return "in a HybridModel yet (its MTP block takes its own pattern): " + model_fields.UNVERIFIED
+    return None
 
 
 # DistributedDataParallelConfig: the fields megatron's DDP honours on CPU with the same math

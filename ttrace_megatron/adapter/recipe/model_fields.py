@@ -44,9 +44,11 @@ STRUCTURE = (
     "num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels",
     "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "normalization", "qk_layernorm", "num_moe_experts",
     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
+    "mtp_num_layers",  # multi-token prediction (DeepSeek-V3): the MTP block's layers, built after the decoder
 )
 
 NUMERICS = (
+    "mtp_loss_scaling_factor",  # the weight of the MTP depths' losses in the backward
     "softmax_type",  # attention sinks (gpt-oss): off-by-one, or a learnable offset per head, sharded over TP
     "no_rope_freq",  # NoPE layers (Llama 4): which layers skip RoPE, by the global layer number
     "hidden_dropout", "attention_dropout",  # must be 0: refused otherwise by validate_recipe
@@ -85,7 +87,7 @@ _RNG = "draws random numbers during training: reference and candidate could not 
 CALLABLE = "a Python callable: a YAML recipe cannot set it (megatron's default is used)"
 _FP8 = "TransformerEngine FP8/FP4: use `dtype: fp8`, ttrace's emulation of TE's FP8 GEMMs, on CPU"
 _MUP = "μP (maximal update parametrization) rescales init, attention and outputs: " + UNVERIFIED
-_MTP = "multi-token prediction is not supported yet"
+_MTP = "a multi-token prediction variant of a later release: " + UNVERIFIED
 _GROUPED = "grouped GEMM needs TransformerEngine or the grouped_gemm package; ttrace builds SequentialMLP experts"
 _OFFLOAD = "activation offloading to the host: " + UNVERIFIED
 _MAMBA = "configures Mamba layers (M in hybrid_layer_pattern), which need the mamba_ssm CUDA kernels: not " \
@@ -93,8 +95,6 @@ _MAMBA = "configures Mamba layers (M in hybrid_layer_pattern), which need the ma
 _DSA = "DeepSeek sparse attention: " + UNVERIFIED
 
 REFUSED: Dict[str, str] = {
-    "mtp_num_layers": "multi-token prediction: its block and loss are not recorded or compared yet",
-    "mtp_loss_scaling_factor": "multi-token prediction is not supported yet",
     "attention_backend": _TE,
     "activation_func_fp8_input_store": _FP8,
     "qk_l2_norm": "Megatron-LM's local layer spec drops it for dense models; " + UNVERIFIED,

@@ -8,6 +8,8 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple, Type, Union
 
 import torch
 
+from ...keys import LOSS_MODULE
+
 # a model may carry a function of its canonical names to the names it is traced under (a HybridModel
 # traced as its GPTModel equivalent: ``hybrid.gpt_name``); every canonical name goes through it
 NAME_MAP_ATTR = "_ttrace_name_map"
@@ -56,6 +58,41 @@ def canonical_module_names(chunk: torch.nn.Module) -> Dict[torch.nn.Module, str]
 
 
 TIED_EMBEDDING = "embedding.word_embeddings"
+OUTPUT_LAYER = "output_layer"
+MTP_LAYERS = "mtp.layers"  # the MultiTokenPredictionBlock's layers: ``mtp.layers.{depth - 1}``
+
+
+def mtp_layers(chunks: Sequence[torch.nn.Module]) -> int:
+    """The model's multi-token prediction depths (``mtp_num_layers``; 0 without)."""
+    for chunk in chunks:
+        config = getattr(unwrap(chunk), "config", None)
+        if config is not None:
+            return int(getattr(config, "mtp_num_layers", None) or 0)
+    return 0
+
+
+def mtp_loss_name(depth_index: int) -> str:
+    """The module name the per-token loss of MTP depth ``depth_index + 1`` is recorded under."""
+    return f"{MTP_LAYERS}.{depth_index}.{LOSS_MODULE}"
+
+
+def call_name(module_name: str, occurrence: int, mtp_depths: int) -> str:
+    """What the ``occurrence``-th call (0-based) of a module within one microbatch's forward is
+    recorded under.
+
+    A module runs once per microbatch, except with multi-token prediction (megatron-core's
+    ``GPTModel._postprocess`` and ``MultiTokenPredictionLayer._get_embeddings``): the word
+    embeddings run first for the decoder's tokens, then once per MTP depth k on the tokens shifted
+    k places (``mtp.layers.{k-1}.embedding.word_embeddings``); the output layer runs first for each
+    depth's hidden states (``mtp.layers.{k-1}.output_layer``), then for the decoder's. Named by
+    what they compute, the calls of a run with MTP compare one by one with the reference's. Any other
+    repeated call is ``{module}#{occurrence}``."""
+    if mtp_depths:
+        if module_name == OUTPUT_LAYER and occurrence <= mtp_depths:
+            return module_name if occurrence == mtp_depths else f"{MTP_LAYERS}.{occurrence}.{module_name}"
+        if module_name == TIED_EMBEDDING and 1 <= occurrence <= mtp_depths:
+            return f"{MTP_LAYERS}.{occurrence - 1}.{module_name}"
+    return module_name if occurrence == 0 else f"{module_name}#{occurrence}"
 
 
 def canonical_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]]:
@@ -69,7 +106,7 @@ def canonical_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, tor
     names = canonical_module_names(chunk)
     for module, mname in names.items():
         for pname, param in module.named_parameters(recurse=False):
-            if mname == "output_layer" and pname == "weight" and getattr(param, "shared_embedding", False):
+            if mname == OUTPUT_LAYER and pname == "weight" and getattr(param, "shared_embedding", False):
                 mname = TIED_EMBEDDING
             yield mname, pname, module, param
 

@@ -53,6 +53,12 @@ def _check_linears(problems: List[str], where: str, mlp: torch.nn.Module, config
             int(fc1.output_size))
 
 
+def decoder_modules(chunk: torch.nn.Module):
+    """The modules of a chunk's decoder (not its multi-token prediction block, whose transformer
+    layers are numbered after the decoder's)."""
+    return unwrap(chunk).decoder.modules()
+
+
 def layer_contents(config, pattern: Optional[str] = None) -> List[Tuple[bool, Optional[str]]]:
     """(has attention, MLP kind: "dense", "moe" or None) of each of the model's layers: a GPTModel's
     layers all have both (MoE as ``moe_layer_freq`` says); a HybridModel's have one each, by the
@@ -77,23 +83,55 @@ def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwar
     for chunk in chunks:
         model = unwrap(chunk)
         _check_model(problems, model, gpt_kwargs, pattern, norm_kind)
-        for layer in (m for m in model.modules() if isinstance(m, TransformerLayer)):
+        for layer in (m for m in decoder_modules(model) if isinstance(m, TransformerLayer)):
             n = layer.layer_number  # global, 1-based
             where = f"decoder.layers.{n - 1}"
             if not 1 <= n <= config.num_layers:
                 problems.append(f"{where}: layer number {n} outside num_layers {config.num_layers}")
                 continue
-            attention, mlp = contents[n - 1]
-            for norm, present in (("input_layernorm", attention), ("pre_mlp_layernorm", mlp is not None)):
-                found = type(getattr(layer, norm)).__name__
-                if present and norm_kind not in found:
-                    problems.append(f"{where}.{norm}: normalization asks for {norm_kind}, the built model has {found}")
-                if not present:
-                    _expect(problems, f"{where}.{norm}", "hybrid_layer_pattern (no such sublayer)", False,
-                            _has_params(getattr(layer, norm)))
-            _check_attention(problems, f"{where}.self_attention", layer.self_attention, attention, config)
-            _check_mlp(problems, f"{where}.mlp", layer.mlp, mlp, config, pattern)
+            _check_layer(problems, where, layer, contents[n - 1], config, pattern, norm_kind)
+        _check_mtp(problems, model, config, contents, pattern, norm_kind)
     return problems
+
+
+def _check_layer(problems: List[str], where: str, layer, content: Tuple[bool, Optional[str]], config,
+                 pattern: Optional[str], norm_kind: str) -> None:
+    attention, mlp = content
+    for norm, present in (("input_layernorm", attention), ("pre_mlp_layernorm", mlp is not None)):
+        found = type(getattr(layer, norm)).__name__
+        if present and norm_kind not in found:
+            problems.append(f"{where}.{norm}: normalization asks for {norm_kind}, the built model has {found}")
+        if not present:
+            _expect(problems, f"{where}.{norm}", "hybrid_layer_pattern (no such sublayer)", False,
+                    _has_params(getattr(layer, norm)))
+    _check_attention(problems, f"{where}.self_attention", layer.self_attention, attention, config)
+    _check_mlp(problems, f"{where}.mlp", layer.mlp, mlp, config, pattern)
+
+
+def _check_mtp(problems: List[str], model, config, contents, pattern: Optional[str], norm_kind: str) -> None:
+    """``mtp_num_layers``: the last stage holds that many MTP layers (megatron-core puts them all
+    there without a custom pipeline layout), each with its norms, its [2h → h] projection and a
+    transformer layer built like the decoder's last, numbered after the decoder; no other stage
+    holds one."""
+    depths = int(getattr(config, "mtp_num_layers", None) or 0)
+    block = getattr(model, "mtp", None)
+    built = len(block.layers) if block is not None else 0
+    expected = depths if getattr(model, "post_process", False) else 0
+    _expect(problems, "mtp.layers", "mtp_num_layers (on the last pipeline stage)", expected, built)
+    for k in range(min(expected, built)):
+        layer, where = block.layers[k], f"mtp.layers.{k}"
+        for norm in ("enorm", "hnorm", "final_layernorm"):
+            found = type(getattr(layer, norm, None)).__name__
+            if norm_kind not in found:
+                problems.append(f"{where}.{norm}: normalization asks for {norm_kind}, the built model has {found}")
+        proj = getattr(layer, "eh_proj", None)
+        _expect(problems, f"{where}.eh_proj", "[2·hidden_size → hidden_size] without bias",
+                (2 * config.hidden_size, config.hidden_size, False),
+                (int(getattr(proj, "input_size", 0)), int(getattr(proj, "output_size", 0)), _bias(proj)))
+        inner = layer.transformer_layer
+        _expect(problems, f"{where}.transformer_layer", "layer number (after the decoder's num_layers)",
+                config.num_layers + k + 1, inner.layer_number)
+        _check_layer(problems, f"{where}.transformer_layer", inner, contents[-1], config, pattern, norm_kind)
 
 
 def _check_model(problems: List[str], model, gpt_kwargs: Dict[str, Any], pattern: Optional[str],
@@ -239,7 +277,7 @@ def check_layer_placement(problems: List[str], chunks: Sequence[torch.nn.Module]
     owner = {n: stage for stage, layers in expected.items() for n in layers}
     fields = _split_fields(config)
     for v, chunk in enumerate(chunks):
-        built = sorted(m.layer_number - 1 for m in unwrap(chunk).modules() if isinstance(m, TransformerLayer))
+        built = sorted(m.layer_number - 1 for m in decoder_modules(chunk) if isinstance(m, TransformerLayer))
         want = expected[(pp_rank, v)]
         here = _stage(pp_rank, v, vpp)
         for n in (n for n in built if n not in want):

@@ -18,7 +18,13 @@ Each feature sees the four events of a module in that order:
 * **grad leaves** through the input (the module's dgrad): PERTURB adds noise, RECORD notes it.
 
 So what is recorded is what arrived at a module (before a substitution) and what the module
-produced (after a perturbation). The model under test — FP8 emulation and injected bugs, which
+produced (after a perturbation).
+
+A module that runs more than once per microbatch (with multi-token prediction, the word
+embeddings embed each depth's shifted tokens and the output layer projects every depth's hidden
+states) is one call per run: the dispatcher counts a module's calls within the microbatch and
+``naming.call_name`` says what each is recorded under (``mtp.layers.0.output_layer``), so two
+runs name the same computation alike whatever their layout. The model under test — FP8 emulation and injected bugs, which
 exist with tracing off too — runs inside ``module.forward``, before every feature.
 
 The dispatcher also keeps the clock every feature reads: the iteration, whether one is running,
@@ -42,12 +48,12 @@ input (not the sum over every consumer of that tensor) the input is passed to th
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import layouts
-from ..recipe.naming import canonical_module_names
+from ..recipe.naming import call_name, canonical_module_names, mtp_layers
 
 PERTURB = "perturb"
 RECORD = "record"
@@ -88,6 +94,11 @@ class Call:
     iteration: int
     microbatch: int
     recompute: bool = False
+    name: str = ""  # what this call is recorded under: ``naming.call_name`` (the module's name, most calls)
+
+    def __post_init__(self):
+        if not self.name:
+            object.__setattr__(self, "name", self.site.module_name)
 
 
 class Feature:
@@ -135,6 +146,11 @@ class Dispatcher:
         self.features: Dict[str, Feature] = {}
         self._handles: List = []
         self._local_microbatch = [0] * len(self.chunks)
+        self._mtp_layers = mtp_layers(self.chunks)
+        # calls so far of (module, microbatch, recompute) in this iteration, and the calls whose
+        # forward runs now (the pre-hook names a call, the forward hook of the same module takes it)
+        self._calls: Dict[Tuple[int, int, bool], int] = {}
+        self._open: Dict[int, List[Call]] = {}
 
     def add(self, feature: Feature) -> Feature:
         if feature.name not in ORDER:
@@ -152,6 +168,8 @@ class Dispatcher:
         self.clock.iteration = iteration
         self.clock.in_iteration = True
         self._local_microbatch = [0] * len(self.chunks)
+        self._calls.clear()
+        self._open.clear()
 
     def end_iteration(self, iteration: int) -> None:
         self.clock.in_iteration = False
@@ -222,16 +240,31 @@ class Dispatcher:
 
     def _call(self, site: layouts.Site) -> Call:
         """This forward of ``site``: inside backward it is a recomputation, of the microbatch whose
-        backward runs."""
-        if torch._C._current_autograd_node() is not None:
-            return Call(site, self.clock.iteration, self.clock.backward_microbatch, recompute=True)
-        return Call(site, self.clock.iteration, self.clock.microbatch)
+        backward runs (counted apart: a recomputation calls the modules again, in the same order)."""
+        recompute = torch._C._current_autograd_node() is not None
+        microbatch = self.clock.backward_microbatch if recompute else self.clock.microbatch
+        counted = (id(site.module), microbatch, recompute)
+        occurrence = self._calls.get(counted, 0)
+        self._calls[counted] = occurrence + 1
+        return Call(site, self.clock.iteration, microbatch, recompute,
+                    call_name(site.module_name, occurrence, self._mtp_layers))
+
+    def _open_call(self, site: layouts.Site) -> Call:
+        call = self._call(site)
+        self._open.setdefault(id(site.module), []).append(call)
+        return call
+
+    def _close_call(self, site: layouts.Site) -> Call:
+        open_calls = self._open.get(id(site.module))
+        return open_calls.pop() if open_calls else self._call(site)
 
     def _pre_hook(self, site: layouts.Site, features: List[Feature]):
         def hook(module, args, kwargs):
-            if not self.clock.in_iteration or not args or not isinstance(args[0], torch.Tensor):
+            if not self.clock.in_iteration:
                 return None
-            call = self._call(site)
+            call = self._open_call(site)
+            if not args or not isinstance(args[0], torch.Tensor):
+                return None
             x = args[0]
             if x.requires_grad and torch.is_grad_enabled():  # not the first, grad-less run of a recomputation
                 leaves = self._grad_chain(call, features, GRAD_LEAVES)
@@ -249,9 +282,11 @@ class Dispatcher:
     def _post_hook(self, site: layouts.Site, features: List[Feature]):
         def hook(module, args, kwargs, output):
             out = output[0] if isinstance(output, tuple) else output
-            if not self.clock.in_iteration or not isinstance(out, torch.Tensor):
+            if not self.clock.in_iteration:
                 return None
-            call = self._call(site)
+            call = self._close_call(site)
+            if not isinstance(out, torch.Tensor):
+                return None
             first = out
             for f in features:
                 if f.wants(call, OUTPUT_LEAVES):

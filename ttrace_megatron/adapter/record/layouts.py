@@ -22,6 +22,7 @@ import torch
 
 from ...keys import BACKWARD, GRAD_OUTPUT, INPUT, LOSS_MODULE, WEIGHT, TensorKey, TensorKind
 from ...placement import Layout, Partial, Placement, RangeShard, Replicate, Shard
+from ..recipe.naming import OUTPUT_LAYER
 
 TP = "tp"
 DP = "dp"
@@ -30,6 +31,7 @@ ETP = "etp"  # expert tensor parallel: how MoE experts' linears are split
 EDP = "edp"  # expert data parallel: the replicas of an expert's parameters
 
 _LAYER_RE = re.compile(r"^decoder\.layers\.(\d+)\.")
+_MTP_LAYER_RE = re.compile(r"^mtp\.layers\.(\d+)\.(.*)$")
 
 
 class LayoutInferenceError(RuntimeError):
@@ -49,6 +51,7 @@ class ModelFacts:
     tokens_per_microbatch: int = 0  # micro_batch_size × seq_length
     tokens_per_iteration: int = 0  # global_batch_size × seq_length
     pp_size: int = 1
+    mtp_layers: int = 0  # multi-token prediction depths after the decoder (mtp_num_layers)
     # the tokens an expert sees on one rank are not one microbatch's tokens (EXPERT_TOKENS_MIXED,
     # EXPERT_TOKENS_SPLIT): its per-microbatch tensors have no counterpart in the reference, only its
     # main grads and values do
@@ -77,7 +80,7 @@ def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
                           ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size(), tp,
                           config.sequence_parallel) is not None,
                       per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
-                      seq_length=int(seq_length))
+                      seq_length=int(seq_length), mtp_layers=int(getattr(config, "mtp_num_layers", None) or 0))
 
 
 EXPERT_TOKENS_MIXED = ("expert parallelism over data-parallel ranks (EP × expert-TP > TP): an expert's tokens come "
@@ -178,10 +181,18 @@ def rank_coordinates() -> Dict[str, Tuple[int, int]]:
 
 
 def layer_depth(canonical_name: str, num_layers: int) -> int:
-    """1-based global layer of a module; 0 for the embedding, num_layers + 1 after the decoder."""
+    """1-based global layer of a module; 0 for the embedding, num_layers + 1 after the decoder.
+
+    Multi-token prediction depth k (``mtp.layers.{k-1}``) runs after the decoder: its layer is
+    num_layers + k (megatron's ``layer_number`` of its transformer layer), what its output layer
+    and loss compute from it one further."""
     m = _LAYER_RE.match(canonical_name + ".")
     if m:
         return int(m.group(1)) + 1
+    m = _MTP_LAYER_RE.match(canonical_name)
+    if m:
+        layer = num_layers + int(m.group(1)) + 1
+        return layer + 1 if is_logits_or_loss(m.group(2)) else layer
     if canonical_name.startswith("embedding"):
         return 0
     return num_layers + 1
@@ -590,9 +601,16 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
 
     if kind is TensorKind.AUX_LOSS and is_router(module):
         return facts.tokens_per_microbatch
-    if module_name in (LOSS_MODULE, "output_layer"):
+    if is_logits_or_loss(module_name):
         return max(facts.vocab_size, facts.hidden_size)  # log-sum-exp over V, of logits reduced over h
     return facts.hidden_size
+
+
+def is_logits_or_loss(module_name: str) -> bool:
+    """The output layer and the loss, the decoder's or a multi-token prediction depth's
+    (``mtp.layers.0.output_layer``, ``mtp.layers.0.loss``)."""
+    return module_name in (LOSS_MODULE, OUTPUT_LAYER) or module_name.endswith(
+        ("." + LOSS_MODULE, "." + OUTPUT_LAYER))
 
 
 def stage_replicated_layout(shape: Sequence[int], facts: ModelFacts) -> Layout:

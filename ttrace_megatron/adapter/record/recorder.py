@@ -44,7 +44,7 @@ from ..recipe import compat
 from . import layouts
 from .hooks import INPUT_ARRIVES, OUTPUT_LEAVES, RECORD, Call, Clock, Feature
 from .layouts import Site
-from ..recipe.naming import all_parameters, canonical_module_names, unwrap
+from ..recipe.naming import all_parameters, canonical_module_names, mtp_layers, mtp_loss_name, unwrap
 from .optimizer_state import expected_states, group_settings, main_params, step_count
 
 
@@ -112,7 +112,7 @@ class Recorder(Feature):
             return False  # a recomputed forward: its values were recorded when it first ran
         if event == INPUT_ARRIVES and layouts.is_router(call.site.module):
             return True  # the recorder notes which router runs, recorded or not (_AuxLossTap)
-        return self._wants(call.site.module_name, call.microbatch)
+        return self._wants(call.name, call.microbatch)
 
     def tracks_backward(self) -> bool:
         return self.recording
@@ -121,24 +121,24 @@ class Recorder(Feature):
         site = call.site
         if layouts.is_router(site.module):
             self.router = None
-            if not self._wants(site.module_name, call.microbatch):
+            if not self._wants(call.name, call.microbatch):
                 return x
             self.router = (site.module_name, site.module)
-        self._add(TensorKey(call.iteration, call.microbatch, site.module_name, keys.FORWARD, keys.INPUT), x, site)
+        self._add(TensorKey(call.iteration, call.microbatch, call.name, keys.FORWARD, keys.INPUT), x, site)
         return x
 
     def output_leaves(self, call: Call, out: torch.Tensor) -> torch.Tensor:
-        self._add(TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.FORWARD, keys.OUTPUT),
+        self._add(TensorKey(call.iteration, call.microbatch, call.name, keys.FORWARD, keys.OUTPUT),
                   out, call.site)
         return out
 
     def grad_arrives(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
-        self._add(TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.BACKWARD, keys.GRAD_OUTPUT),
+        self._add(TensorKey(call.iteration, call.microbatch, call.name, keys.BACKWARD, keys.GRAD_OUTPUT),
                   grad, call.site)
         return grad
 
     def grad_leaves(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
-        self._add(TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.BACKWARD, keys.GRAD_INPUT),
+        self._add(TensorKey(call.iteration, call.microbatch, call.name, keys.BACKWARD, keys.GRAD_INPUT),
                   grad, call.site)
         return grad
 
@@ -162,6 +162,8 @@ class Recorder(Feature):
     def attach(self) -> "Recorder":
         for chunk in self.chunks:
             self._handles.append(unwrap(chunk).register_forward_hook(self._loss_hook, with_kwargs=True))
+            if mtp_layers([chunk]) and getattr(unwrap(chunk), "post_process", False):
+                self._handles.append(_MTPLossTap(self, unwrap(chunk)))
             for module, name in canonical_module_names(chunk).items():
                 if hasattr(module, "_ttrace_fp8"):
                     self._handles.append(_FP8AmaxTap(self, Site(name, module)))
@@ -204,10 +206,12 @@ class Recorder(Feature):
         return hook
 
     # ---- loss, grad finalization, optimizer
-    def record_loss(self, per_token_loss: torch.Tensor) -> None:
+    def record_loss(self, per_token_loss: torch.Tensor, module: str = keys.LOSS_MODULE) -> None:
+        """The per-token loss of the decoder (``loss``) or of a multi-token prediction depth
+        (``mtp.layers.0.loss``), before the loss mask: [b, s], whole on every TP rank."""
         mb = self.clock.microbatch
-        if self._wants(keys.LOSS_MODULE, mb):
-            self._add(TensorKey(self.clock.iteration, mb, keys.LOSS_MODULE, keys.FORWARD, keys.PER_TOKEN_LOSS),
+        if self._wants(module, mb):
+            self._add(TensorKey(self.clock.iteration, mb, module, keys.FORWARD, keys.PER_TOKEN_LOSS),
                       per_token_loss, Site(keys.LOSS_MODULE))
 
     def main_grad_keys(self):
@@ -451,6 +455,39 @@ class _AuxLossTap:
         value = (loss.detach().to(torch.float64) * coeff).reshape(1)
         rec._add(TensorKey(rec.clock.iteration, rec.clock.microbatch, mname, keys.FORWARD, name), value,
                  Site(mname, router))
+
+
+class _MTPLossTap:
+    """Records the per-token loss of each multi-token prediction depth.
+
+    megatron-core's ``GPTModel._postprocess`` computes them with ``compute_language_model_loss``,
+    depth by depth, before the decoder's own loss (which the model returns, ``_loss_hook``); it
+    adds them to the backward through ``MTPLossAutoScaler``, where no hook sees them. The tap is
+    the model's own method, called through: it returns megatron's tensor untouched.
+    """
+
+    def __init__(self, recorder: "Recorder", model: torch.nn.Module):
+        self.recorder = recorder
+        self.model = model
+        self.depths = mtp_layers([model])
+        self._calls = {}  # (iteration, microbatch) -> losses computed so far
+        original = model.compute_language_model_loss
+
+        def tapped(labels, logits):
+            loss = original(labels, logits)
+            rec = recorder
+            if rec.clock.in_iteration and isinstance(loss, torch.Tensor):
+                at = (rec.clock.iteration, rec.clock.microbatch)
+                depth = self._calls.get(at, 0)
+                self._calls[at] = depth + 1
+                if depth < self.depths:
+                    rec.record_loss(loss, mtp_loss_name(depth))
+            return loss
+
+        model.compute_language_model_loss = tapped
+
+    def remove(self) -> None:
+        self.model.__dict__.pop("compute_language_model_loss", None)
 
 
 class _FP8AmaxTap:

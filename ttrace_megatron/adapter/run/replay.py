@@ -108,12 +108,12 @@ class Replayer(Feature):
     def input_arrives(self, call: Call, x: torch.Tensor) -> torch.Tensor:
         if not x.is_floating_point():
             return x  # token ids: nothing to substitute
-        key = TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.FORWARD, keys.INPUT)
+        key = TensorKey(call.iteration, call.microbatch, call.name, keys.FORWARD, keys.INPUT)
         value = self.reference.shard(key, self.layouts.of(key, call.site, tuple(x.shape)), x)
         return x if value is None else _Substitute.apply(x, value)
 
     def grad_arrives(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
-        key = TensorKey(call.iteration, call.microbatch, call.site.module_name, keys.BACKWARD, keys.GRAD_OUTPUT)
+        key = TensorKey(call.iteration, call.microbatch, call.name, keys.BACKWARD, keys.GRAD_OUTPUT)
         value = self.reference.shard(key, self.layouts.of(key, call.site, tuple(grad.shape)), grad)
         return grad if value is None else value
 

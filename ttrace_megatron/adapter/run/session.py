@@ -172,7 +172,7 @@ def _write_run_info(options: TraceOptions, chunks: List, optimizer, config, fact
     from ...trace_store import write_run_info
 
     info = {"role": role, "world_size": world, "parallel": {k: v for k, v in sizes.items() if v > 1},
-            "model_config": signature, "num_layers": facts.num_layers,
+            "model_config": signature, "num_layers": facts.num_layers + facts.mtp_layers,
             "compute_dtype": str(config.params_dtype).replace("torch.", ""), "versions": library_versions(),
             "online_reference": os.path.abspath(options.reference) if options.reference else None,
             "replay_reference": os.path.abspath(options.replay) if options.replay else None,

@@ -283,6 +283,33 @@ def softmax_offsets_on_the_wrong_heads(chunks) -> None:
     fused_softmax.FusedScaleMaskSoftmax.forward_torch_softmax = forward_torch_softmax
 
 
+@bug()
+def mtp_projection_gather_reduces_grad(chunks) -> None:
+    """Multi-token prediction under TP: the MTP layer gathers its projection's column-parallel
+    output with ``all_gather_last_dim_from_tensor_parallel_region``, whose backward is a
+    reduce-scatter, instead of ``gather_from_tensor_model_parallel_region`` (backward: a split).
+    The gathered hidden states' grad, the same on every TP rank, is summed over them: the
+    projection and everything upstream of it get TP times their grad. megatron-core shipped this
+    and fixed it (the comment in ``MultiTokenPredictionLayer._concat_embeddings``)."""
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.transformer import multi_token_prediction
+
+    multi_token_prediction.gather_from_tensor_model_parallel_region = \
+        mappings.all_gather_last_dim_from_tensor_parallel_region
+
+
+@bug()
+def mtp_loss_scale_ignores_microbatches(chunks) -> None:
+    """Multi-token prediction: the MTP depths' loss enters the backward at the scale of the whole
+    loss (``MTPLossAutoScaler``'s scale left at 1) instead of the main loss's 1/num_microbatches,
+    so the MTP grads grow with the microbatches a rank runs: a layout with fewer of them (more
+    DP ranks) trains with another MTP weight than the reference."""
+    from megatron.core.transformer.multi_token_prediction import MTPLossAutoScaler
+
+    MTPLossAutoScaler.set_loss_scale = staticmethod(lambda scale: None)
+    MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
+
+
 @bug(at_build=True)
 def vpp_layer_offset_off_by_one_stage() -> None:
     """With virtual pipeline stages, the layer offset of every chunk after the first is computed
