@@ -102,6 +102,14 @@ def _recompute_full(field: str, value: Any) -> Draw:
     return lambda rng, model: value if model.get("recompute_granularity") == "full" else None
 
 
+def _mtp(rng, model):
+    # multi-token prediction (issue #33; DeepSeek-V3): one or two depths; ttrace refuses it with
+    # recomputation (and with PP, which the layout then leaves out)
+    if model.get("recompute_granularity"):
+        return None
+    return rng.choice([None, None, None, None, 1, 2])
+
+
 def _capacity(rng, model):
     return rng.choice([None, None, 1.0, 1.5]) if model.get("num_moe_experts") else None
 
@@ -160,6 +168,8 @@ FIELDS: Dict[str, Draw] = {
     "recompute_granularity": _recompute,
     "recompute_method": _recompute_full("recompute_method", "uniform"),
     "recompute_num_layers": _recompute_full("recompute_num_layers", 1),
+    "mtp_num_layers": _mtp,
+    "mtp_loss_scaling_factor": lambda rng, model: rng.choice([None, 0.3]) if model.get("mtp_num_layers") else None,
     "share_embeddings_and_output_weights": _choice(True, False),
     "rotary_percent": _sometimes(0.15, 0.5),
     "rotary_base": _sometimes(0.15, 500000),
@@ -207,7 +217,8 @@ def _layout(rng: random.Random, model: Dict[str, Any]) -> Tuple[int, Dict[str, A
     """(world size, parallel section, the model fields a layout adds: uneven pipeline stages)."""
     world = rng.choice([2, 4])
     tp = rng.choice([t for t in (1, 2, 4) if t <= world])
-    pp = rng.choice([p for p in (1, 2) if tp * p <= world])
+    # ttrace traces multi-token prediction at PP 1 only (config.mtp_refused)
+    pp = 1 if model.get("mtp_num_layers") else rng.choice([p for p in (1, 2) if tp * p <= world])
     parallel: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
     if tp > 1:
@@ -262,6 +273,9 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
     pp = parallel.get("pipeline_model_parallel_size", 1)
     dp = world // (tp * pp)
     optimizer: Dict[str, Any] = {"optimizer": rng.choice(["adam", "adam", "sgd"]), "lr": rng.choice([1e-3, 1e-2])}
+    dtype = rng.choice(["fp32", "fp32", "bf16", "bf16", "fp16"])
+    if dtype == "fp16":  # megatron's default 2**32 skips every step of a 2-iteration run
+        optimizer["initial_loss_scale"] = rng.choice([4096, 65536])
     if dp > 1 and rng.random() < 0.4:
         optimizer["use_distributed_optimizer"] = True
     micro = rng.choice([1, 2])
@@ -276,7 +290,7 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
                  "seq_length": rng.choice([16, 32]), "micro_batch_size": micro,
                  "global_batch_size": micro * dp * nmicro},
         "train": {"iterations": 2},
-        "dtype": rng.choice(["fp32", "bf16"]),
+        "dtype": dtype,
     }
 
 
@@ -302,6 +316,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append(f"sinks {m['softmax_type']}")
     if m.get("recompute_granularity"):
         tags.append(f"recompute {m['recompute_granularity']}")
+    if m.get("mtp_num_layers"):
+        tags.append("MTP")
     if groups == 1:
         tags.append("MQA")
     elif groups < heads:

@@ -474,3 +474,33 @@ def test_multi_token_prediction_refusals_name_the_reason(fields, why):
     recipe = load("deepseek_mtp_tp2_sp", **{k: v for k, v in fields.items()})
     with pytest.raises(RecipeError, match=f"'mtp_num_layers' is not supported by ttrace {why}"):
         validate_recipe(recipe)
+
+
+def test_fp16_with_the_dynamic_loss_scaler(runs):
+    """dtype fp16: megatron scales the loss before the backward and unscales the main grads before
+    the step. Grads are judged unscaled (the layout's scale holds the loss scale), each step's
+    loss scale and whether it was skipped exactly."""
+    ref, cand = runs.candidate(load("gpt_tp2_sp_fp16"))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    decisions = {(r.key.iteration, r.key.tensor) for r in c.results if r.key.tensor in ("loss_scale", "step_skipped")}
+    assert decisions == {(i, t) for i in (1, 2, 3) for t in ("loss_scale", "step_skipped")}
+
+
+def test_fp16_overflowed_steps_are_skipped_alike(runs):
+    """A loss scale so high that the first step's grads overflow: both runs skip it (no moments
+    yet), halve the scale and step. The Inf/NaN grads of the skipped step are expected; its finite
+    grads are judged. At DP 2 each microbatch's loss carries twice a one-rank run's share of the
+    batch, so the reference trains at twice the loss scale and overflows where the candidate does."""
+    recipe = load("gpt_tp2_sp_fp16", parallel={"tensor_model_parallel_size": 1, "sequence_parallel": False},
+                  optimizer={"use_distributed_optimizer": True, "initial_loss_scale": 1800000, "hysteresis": 1})
+    ref, cand = runs.candidate(recipe)
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    skipped = {r.key.iteration for r in c.results if r.key.tensor == "step_skipped"}
+    assert skipped == {1, 2, 3}
+    assert any("expected (the reference skipped this step" in r.tolerance_source for r in c.results)
+    assert c.reference_run["recipe"]["optimizer"]["initial_loss_scale"] == 3600000.0
+    assert c.candidate_run["recipe"]["optimizer"]["initial_loss_scale"] == 1800000
+    assert not any(r.key.phase == "optimizer" and r.key.tensor.endswith("exp_avg") and r.key.iteration == 1
+                   for r in c.results)  # the skipped first step created no moments, in either run

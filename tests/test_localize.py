@@ -64,6 +64,8 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
      "backward (arrival)", "grad_output"),
     ("deepseek_mtp_tp2_sp", "fp32", "mtp_loss_scale_ignores_microbatches", "mtp.layers.0.output_layer",
      "backward (arrival)", "grad_output"),
+    # fp16: ranks at different loss scales; the grads first mix in the output layer's dgrad all-reduce (issue #33)
+    ("gpt_tp2_sp_fp16", "fp16", "grad_scaler_state_on_rank0_only", "output_layer", "backward (dgrad)", "grad_input"),
     # lands only in the padded vocabulary's rows: found where it enters, not at the grad norm (issue #33)
     ("gpt_tp2", "fp32", "cross_entropy_grad_into_padding", "output_layer", "backward (arrival)", "grad_output"),
     ("gpt_pp2", "fp32", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction",

@@ -48,10 +48,11 @@ def test_refused_field_at_megatrons_default_is_accepted():
                                       "world_size": 1}))
 
 
-def test_fp16_is_refused_with_the_reason():
+def test_fp16_is_set_by_the_dtype_not_by_the_parallel_field():
     recipe = recipe_from_dict({"model": BASE, "parallel": {"fp16": True}, "world_size": 1})
-    with pytest.raises(RecipeError, match="'fp16' is not supported by ttrace: fp16 trains with megatron's dynamic"):
+    with pytest.raises(RecipeError, match="'fp16' is not supported by ttrace: set by the recipe's dtype \\(fp16"):
         validate_recipe(recipe)
+    validate_recipe(recipe_from_dict({"model": BASE, "world_size": 1, "dtype": "fp16"}))
 
 
 def test_every_ddp_config_field_is_honoured_or_refused():

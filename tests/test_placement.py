@@ -246,3 +246,23 @@ def test_copies_may_differ_in_their_owned_ranges_only():
     pieces += [({"pp": (1, 2), "tp": (r, 2)}, logical / 2, b) for r in range(2)]
     with pytest.raises(PlacementError, match="different placements"):
         merge_pieces(pieces)
+
+
+def test_pieces_that_differ_in_scale_alone_merge_each_by_its_own():
+    """A per-rank scale (each rank's own loss scale): every piece is divided by its own scale
+    before the merge; anything else that differs is still refused."""
+    import dataclasses
+
+    import torch
+
+    from ttrace_megatron.placement import Layout, PlacementError, Shard, alike_but_scale, merge_pieces
+
+    full = torch.arange(8, dtype=torch.float32).reshape(2, 4)
+    base = Layout((Shard(-1, "tp"),), (2, 4))
+    pieces = [({"tp": (0, 2)}, full[:, :2] * 4096, dataclasses.replace(base, scale=4096.0)),
+              ({"tp": (1, 2)}, full[:, 2:] * 2048, dataclasses.replace(base, scale=2048.0))]
+    assert alike_but_scale([lay for _, _, lay in pieces])
+    assert torch.equal(merge_pieces(pieces).tensor, full.double())
+    other = Layout((Shard(0, "tp"),), (2, 4), scale=2048.0)
+    with pytest.raises(PlacementError):
+        merge_pieces([pieces[0], ({"tp": (1, 2)}, full[1:], other)])

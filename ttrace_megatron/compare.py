@@ -10,7 +10,7 @@ import fnmatch
 import itertools
 import math
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -18,7 +18,7 @@ from . import coverage, keys, selection
 from .errors import ConfigMismatchError, TraceError
 from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label: part of this module's face)
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
-                        content_digest, logical_mask, merge_pieces, replicas_split_alike,
+                        content_digest, logical_mask, merge_pieces, replicas_split_alike, alike_but_scale,
                         slice_logical)
 from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
 from .tolerance import Tolerance, ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
@@ -132,6 +132,22 @@ def nonfinite_message(candidate_count: int, reference_count: int, same_positions
     if same_positions:
         return f"non-finite values: the same {candidate_count} NaN/Inf positions on both sides"
     return f"non-finite values: candidate has {candidate_count} NaN/Inf, reference has {reference_count}"
+
+
+def overflowed_iterations(reader: TraceReader, groups) -> Set[int]:
+    """The iterations whose step the reference skipped because its loss-scaled grads overflowed
+    (``step_skipped`` 1: fp16's dynamic loss scaler). Their grads hold Inf/NaN by design; the
+    optimizer discards them and lowers the scale. Whether the candidate skipped the same steps is
+    judged on its own ``step_skipped``."""
+    out = set()
+    for key, pieces in groups.items():
+        if key.module == keys.OPTIMIZER_MODULE and key.tensor == keys.STEP_SKIPPED:
+            if float(logical_tensor(reader, pieces).tensor.reshape(-1)[0]) == 1.0:
+                out.add(key.iteration)
+    return out
+
+
+OVERFLOW_PHASES = (keys.BACKWARD, keys.MAIN_GRAD)
 
 
 def replica_note(side: str, ranks: Sequence[int], max_abs_diff: Optional[float] = None, axis: str = "") -> str:
@@ -279,14 +295,16 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
                    tol_config: ToleranceConfig, where: str, notes: Sequence[str] = (),
                    replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None,
                    observed: Optional[float] = None, cancellation: float = 1.0,
-                   step: Optional[StepBounds] = None) -> TensorResult:
+                   step: Optional[StepBounds] = None, overflowed: bool = False) -> TensorResult:
     """The verdict on one logical tensor from its pieces' sums (``entries``: (rank, sums)).
 
     The one place where the rules of a verdict live: a shape that does not fit, pieces that do not
     cover the tensor, replicas that differ, non-finite values, a zero reference. A tensor that is
     merged before it is judged (partial sums) comes here as a single piece. ``step``: the
     comparison's :class:`~ttrace_megatron.step_bounds.StepBounds`, which bounds the step's scalars
-    and learns from every verdict."""
+    and learns from every verdict. ``overflowed``: a grad of a step the reference skipped for
+    overflow (:func:`overflowed_iterations`): its non-finite values are expected, and its finite
+    ones are judged."""
     shape = entries[0][1].logical_shape
     args = (key, rec, num_layers, order, tol_config, shape)
 
@@ -327,6 +345,11 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
         nc += first.candidate_nonfinite
         nr += first.reference_nonfinite
         same = same and first.same_nonfinite
+    expected_nonfinite = None
+    if overflowed and nc + nr:
+        expected_nonfinite = (f"{nonfinite_message(nc, nr, bool(nc and nr and same))} expected (the reference "
+                              f"skipped this step: its loss-scaled grads overflowed); the finite values judged")
+        nc = nr = 0
     if compared == 0 and nc + nr:
         error = math.nan  # nothing finite to compare
     elif ref_sq == 0.0:
@@ -336,7 +359,9 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
     result = decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes), **terms(math.sqrt(ref_sq)))
     result.reference_norm = math.sqrt(ref_sq)
-    if step is not None:
+    if expected_nonfinite:
+        result.tolerance_source = f"{result.tolerance_source}; {expected_nonfinite}"
+    if step is not None and not overflowed:
         step.note(key, result.error, result.reference_norm)
     return result
 
@@ -439,7 +464,7 @@ class Cancellation:
 def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
     """The pieces' layout (the first piece's where replicas are split alike: ``replicas_split_alike``)."""
     first_rt, first = pieces[0]
-    if replicas_split_alike([rec.layout for _, rec in pieces]):
+    if replicas_split_alike([rec.layout for _, rec in pieces]) or alike_but_scale([rec.layout for _, rec in pieces]):
         return first.layout
     for rt, rec in pieces[1:]:
         if rec.layout != first.layout:
@@ -528,6 +553,7 @@ class _TraceJudge:
         self.cancellations = Cancellation(ref, ref_groups)
         self.step_bounds = StepBounds(ref.run, self.num_layers, tol_config, has_reference=lambda k: k in ref_groups)
         self.reclip = Reclip(ref, ref_groups)
+        self.overflowed = overflowed_iterations(ref, ref_groups)
 
     def tensor(self, key: TensorKey) -> TensorResult:
         """One key's verdict: the reference merged, the candidate merged or shard by shard."""
@@ -569,7 +595,8 @@ class _TraceJudge:
         if roundoff:
             entries = [(rank, dataclasses.replace(e, roundoff=roundoff)) for rank, e in entries]
         result = combine_shards(key, entries, rec, self.num_layers, self.order[key], self.tol_config, cand.dir, notes,
-                                replica_max_abs_diff, observed, cancellation, step=self.step_bounds)
+                                replica_max_abs_diff, observed, cancellation, step=self.step_bounds,
+                                overflowed=key.phase in OVERFLOW_PHASES and key.iteration in self.overflowed)
         if element_wise:
             result = self.update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
         if choice:

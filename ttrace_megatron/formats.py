@@ -16,6 +16,9 @@ class NumberFormat:
     name: str
     mantissa_bits: int
     max_value: float
+    # the gap between representable numbers below the smallest normal one: there rounding errs by up
+    # to half of it whatever the value's size (fp16's 2^-24 ≈ 6e-8 matters for small weights)
+    smallest_subnormal: float = 0.0
 
     @property
     def eps(self) -> float:
@@ -27,13 +30,13 @@ class NumberFormat:
 
 
 FORMATS: Dict[str, NumberFormat] = {f.name: f for f in (
-    NumberFormat("float64", 52, 1.7976931348623157e308),
-    NumberFormat("float32", 23, 3.4028234663852886e38),
-    NumberFormat("tf32", 10, 3.4028234663852886e38),
-    NumberFormat("bfloat16", 7, 3.3895313892515355e38),
-    NumberFormat("float16", 10, 65504.0),
-    NumberFormat("float8_e4m3fn", 3, 448.0),
-    NumberFormat("float8_e5m2", 2, 57344.0),
+    NumberFormat("float64", 52, 1.7976931348623157e308, 2.0 ** -1074),
+    NumberFormat("float32", 23, 3.4028234663852886e38, 2.0 ** -149),
+    NumberFormat("tf32", 10, 3.4028234663852886e38, 2.0 ** -136),
+    NumberFormat("bfloat16", 7, 3.3895313892515355e38, 2.0 ** -133),
+    NumberFormat("float16", 10, 65504.0, 2.0 ** -24),
+    NumberFormat("float8_e4m3fn", 3, 448.0, 2.0 ** -9),
+    NumberFormat("float8_e5m2", 2, 57344.0, 2.0 ** -16),
 )}
 
 _ALIASES = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",

@@ -49,6 +49,12 @@ OPTIMIZER_STATES = (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, MAIN_PARAM)
 LR = "lr"
 WEIGHT_DECAY = "weight_decay"
 STEP_SETTINGS = (LR, WEIGHT_DECAY)
+# what a loss-scaled (fp16) step decided (module optimizer, phase optimizer): the scale its grads
+# were computed at, and whether it skipped the update (1) because a grad was not finite. Set, not
+# reduced: two correct runs agree exactly
+LOSS_SCALE = "loss_scale"
+STEP_SKIPPED = "step_skipped"
+STEP_DECISIONS = (LOSS_SCALE, STEP_SKIPPED)
 # a top-k selection (an MoE router's): the scores it is taken on, and the choice as a 0/1 map over them
 TOPK_SCORES = "topk_scores"
 TOPK_CHOICE = "topk_choice"
@@ -180,6 +186,8 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
     if phase == MAIN_GRAD and tensor.endswith(_MAIN_GRAD_SUFFIX):
         return TensorKind.MAIN_GRAD
     if phase == OPTIMIZER:
+        if tensor in STEP_DECISIONS:
+            return TensorKind.STEP_SETTING
         if tensor in OPTIMIZER_SCALARS:
             return TensorKind.OPTIMIZER_SCALAR
         suffix = tensor.rpartition(".")[2] if "." in tensor else ""

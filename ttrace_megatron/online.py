@@ -30,7 +30,7 @@ import torch
 from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, blank_shard_sums,
                       check_compatible,
                       combine_shards, decide, group_records, logical_tensor, missing_reference, piece_norm,
-                      reference_order, shard_sums)
+                      reference_order, shard_sums, OVERFLOW_PHASES, overflowed_iterations)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
@@ -210,6 +210,7 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
     cancellations = Cancellation(ref, ref_groups)  # as compare_traces keeps them
     step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
+    overflowed = overflowed_iterations(ref, ref_groups)
     for key in sorted((k for k in judged if k in ref_groups), key=lambda k: order[k]):
         entries = by_key[key]
         if any(e.status == "partial" for _, e in entries):
@@ -220,7 +221,8 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
         if cancellations.needs_reference(key):
             cancellation = cancellations.factor(key, logical_tensor(ref, ref_groups[key]).tensor)
         results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
-                                      candidate_dir, cancellation=cancellation, step=step_bounds))
+                                      candidate_dir, cancellation=cancellation, step=step_bounds,
+                                      overflowed=key.phase in OVERFLOW_PHASES and key.iteration in overflowed))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand_run, skipped=skipped, unjudged=unjudged)

@@ -13,8 +13,10 @@ that trims padding (the vocabulary padded to a multiple of ``make_vocab_size_div
 
 A layout also says how a rank's stored values relate to the logical values: ``scale`` (every
 rank stores ``scale`` × its piece of the logical tensor; per-microbatch grads carry the loss
-scale 1/num_microbatches of their run, which depends on its DP size). ``merge_shards`` divides it
-out and ``slice_logical`` multiplies it in, so no other code scales values by hand.
+scale 1/num_microbatches of their run, which depends on its DP size, and under fp16 the loss scale).
+``merge_shards`` divides it out and ``slice_logical`` multiplies it in, so no other code scales
+values by hand. Ranks may record different scales (:func:`alike_but_scale`): each piece is divided by
+its own.
 
 Placements are listed from the outermost split to the innermost: for a sequence split first over
 CP and then over TP (sequence parallelism) it is ``(Shard(0, "cp", layout="zigzag"), Shard(0, "tp"))``.
@@ -447,6 +449,13 @@ def merge_shards(pieces: Iterable[Tuple[Coords, torch.Tensor]], layout: Layout) 
     return Merged(tensor, mismatches)
 
 
+def alike_but_scale(layouts: Sequence[Layout]) -> bool:
+    """Whether ``layouts`` differ in their per-rank ``scale`` alone: ranks whose values carry
+    different factors (a loss scale each rank keeps for itself). Each piece is then brought to
+    logical units by its own scale; replicas that then differ are still a mismatch."""
+    return all(dataclasses.replace(lay, scale=1.0) == dataclasses.replace(layouts[0], scale=1.0) for lay in layouts)
+
+
 def replicas_split_alike(layouts: Sequence[Layout]) -> bool:
     """Whether pieces recorded under ``layouts`` are copies of one tensor over an outer ``Replicate``
     axis whose layouts differ only in their owned ranges: a tied weight's copies on two pipeline
@@ -473,6 +482,9 @@ def merge_pieces(pieces: Sequence[Tuple[Coords, torch.Tensor, Layout]]) -> Merge
     layouts = [lay for _, _, lay in pieces]
     if all(lay == layouts[0] for lay in layouts[1:]):
         return merge_shards([(c, t) for c, t, _ in pieces], layouts[0])
+    if alike_but_scale(layouts):  # each rank's piece in logical units first (its own scale divided out)
+        return merge_shards([(c, t.to(torch.float64) / lay.scale) for c, t, lay in pieces],
+                            dataclasses.replace(layouts[0], scale=1.0))
     if not replicas_split_alike(layouts):
         raise PlacementError(f"the pieces record different placements ({layouts[0].to_json()} vs "
                              f"{next(lay for lay in layouts if lay != layouts[0]).to_json()})")

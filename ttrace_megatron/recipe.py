@@ -17,7 +17,7 @@ import yaml
 
 from .errors import RecipeError
 
-DTYPES = ("fp32", "bf16", "fp8")
+DTYPES = ("fp32", "bf16", "fp16", "fp8")
 TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "optimizer", "ddp", "data", "train",
                   "dtype", "tolerance")
 
@@ -130,7 +130,7 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
         # round-off is relative to its terms, not to it: the noise run measures that
         model = raw.get("model") or {}
         key_norm_bias = bool(model.get("qk_layernorm")) and model.get("normalization", "LayerNorm") == "LayerNorm"
-        tolerance.perturbation = dtype in ("bf16", "fp8") or key_norm_bias
+        tolerance.perturbation = dtype in ("bf16", "fp16", "fp8") or key_norm_bias
     if not isinstance(tolerance.perturbation, bool):
         raise RecipeError(f"{source}: tolerance: 'perturbation' must be true or false")
     if train.iterations < 1:

@@ -27,7 +27,10 @@ The slack per element is the round-off of the two updates: each computes ``p·(1
 subtracts ``lr·u`` in fp32 and stores the result in the parameter's format (u_fmt: bf16 for a
 bf16 model parameter), and computes u in fp32 from its moments (a few u_32):
 
-    slack = k · ( u_fmt·(|p'_cand| + |p'_ref|) + 4·u_32·lr·(|u_cand| + |u_ref|) )
+    slack = k · ( u_fmt·(|p'_cand| + |p'_ref|) + s_fmt + 4·u_32·lr·(|u_cand| + |u_ref|) )
+
+(s_fmt: the format's subnormal gap, twice the most a rounding below its smallest normal number can
+err: 2^-24 for fp16, negligible for bf16 and fp32)
 
 with the k of the analytic bound. ``docs/tolerance.md`` derives it; ``tests/test_update_rules.py``
 checks it against fp64 updates.
@@ -89,8 +92,11 @@ def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
     pc = cand_param.to(torch.float64)
     pr = ref_param.to(torch.float64)
     residual = (pc - pr) + lr * (u_c - u_r)
-    u_fmt = number_format(param_dtype).unit_roundoff
-    slack = k * (u_fmt * (pc.abs() + pr.abs()) + 4.0 * U_32 * lr * (u_c.abs() + u_r.abs()))
+    fmt = number_format(param_dtype)
+    # each stored parameter is rounded once: by u_fmt of its size, or by half the subnormal gap
+    # below the smallest normal number (fp16's: weights under 6e-5 round to multiples of 2^-24)
+    stored = fmt.unit_roundoff * (pc.abs() + pr.abs()) + fmt.smallest_subnormal
+    slack = k * (stored + 4.0 * U_32 * lr * (u_c.abs() + u_r.abs()))
     slack = torch.clamp(slack, min=torch.finfo(torch.float64).tiny)
     ratio = (residual.abs() / slack).reshape(-1)
     if ratio.numel() == 0:

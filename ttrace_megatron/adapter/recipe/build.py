@@ -142,12 +142,12 @@ def layer_spec(config, vp_stage):
 
 
 def wrap_for_training(chunks: List[torch.nn.Module], config, recipe: Recipe) -> List[torch.nn.Module]:
-    """Float16Module for bf16, then megatron's DistributedDataParallel (the recipe's ``ddp:``
+    """Float16Module for bf16 and fp16, then megatron's DistributedDataParallel (the recipe's ``ddp:``
     fields), as megatron.training does."""
     from megatron.core.distributed import DistributedDataParallel
     from megatron.core.transformer.module import Float16Module
 
-    if config.bf16:
+    if config.bf16 or config.fp16:
         chunks = [Float16Module(config, c) for c in chunks]
     ddp_config = cfg.ddp_config(recipe)
     # megatron.training: only the first chunk's buckets are the first to be reduced
@@ -204,7 +204,8 @@ MODEL_FIELDS = tuple(dict.fromkeys(("num_layers", "hidden_size", "ffn_hidden_siz
 GPT_MODEL_ATTRIBUTES = ("vocab_size", "max_sequence_length", "position_embedding_type",
                         "share_embeddings_and_output_weights", "rotary_percent", "rotary_base")
 OPTIMIZER_FIELDS = ("optimizer", "lr", "min_lr", "weight_decay", "clip_grad", "adam_beta1", "adam_beta2", "adam_eps",
-                    "sgd_momentum", "decoupled_weight_decay", "loss_scale", "initial_loss_scale")
+                    "sgd_momentum", "decoupled_weight_decay", "loss_scale", "initial_loss_scale", "min_loss_scale",
+                    "loss_scale_window", "hysteresis")
 
 
 def _plain(value):
@@ -228,6 +229,13 @@ def model_signature(chunks: Sequence[torch.nn.Module], config, optimizer_config,
     sig["logical_vocab_size"] = facts.vocab_size
     sig["tokens_per_iteration"] = facts.tokens_per_iteration
     sig["optimizer"] = {f: _plain(getattr(optimizer_config, f, None)) for f in OPTIMIZER_FIELDS}
+    from megatron.core import parallel_state
+
+    times = cfg.loss_scale_multiplier(parallel_state.get_data_parallel_world_size(),
+                                      bool(getattr(config, "calculate_per_token_loss", False))) if config.fp16 else 1
+    for f in cfg.LOSS_SCALE_FIELDS:  # as a one-rank run of the same batch takes it (config.reference_optimizer)
+        if isinstance(sig["optimizer"].get(f), (int, float)) and times != 1:
+            sig["optimizer"][f] = float(sig["optimizer"][f]) * times
     sig["fp8_emulation"] = any(hasattr(m, "_ttrace_fp8") for model in models for m in model.modules())
     sig["training"] = {k: _plain(v) for k, v in sorted(training.items())}
     return sig

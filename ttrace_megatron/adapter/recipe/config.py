@@ -318,8 +318,7 @@ def megatron_cannot_run(recipe: Recipe):
 
 # ModelParallelConfig fields that set the precision: the recipe's ``dtype`` sets them
 PRECISION_FIELDS = {
-    "fp16": "fp16 trains with megatron's dynamic loss scaler, whose skipped steps and scale changes ttrace "
-            "does not record yet; use dtype: bf16",
+    "fp16": "set by the recipe's dtype (fp16, with megatron's dynamic loss scaler)",
     "bf16": "set by the recipe's dtype (bf16 or fp8)",
     "params_dtype": "set by the recipe's dtype",
     "pipeline_dtype": "set by the recipe's dtype",
@@ -339,6 +338,39 @@ PARALLEL_REFUSED = {
 }
 
 
+# OptimizerConfig fields that set fp16's loss scale (megatron's defaults where a recipe leaves them out)
+LOSS_SCALE_FIELDS = {"loss_scale": None, "initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0}
+
+
+def loss_scale_multiplier(dp: int, per_token_loss: bool) -> int:
+    """How much larger a one-rank run's loss scale must be than a run at data-parallel size ``dp``
+    for their backward tensors to be the same numbers.
+
+    megatron divides each microbatch's loss by the microbatches of its DP rank (not with
+    ``calculate_per_token_loss``) and DDP averages over DP after the backward, so at DP = dp every
+    per-microbatch grad is dp times the one-rank run's at the same loss scale: in fp16 the candidate
+    would overflow where the reference does not. At dp times the scale the one-rank run's backward
+    carries the same values (its unscaled main grads are the same either way), and overflows where
+    the candidate does."""
+    return 1 if per_token_loss else int(dp)
+
+
+def reference_optimizer(recipe_json: Dict[str, Any]) -> Dict[str, Any]:
+    """The candidate's ``optimizer:`` fields as its one-rank reference takes them: under fp16, each
+    loss-scale field times :func:`loss_scale_multiplier` of the candidate's DP size."""
+    optimizer = dict(recipe_json.get("optimizer") or {})
+    if recipe_json.get("dtype") != "fp16":
+        return optimizer
+    sizes = parallel_sizes(recipe_json.get("parallel") or {})
+    dp = int(recipe_json.get("world_size", 1)) // (sizes["tp"] * sizes["pp"] * sizes["cp"])
+    times = loss_scale_multiplier(dp, bool((recipe_json.get("model") or {}).get("calculate_per_token_loss")))
+    for name, default in LOSS_SCALE_FIELDS.items():
+        value = optimizer.get(name, default)
+        if value is not None and times != 1:
+            optimizer[name] = float(value) * times
+    return optimizer
+
+
 def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
     return {
         "tp": int(parallel.get("tensor_model_parallel_size", 1)),
@@ -352,7 +384,7 @@ def parallel_sizes(parallel: Dict[str, Any]) -> Dict[str, int]:
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}[dtype]
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}[dtype]
 
 
 def padded_vocab_size(recipe: Recipe) -> int:
@@ -389,6 +421,7 @@ def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=recipe.dtype in ("bf16", "fp8"),
+        fp16=recipe.dtype == "fp16",
     )
     try:
         return TransformerConfig(**kwargs)
@@ -402,7 +435,7 @@ def optimizer_config(recipe: Recipe):
     kwargs = dict(recipe.optimizer)
     kwargs.setdefault("lr", 1e-3)  # megatron has no default lr (OptimizerConfig.lr is None); the rest is its own
     kwargs.setdefault("min_lr", 0.0)  # megatron.training's --min-lr default (the config's is None)
-    kwargs.update(bf16=recipe.dtype in ("bf16", "fp8"), params_dtype=torch_dtype(recipe.dtype))
+    kwargs.update(bf16=recipe.dtype in ("bf16", "fp8"), fp16=recipe.dtype == "fp16", params_dtype=torch_dtype(recipe.dtype))
     try:
         return OptimizerConfig(**kwargs)
     except (TypeError, ValueError, AssertionError) as e:

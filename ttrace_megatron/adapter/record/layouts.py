@@ -20,7 +20,7 @@ from typing import Dict, Optional, Sequence, Tuple
 
 import torch
 
-from ...keys import BACKWARD, GRAD_OUTPUT, INPUT, LOSS_MODULE, WEIGHT, TensorKey, TensorKind
+from ...keys import BACKWARD, GRAD_OUTPUT, INPUT, LOSS_MODULE, MAIN_GRAD, WEIGHT, TensorKey, TensorKind
 from ...placement import Layout, Partial, Placement, RangeShard, Replicate, Shard
 from ..recipe.naming import OUTPUT_LAYER
 
@@ -126,12 +126,19 @@ class KeyLayouts:
     by dp again when it reduces): the layout's ``scale``, which merge and slice apply. With
     ``calculate_per_token_loss`` there is no such scale (the grads are divided by the batch's tokens
     in ``finalize_model_grads``, after the per-microbatch tensors are recorded).
+
+    Under fp16 every grad also carries megatron's loss scale (the grad scaler's scale when the
+    backward ran; the optimizer unscales the main grads when it steps): ``loss_scale``, set by the
+    recorder from the optimizer before each iteration's backward, multiplies the scale of backward
+    tensors and main grads, so their logical values are the unscaled grads, the same whatever scale
+    each run trains at, and the optimizer's states and updates are judged against them.
     """
 
     def __init__(self, facts: ModelFacts, dp_size: int = 1, owned_ranges: Optional[OwnedRanges] = None):
         self.facts = facts
         self.dp_size = dp_size
         self.owned_ranges = owned_ranges or {}
+        self.loss_scale = 1.0
 
     def of(self, key: TensorKey, site: Site, shape: Sequence[int]) -> Layout:
         kind = key.kind
@@ -162,6 +169,8 @@ class KeyLayouts:
         else:
             raise ValueError(f"no layout rule for {kind} ({key})")
         scale = float(self.dp_size) if key.phase == BACKWARD and not facts.per_token_loss else 1.0
+        if key.phase in (BACKWARD, MAIN_GRAD):
+            scale *= self.loss_scale
         return dataclasses.replace(layout, scale=scale) if scale != 1.0 else layout
 
     def param_value(self, site: Site) -> Layout:

@@ -148,3 +148,17 @@ def param_groups_by_name(optimizer, chunks) -> Dict[str, str]:
         if group is not None:
             out[full_param_name(mname, pname)] = group_name(group)
     return out
+
+
+def grad_scaler(optimizer):
+    """megatron's grad scaler of an optimizer (the first part's of a ChainedOptimizer, which all
+    share one scale), None without loss scaling (fp32, bf16 without a constant loss_scale)."""
+    parts = getattr(optimizer, "chained_optimizers", None) or [optimizer]
+    return getattr(parts[0], "grad_scaler", None)
+
+
+def loss_scale(optimizer) -> float:
+    """The scale the next backward's loss is multiplied by (``optimizer.scale_loss``); 1 without a
+    grad scaler."""
+    scaler = grad_scaler(optimizer)
+    return 1.0 if scaler is None else float(scaler.scale)

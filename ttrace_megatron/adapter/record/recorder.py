@@ -45,7 +45,7 @@ from . import layouts
 from .hooks import INPUT_ARRIVES, OUTPUT_LEAVES, RECORD, Call, Clock, Feature
 from .layouts import Site
 from ..recipe.naming import all_parameters, canonical_module_names, mtp_layers, mtp_loss_name, unwrap
-from .optimizer_state import expected_states, group_settings, main_params, step_count
+from .optimizer_state import expected_states, grad_scaler, group_settings, loss_scale, main_params, step_count
 
 
 @dataclasses.dataclass
@@ -234,7 +234,7 @@ class Recorder(Feature):
                 self._add(key, owned_piece(site.param.main_grad, layout, self.coords), site, layout=layout)
 
     def record_optimizer_step(self, grad_norm: Optional[float], clip_coefficient: Optional[float] = None,
-                              norms: Optional["_GradNormTwin"] = None) -> None:
+                              norms: Optional["_GradNormTwin"] = None, decisions: Optional[dict] = None) -> None:
         """The step's scalars — grad norm and the clip coefficient it applied — and the updated
         parameters. The scalars are the same on every rank of a stage (reduced over the
         model-parallel group), so replicas.
@@ -243,6 +243,10 @@ class Recorder(Feature):
         the grad norm carries its own round-off as measured against the twin (``Record.roundoff``),
         and the twin itself is recorded (``grad_norm_fp64``): the norm of the same grads over the same
         groups, without the round-off of megatron's fp32 kernel.
+
+        ``decisions``: under fp16, the scale the step's grads were computed at and whether the
+        step was skipped (a grad not finite): both exact, so a candidate that overflows where the
+        reference does not is a mismatch at the step that skipped.
 
         The number of zeros in the grads (``--log-num-zeros-in-grad``) is not recorded: it is a
         count, not a rounded value, and two correct runs differ in it (measured: by 1 to 3 of
@@ -256,6 +260,7 @@ class Recorder(Feature):
             twin, roundoff = norms.explain(grad_norm) if norms is not None and grad_norm is not None else (None, 0.0)
             scalars = [(keys.GRAD_NORM, grad_norm), (keys.GRAD_NORM_FP64, twin),
                        (keys.CLIP_COEFFICIENT, clip_coefficient), (keys.STEP_COUNT, step_count(self.main_params))]
+            scalars += sorted((decisions or {}).items())
             for group, settings in sorted(group_settings(self.optimizer).items()):
                 scalars += [(keys.step_setting(group, name), value) for name, value in settings.items()]
             for name, value in scalars:
@@ -263,6 +268,9 @@ class Recorder(Feature):
                     self._add(TensorKey(it, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, name),
                               torch.tensor([float(value)], dtype=torch.float64), Site(keys.OPTIMIZER_MODULE),
                               roundoff=roundoff if name == keys.GRAD_NORM else 0.0)
+        # an fp16 run that skipped every step so far has no moments yet (nor had the reference, or its
+        # step_skipped differs): the parameters and their main copies, unchanged
+        stateless = bool((decisions or {}).get(keys.STEP_SKIPPED)) and step_count(self.main_params) is None
         for mname, pname, module, param in self._params:
             if param.requires_grad and self._wants(mname, -1):
                 site = Site(mname, module, pname, param)
@@ -271,6 +279,8 @@ class Recorder(Feature):
                 states = main.states() if main is not None else {}
                 for name in expected_states(self.optimizer.config, param):
                     value = states.get(name)
+                    if stateless and name != keys.MAIN_PARAM:
+                        continue
                     if value is None:
                         if param not in self.layouts.owned_ranges:
                             raise RuntimeError(f"the optimizer holds no {name} for {mname}.{pname}")
@@ -286,17 +296,24 @@ class Recorder(Feature):
         original = optimizer.step
         self.optimizer = optimizer
         self.main_params = main_params(optimizer)
+        self.layouts.loss_scale = loss_scale(optimizer)
 
         def step(*args, **kwargs):
             self.record_main_grads()
             for callback in self.before_step:
                 callback()
             twin = self.filter.iterations is None or self.clock.iteration in self.filter.iterations
+            # the scale as a one-rank run of the same batch has it (config.loss_scale_multiplier)
+            scaled = self.layouts.loss_scale * (1 if self.facts.per_token_loss else self.layouts.dp_size)
             with _observe_clipping() as clipping, _observe_grad_norm(twin) as norms:
                 result = original(*args, **kwargs)
             result_tuple = result if isinstance(result, tuple) else ()
             grad_norm = result_tuple[1] if len(result_tuple) >= 2 else None
-            self.record_optimizer_step(grad_norm, clipping.coefficient, norms)
+            decisions = {}
+            if grad_scaler(optimizer) is not None:  # fp16: the scale the grads had, and whether the step was skipped
+                decisions = {keys.LOSS_SCALE: scaled, keys.STEP_SKIPPED: 0.0 if result_tuple[0] else 1.0}
+            self.layouts.loss_scale = loss_scale(optimizer)  # the next backward's
+            self.record_optimizer_step(grad_norm, clipping.coefficient, norms, decisions)
             for callback in self.after_step:
                 callback()
             return result

@@ -43,10 +43,12 @@ class RunSpec:
 
     def get_recipe(self) -> Recipe:
         """The recipe this side runs: the reference without the candidate's activation recomputation
-        (it keeps its activations, so the check judges the recomputation)."""
+        (it keeps its activations, so the check judges the recomputation), and under fp16 at the
+        loss scale whose backward carries the candidate's values (``config.reference_optimizer``)."""
         if self.role == CANDIDATE:
             return recipe_from_dict(self.recipe)
-        return recipe_from_dict(dict(self.recipe, model=model_fields.for_reference(self.recipe["model"])))
+        return recipe_from_dict(dict(self.recipe, model=model_fields.for_reference(self.recipe["model"]),
+                                     optimizer=cfg.reference_optimizer(self.recipe)))
 
     @property
     def parallel(self) -> Dict:

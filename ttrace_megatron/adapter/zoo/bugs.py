@@ -310,6 +310,25 @@ def mtp_loss_scale_ignores_microbatches(chunks) -> None:
     MTPLossAutoScaler.main_loss_backward_scale = torch.tensor(1.0)
 
 
+@bug()
+def grad_scaler_state_on_rank0_only(chunks) -> None:
+    """fp16's dynamic loss scaler: only global rank 0 holds the scale the run should train at (as
+    when a checkpoint's grad-scaler state is restored on rank 0 alone); every other rank starts
+    from half of it. Each rank scales its own copy of the loss by its own scale, the TP and DP
+    reductions mix grads at different scales, and each rank unscales by its own: no overflow, no
+    error, grads off by up to 2×."""
+    from megatron.core.optimizer.grad_scaler import DynamicGradScaler
+
+    original = DynamicGradScaler.__init__
+
+    def init(self, initial_scale, *args, **kwargs):
+        if torch.distributed.get_rank() != 0:
+            initial_scale = initial_scale / 2
+        original(self, initial_scale, *args, **kwargs)
+
+    DynamicGradScaler.__init__ = init
+
+
 @bug(at_build=True)
 def vpp_layer_offset_off_by_one_stage() -> None:
     """With virtual pipeline stages, the layer offset of every chunk after the first is computed
