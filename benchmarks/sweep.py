@@ -276,8 +276,11 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
     dtype = rng.choice(["fp32", "fp32", "bf16", "bf16", "fp16"])
     if dtype == "fp16":  # megatron's default 2**32 skips every step of a 2-iteration run
         optimizer["initial_loss_scale"] = rng.choice([4096, 65536])
+    ddp: Dict[str, Any] = {}
     if dp > 1 and rng.random() < 0.4:
         optimizer["use_distributed_optimizer"] = True
+        if rng.random() < 0.5:  # Megatron-LM's large recipes overlap both (issue #33)
+            ddp.update(overlap_grad_reduce=True, overlap_param_gather=True)
     micro = rng.choice([1, 2])
     nmicro = rng.choice([1, 2]) * (pp if parallel.get("virtual_pipeline_model_parallel_size") else 1)
     return {
@@ -291,6 +294,7 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
                  "global_batch_size": micro * dp * nmicro},
         "train": {"iterations": 2},
         "dtype": dtype,
+        **({"ddp": ddp} if ddp else {}),
     }
 
 
@@ -340,6 +344,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("DP")
     if raw["optimizer"].get("use_distributed_optimizer"):
         tags.append("distributed optimizer")
+    if (raw.get("ddp") or {}).get("overlap_param_gather"):
+        tags.append("overlap param gather")
     if m.get("num_moe_experts"):
         tags += ["MoE", f"dispatcher {m.get('moe_token_dispatcher_type', 'allgather')}",
                  f"router {m.get('moe_router_score_function', 'softmax')}",

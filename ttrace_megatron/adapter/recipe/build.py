@@ -167,6 +167,10 @@ def optimizer(recipe: Recipe, model: List[torch.nn.Module], config):
         start = [chunk.start_grad_sync for chunk in model]
         config.no_sync_func = no_sync[0] if len(model) == 1 else no_sync
         config.grad_sync_func = start[0] if len(model) == 1 else start
+    if recipe.ddp.get("overlap_param_gather") and recipe.ddp.get("align_param_gather"):
+        # megatron.training: the schedule dispatches each chunk's param all-gather itself
+        sync = [chunk.start_param_sync for chunk in model]
+        config.param_sync_func = sync[0] if len(model) == 1 else sync
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = opt.scale_loss
     return opt

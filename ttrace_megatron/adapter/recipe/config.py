@@ -154,14 +154,14 @@ DDP_HONOURED = (
     "overlap_grad_reduce", "check_for_nan_in_grad",
     "check_for_large_grads", "bucket_size", "pad_buckets_for_high_nccl_busbw", "average_in_collective",
     "gradient_reduce_div_fusion", "reduce_scatter_with_fp32_accumulation",
+    # the distributed optimizer's param all-gather in the next forward's module pre-hooks: each rank's
+    # updated parameter is recorded as its owned range (layouts.KeyLayouts.params_gathered_late)
+    "overlap_param_gather", "align_param_gather",
 )
 _FSDP = "Megatron FSDP is not supported by ttrace yet (its parameters are sharded by another scheme)"
 DDP_REFUSED = {
     "use_distributed_optimizer": "set it under optimizer: (OptimizerConfig.use_distributed_optimizer); ttrace "
                                  "passes it to DDP",
-    "overlap_param_gather": "ttrace records the updated parameters right after the optimizer step; with "
-                            "overlap_param_gather the distributed optimizer gathers them during the next forward",
-    "align_param_gather": "see overlap_param_gather",
     "num_distributed_optimizer_instances": "several distributed-optimizer instances are not supported by ttrace yet",
     "fp8_param_gather": "FP8 parameters need TransformerEngine", "reuse_grad_buf_for_mxfp8_param_ag": "MXFP8 needs "
     "TransformerEngine", "keep_fp8_transpose_cache": "FP8 parameters need TransformerEngine",

@@ -134,11 +134,16 @@ class KeyLayouts:
     each run trains at, and the optimizer's states and updates are judged against them.
     """
 
-    def __init__(self, facts: ModelFacts, dp_size: int = 1, owned_ranges: Optional[OwnedRanges] = None):
+    def __init__(self, facts: ModelFacts, dp_size: int = 1, owned_ranges: Optional[OwnedRanges] = None,
+                 params_gathered_late: bool = False):
         self.facts = facts
         self.dp_size = dp_size
         self.owned_ranges = owned_ranges or {}
         self.loss_scale = 1.0
+        # overlap_param_gather: after the step each DP rank holds its owned range of a parameter up
+        # to date and the rest stale until the next forward gathers it; the updated parameter is
+        # each rank's owned range (what it is at that point), like the optimizer's state
+        self.params_gathered_late = params_gathered_late
 
     def of(self, key: TensorKey, site: Site, shape: Sequence[int]) -> Layout:
         kind = key.kind
@@ -157,6 +162,8 @@ class KeyLayouts:
             layout = param_layout(site, facts, dp_ranges=bounds)
         elif kind in (TensorKind.OPTIMIZER_SCALAR, TensorKind.STEP_SETTING):
             layout = stage_replicated_layout(shape, facts)
+        elif kind is TensorKind.PARAM and self.params_gathered_late and site.param in self.owned_ranges:
+            layout = param_layout(site, facts, dp_ranges=self.owned_ranges[site.param][0])
         elif kind is TensorKind.PARAM:
             layout = param_layout(site, facts)
         elif kind is TensorKind.LOSS:

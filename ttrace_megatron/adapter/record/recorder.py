@@ -274,7 +274,9 @@ class Recorder(Feature):
         for mname, pname, module, param in self._params:
             if param.requires_grad and self._wants(mname, -1):
                 site = Site(mname, module, pname, param)
-                self._add(TensorKey(it, -1, mname, keys.OPTIMIZER, keys.updated_param(pname)), param, site)
+                key = TensorKey(it, -1, mname, keys.OPTIMIZER, keys.updated_param(pname))
+                layout = self.layouts.of(key, site, tuple(param.shape))  # an owned range under overlap_param_gather
+                self._add(key, owned_piece(param.detach(), layout, self.coords), site, layout=layout)
                 main = self.main_params.get(param)
                 states = main.states() if main is not None else {}
                 for name in expected_states(self.optimizer.config, param):

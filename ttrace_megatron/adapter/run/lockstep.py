@@ -27,6 +27,7 @@ import torch
 
 from ... import keys
 from ...keys import TensorKey
+from ...placement import owned_piece
 from ..record.layouts import Site
 from ..record.recorder import Recorder
 from .replay import ReferenceValues
@@ -53,9 +54,14 @@ class LockStep:
                 continue
             site = Site(mname, module, pname, param)
             key = TensorKey(clock.iteration, -1, mname, keys.OPTIMIZER, keys.updated_param(pname))
-            value = self.reference.shard(key, self.layouts.of(key, site, tuple(param.shape)), param)
+            # the parameter as the step left it: whole, or under overlap_param_gather this rank's owned
+            # range, the rest left stale for the next forward's all-gather to bring (from the owners,
+            # who took the reference's)
+            layout = self.layouts.of(key, site, tuple(param.shape))
+            target = owned_piece(param.data, layout, self.reference.coords)
+            value = self.reference.shard(key, layout, target)
             if value is not None:
-                param.copy_(value)
+                target.copy_(value)
             main = self.recorder.main_params.get(param)
             if main is None:
                 continue

@@ -153,7 +153,9 @@ def start(model, optimizer, config, options: TraceOptions, facts, signature: Opt
     coords = layouts.rank_coordinates()
     role = REPLAY if options.replay else \
         options.role if options.role != "auto" else (REFERENCE if world == 1 else CANDIDATE)
-    key_layouts = layouts.KeyLayouts(facts, sizes["dp"], layouts.distributed_optimizer_ranges(chunks, optimizer))
+    late = any(getattr(getattr(c, "ddp_config", None), "overlap_param_gather", False) for c in chunks)
+    key_layouts = layouts.KeyLayouts(facts, sizes["dp"], layouts.distributed_optimizer_ranges(chunks, optimizer),
+                                     params_gathered_late=late)
     if rank == 0:
         _write_run_info(options, chunks, optimizer, config, facts, sizes, role, world, signature, run_info)
     if options.seed_checkpoint:

@@ -621,6 +621,26 @@ def param_allgather_skipped(chunks) -> None:
     DistributedOptimizer.step_with_ready_grads = MixedPrecisionOptimizer.step_with_ready_grads
 
 
+@bug("embedding.word_embeddings")
+def param_gather_hook_missing(chunks, pattern: str) -> None:
+    """overlap_param_gather: the matching modules run without DDP's forward pre-hook, the one that
+    waits for (and first dispatches) the all-gather of their parameters' bucket. The first module
+    of a bucket then runs on its stale copy (each DP rank's own range updated, the rest a step
+    old), and the gather arrives for the modules after it."""
+    found = False
+    for chunk in chunks:
+        handles = getattr(chunk, "remove_forward_pre_hook_handles", None)
+        if not getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False) or handles is None:
+            continue
+        for _, module in named_modules([chunk], pattern):
+            if module in handles:
+                handles.pop(module).remove()
+                found = True
+    if not found:
+        raise ValueError(f"bug injection: param_gather_hook_missing needs overlap_param_gather and a module "
+                         f"with DDP's forward pre-hook matching {pattern!r}")
+
+
 @bug()
 def adam_state_stepped_on_wrong_shard(chunks) -> None:
     """The distributed optimizer on DP rank 1 hands two of its main-parameter shards each other's
