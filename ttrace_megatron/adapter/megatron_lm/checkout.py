@@ -41,10 +41,26 @@ _VALUE_FLAGS = {
     "normalization": "--normalization", "position_embedding_type": "--position-embedding-type",
     "init_method_std": "--init-method-std", "layernorm_epsilon": "--norm-epsilon", "rotary_base": "--rotary-base",
     "rotary_percent": "--rotary-percent",
+    # MoE (SequentialMLP experts: Megatron-LM builds them with the local spec unless --moe-grouped-gemm)
+    "num_moe_experts": "--num-experts", "moe_router_topk": "--moe-router-topk",
+    "moe_ffn_hidden_size": "--moe-ffn-hidden-size", "moe_token_dispatcher_type": "--moe-token-dispatcher-type",
+    "moe_router_load_balancing_type": "--moe-router-load-balancing-type", "moe_aux_loss_coeff": "--moe-aux-loss-coeff",
+    "moe_z_loss_coeff": "--moe-z-loss-coeff", "moe_router_score_function": "--moe-router-score-function",
+    "moe_shared_expert_intermediate_size": "--moe-shared-expert-intermediate-size",
+    "moe_router_topk_scaling_factor": "--moe-router-topk-scaling-factor", "moe_router_dtype": "--moe-router-dtype",
+    "moe_router_bias_update_rate": "--moe-router-bias-update-rate",
+    # multi-token prediction
+    "mtp_num_layers": "--mtp-num-layers", "mtp_loss_scaling_factor": "--mtp-loss-scaling-factor",
+}
+# boolean model fields -> the Megatron-LM flag that turns them on (their default is off)
+_SWITCH_FLAGS = {
+    "qk_layernorm": "--qk-layernorm", "moe_router_enable_expert_bias": "--moe-router-enable-expert-bias",
 }
 _PARALLEL_FLAGS = {
     "tensor_model_parallel_size": "--tensor-model-parallel-size",
     "pipeline_model_parallel_size": "--pipeline-model-parallel-size",
+    "expert_model_parallel_size": "--expert-model-parallel-size",
+    "expert_tensor_parallel_size": "--expert-tensor-parallel-size",
 }
 # everything else a recipe may set is refused for --megatron-lm until it is translated and verified
 
@@ -153,8 +169,10 @@ def _model_flags(recipe: Recipe) -> List[str]:
             argv += [] if value else ["--untie-embeddings-and-output-weights"]
         elif key == "attention_softmax_in_fp32":
             pass  # training_args
-        elif key == "qk_layernorm":
-            argv += ["--qk-layernorm"] if value else []
+        elif key in _SWITCH_FLAGS:
+            argv += [_SWITCH_FLAGS[key]] if value else []
+        elif key == "moe_layer_freq":  # an int, or a list Megatron-LM parses from its Python form
+            argv += ["--moe-layer-freq", str(value) if isinstance(value, int) else "[" + ",".join(map(str, value)) + "]"]
         else:
             raise RecipeError(f"{recipe.source}: --megatron-lm: model: '{key}' has no Megatron-LM flag translation "
                               f"in ttrace yet")
