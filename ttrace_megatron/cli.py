@@ -151,9 +151,9 @@ def _side_runner(recipe, out: str, args, console: Console):
     checkout = megatron_lm.check_checkout(checkout)
     # refuses an untranslatable field before anything runs
     megatron_lm.training_args(recipe, REFERENCE, {}, release=megatron_lm.release_of(checkout))
-    if as_gpt or any(trees.values()) or args.online or recipe.tolerance.perturbation or args.perturb:
+    if as_gpt or any(trees.values()) or args.online:
         raise RecipeError(f"{recipe.source}: --megatron-lm runs neither --reference-model gpt, "
-                          f"--candidate/--reference-megatron, --online nor the perturbation estimate yet")
+                          f"--candidate/--reference-megatron nor --online yet")
 
     def run_side(role, trace_dir, inject=(), **trace):
         side = spec(role, trace_dir, inject, **trace)

@@ -251,6 +251,8 @@ def trace_args(trace: TraceOptions) -> List[str]:
         argv += ["--ttrace-lockstep", trace.lockstep]
     if trace.replay:
         argv += ["--ttrace-replay", trace.replay]
+    if trace.perturb:  # the perturbation estimate: the reference again, with round-off-sized noise
+        argv += ["--ttrace-perturb", str(trace.perturb)]
     if trace.iterations:
         argv += ["--ttrace-iters", ",".join(map(str, trace.iterations))]
     if trace.microbatches:
