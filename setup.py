@@ -22,6 +22,9 @@ setup(
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],
         "te": ["transformer_engine[pytorch]"],
+        # what Megatron-LM's training code (pretrain_gpt.py, megatron/training) imports beyond megatron-core's
+        # own requirements, at core_v0.16.1 and core_v0.19.0 (checkout.TRAINING_IMPORTS says which module each is)
+        "megatron-lm": ["six", "regex", "pydantic", "triton", "pybind11"],
     },
     entry_points={"console_scripts": ["ttrace=ttrace_megatron.cli:main"]},
 )

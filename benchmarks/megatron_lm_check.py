@@ -31,6 +31,9 @@ CASES = [
     ("gpt_tp2_sp", "sp_norm_grad_not_reduced", "decoder.layers.0.input_layernorm", "grad reduction"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction"),
     ("gpt_dp2", "dp_grad_not_averaged", "embedding.word_embeddings", "grad reduction"),
+    ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1",
+     "grad reduction"),
+    ("deepseek_mtp_tp2_sp", "mtp_projection_gather_reduces_grad", "mtp.layers.0.eh_proj", "backward (arrival)"),
 ]
 
 

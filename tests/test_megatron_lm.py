@@ -53,7 +53,7 @@ def test_recipe_translates_to_megatron_lm_flags():
 
 
 @pytest.mark.parametrize("section,key,value", [
-    ("model", "moe_router_topk", 2), ("parallel", "expert_model_parallel_size", 2),
+    ("model", "softmax_type", "learnable"), ("parallel", "virtual_pipeline_model_parallel_size", 2),
     ("optimizer", "weight_decay", 0.1), ("model", "activation_func", "squared_relu"),
 ])
 def test_fields_without_a_translation_are_refused_by_name(section, key, value):
@@ -61,6 +61,30 @@ def test_fields_without_a_translation_are_refused_by_name(section, key, value):
     getattr(recipe, section)[key] = value
     with pytest.raises(RecipeError, match=f"--megatron-lm: .*'{key}'|--megatron-lm: {key}"):
         megatron_lm.training_args(recipe, "candidate", recipe.parallel, release="0.16.1")
+
+
+def test_moe_and_mtp_translate_to_megatron_lm_flags():
+    recipe = _recipe("deepseek_tp2_sp_ep2")
+    text = " ".join(megatron_lm.training_args(recipe, "candidate", recipe.parallel, release="0.16.1"))
+    for flag in ("--num-experts 16", "--moe-router-topk 4", "--moe-ffn-hidden-size 16", "--moe-layer-freq [0,1,1]",
+                 "--moe-shared-expert-intermediate-size 32", "--moe-router-score-function sigmoid",
+                 "--moe-router-enable-expert-bias", "--moe-router-topk-scaling-factor 2.5", "--moe-router-dtype fp32",
+                 "--moe-router-load-balancing-type seq_aux_loss", "--moe-token-dispatcher-type alltoall",
+                 "--mtp-num-layers 1", "--mtp-loss-scaling-factor 0.3", "--expert-model-parallel-size 2",
+                 "--expert-tensor-parallel-size 1"):
+        assert flag in text, flag
+
+
+def test_missing_training_imports_are_named_up_front(tmp_path, monkeypatch):
+    import importlib.util
+
+    for need in ("pretrain_gpt.py", "megatron/training/training.py", "megatron/core/__init__.py"):
+        (tmp_path / need).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / need).write_text("")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("six", "regex") else real(name, *a))
+    with pytest.raises(RecipeError, match=r"imports six, regex, not installed .*pip install -e '\.\[megatron-lm\]'"):
+        megatron_lm.check_checkout(str(tmp_path))
 
 
 def test_not_a_checkout_is_named(tmp_path):
@@ -99,6 +123,9 @@ REAL = [
     ("gpt_tp2_sp", "sp_norm_grad_not_reduced", "decoder.layers.0.input_layernorm", "grad reduction"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "grad reduction"),
     ("gpt_dp2", "dp_grad_not_averaged", "embedding.word_embeddings", "grad reduction"),
+    ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1",
+     "grad reduction"),
+    ("deepseek_mtp_tp2_sp", "mtp_projection_gather_reduces_grad", "mtp.layers.0.eh_proj", "backward (arrival)"),
 ]
 
 

@@ -65,12 +65,28 @@ _PARALLEL_FLAGS = {
 # everything else a recipe may set is refused for --megatron-lm until it is translated and verified
 
 
+# the modules Megatron-LM's training code imports beyond megatron-core's requirements (found by
+# importing pretrain_gpt.py at core_v0.16.1 and core_v0.19.0 in a venv that followed the README, and
+# by training: megatron.training compiles megatron-core's dataset helpers with pybind11); setup.py's
+# ``megatron-lm`` extra installs them
+TRAINING_IMPORTS = ("six", "regex", "pydantic", "triton", "pybind11")
+
+
 def check_checkout(path: str) -> str:
-    """The checkout's absolute path, or RecipeError naming what is missing."""
+    """The checkout's absolute path, or RecipeError naming what is missing: a file of the checkout,
+    or a module its training code imports that this interpreter lacks (all of them at once, before
+    any rank starts)."""
+    import importlib.util
+
     path = os.path.abspath(path)
     for need in (SCRIPT, os.path.join("megatron", "training", "training.py"), os.path.join("megatron", "core")):
         if not os.path.exists(os.path.join(path, need)):
             raise RecipeError(f"--megatron-lm {path}: not a Megatron-LM checkout (no {need})")
+    missing = [m for m in TRAINING_IMPORTS if importlib.util.find_spec(m) is None]
+    if missing:
+        raise RecipeError(f"--megatron-lm {path}: Megatron-LM's training code imports {', '.join(missing)}, not "
+                          f"installed in {sys.executable}: pip install -e '.[megatron-lm]' in ttrace's checkout "
+                          f"(or pip install {' '.join(missing)})")
     return path
 
 
