@@ -50,7 +50,7 @@ BUGS = [  # (recipe, bug spec, expected module, expected phase of the end-to-end
     ("deepseek_mtp_tp2_sp", "mtp_projection_gather_reduces_grad", "mtp.layers.0.eh_proj", "backward"),
     ("deepseek_mtp_tp2_sp", "mtp_loss_scale_ignores_microbatches", "mtp.layers.0.output_layer", "backward"),
     # fp16 (issue #33): ranks at different loss scales
-    ("gpt_tp2_sp_fp16", "grad_scaler_state_on_rank0_only", "output_layer", "backward"),
+    ("gpt_tp2_sp_fp16", "grad_scaler_state_on_rank0_only", "output_layer", "backward", ("fp16",)),
     # overlap_param_gather (issue #33): the first module of a bucket runs before its gather
     ("gpt_dp2_distopt_overlap", "param_gather_hook_missing", "embedding.word_embeddings", "forward"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
@@ -82,10 +82,11 @@ BUGS += [  # the optimizer (issue #16), under Adam with megatron's defaults
 BUG_DTYPES = ("fp32", "bf16")  # unless the entry names its own (FP8 bugs need the FP8 emulation)
 DTYPES = ("fp32", "bf16", "fp8")  # fp8: TE's hybrid FP8 GEMMs emulated on CPU (adapter.cpu.fp8_emulation)
 FAMILIES = ("gpt3_tp2_sp", "gpt3_pp2_dp2", "llama3_tp2_sp", "llama3_tp4_sp", "qwen2_tp2", "qwen2_pp2_vpp", "mixtral_ep2",
-            "mixtral_tp2_sp_ep2", "deepseek_ep2", "deepseek_tp2_sp_ep2")  # issue #17's model families
+            "mixtral_tp2_sp_ep2", "deepseek_ep2", "deepseek_tp2_sp_ep2",  # issue #17's model families
+            "gptoss_ep2", "gptoss_tp2_sp_ep2", "llama4_pp2", "llama4_tp2_sp_ep2")  # issue #33's
 CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_dp2_adam", "gpt_tp2_sp_dp2",
          "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2", "qwen3_tp2",
-         "gpt_tp2_recompute", "gpt_pp2_nope", "gpt_tp2_sinks")
+         "gpt_tp2_recompute", "gpt_pp2_nope", "gpt_tp2_sinks", "deepseek_mtp_tp2_sp", "gpt_dp2_distopt_overlap")
 
 
 # issue #31's detection at width: the zoo's recipes widened to (at least) this, structure and layout kept

@@ -84,7 +84,7 @@ def _router_bias(rng, model):
 
 def _no_rope(rng, model):
     # NoPE layers (issue #33): with RoPE, sometimes one layer without it, picked by its global number
-    if model.get("position_embedding_type", "rope") != "rope" or rng.random() >= 0.2:
+    if model.get("position_embedding_type", "rope") != "rope" or rng.random() >= 0.3:
         return None
     pattern = [0] * model["num_layers"]
     pattern[rng.randrange(model["num_layers"])] = 1
@@ -165,6 +165,10 @@ FIELDS: Dict[str, Draw] = {
     "position_embedding_type": _choice("rope", "learned_absolute"),
     "no_rope_freq": _no_rope,
     "softmax_type": _choice(None, None, None, None, "off-by-one", "learnable"),
+    # sliding-window attention (gpt-oss), on every layer or every other: megatron-core's local
+    # DotProductAttention masks it (fused_softmax.get_sliding_window_causal_mask)
+    "window_size": _sometimes(0.15, [8, 0]),
+    "window_attn_skip_freq": lambda rng, model: rng.choice([None, 2]) if model.get("window_size") else None,
     "recompute_granularity": _recompute,
     "recompute_method": _recompute_full("recompute_method", "uniform"),
     "recompute_num_layers": _recompute_full("recompute_num_layers", 1),
@@ -180,8 +184,6 @@ FIELDS: Dict[str, Draw] = {
 NOT_DRAWN = {
     "hidden_dropout": "must be 0 (dropout draws random numbers; refused otherwise)",
     "attention_dropout": "must be 0 (dropout draws random numbers; refused otherwise)",
-    "window_size": "sliding-window attention: megatron's local DotProductAttention refuses it",
-    "window_attn_skip_freq": "sliding-window attention: see window_size",
     "moe_router_num_groups": "group-limited routing: its choice is not judged (listed as unjudged)",
     "moe_router_group_topk": "group-limited routing: see moe_router_num_groups",
     "moe_token_dropping": "megatron-core marks it not implemented (capacity factor drops tokens)",
@@ -318,6 +320,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("NoPE")
     if m.get("softmax_type"):
         tags.append(f"sinks {m['softmax_type']}")
+    if m.get("window_size"):
+        tags.append("sliding window")
     if m.get("recompute_granularity"):
         tags.append(f"recompute {m['recompute_granularity']}")
     if m.get("mtp_num_layers"):
