@@ -151,6 +151,11 @@ FIELDS: Dict[str, Draw] = {
     "moe_layer_freq": _moe(_choice(1, 1, "[0,1]", "[1,0,1,1]")),
     "moe_router_score_function": _moe(_choice("softmax", "sigmoid")),
     "moe_router_pre_softmax": _moe(_sometimes(0.2, True)),
+    # the router's probability on the expert's input (top-1 only, which megatron gives pre-softmax)
+    "moe_apply_probs_on_input": lambda rng, model: True if (model.get("moe_router_topk") == 1 and model.get(
+        "moe_router_pre_softmax") and rng.random() < 0.5) else None,
+    # Llama 4's L2 norm of queries and keys: ttrace refuses it without experts (Megatron-LM drops it there)
+    "qk_l2_norm": _moe(_sometimes(0.2, True)),
     "moe_router_topk_scaling_factor": _moe(_sometimes(0.2, 2.5)),
     "moe_router_dtype": _moe(_choice(None, "fp32")),
     "moe_router_enable_expert_bias": _router_bias,

@@ -520,3 +520,15 @@ def test_overlapped_param_gather(runs):
                if rec.key.module == "embedding.word_embeddings" and rec.key.phase == "optimizer"
                and rec.key.iteration == 1}
     assert any(type(p).__name__ == "RangeShard" for p in layouts["weight"].placements)
+
+
+def test_qk_l2_norm_and_probs_on_expert_inputs(runs):
+    """qk_l2_norm (Llama 4: a parameter-free L2 norm of queries and keys, built by megatron-core's
+    MoE decoder block spec) and moe_apply_probs_on_input (the top-1 router's probability scales the
+    expert's input): honoured in reference and candidate alike, TP 2 + SP with EP 2."""
+    ref, cand = runs.candidate(load("moe_tp2_sp_ep2", model={"qk_l2_norm": True, "moe_router_topk": 1,
+                                                              "moe_router_pre_softmax": True,
+                                                              "moe_apply_probs_on_input": True}))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    assert not any(r.key.module.endswith(("q_layernorm", "k_layernorm")) for r in c.results)  # no parameters

@@ -219,3 +219,20 @@ def test_later_releases_parallel_fields_are_refused_not_passed_through(field):
         assert config.PARALLEL_REFUSED[field] in str(e.value)
     else:
         assert "unknown key" in str(e.value)
+
+
+def test_qk_l2_norm_is_refused_where_megatron_lm_drops_it():
+    """Megatron-LM's GPT builder passes qk_l2_norm to the local layer spec only with experts
+    (gpt_builders.py, _get_transformer_layer_spec): a dense model would train without the norm."""
+    with pytest.raises(RecipeError, match="'qk_l2_norm' is not supported by ttrace: Megatron-LM's GPT builder.*"
+                                          "gpt_builders.py:148"):
+        validate_recipe(recipe_from_dict({"model": dict(BASE, qk_l2_norm=True), "world_size": 1}))
+    validate_recipe(recipe_from_dict({"model": dict(BASE, qk_l2_norm=True, num_moe_experts=4, add_bias_linear=False),
+                                      "world_size": 1}))
+
+
+def test_layout_dependent_routing_is_refused_with_megatrons_line():
+    recipe = recipe_from_dict({"model": dict(BASE, num_moe_experts=4, add_bias_linear=False,
+                                             moe_router_topk_limited_devices=1), "world_size": 1})
+    with pytest.raises(RecipeError, match="transformer_config.py:1668"):
+        validate_recipe(recipe)

@@ -309,6 +309,12 @@ def megatron_cannot_run(recipe: Recipe):
                    f"megatron-core fuses the bias with gelu or SwiGLU only (with experts: SwiGLU or quick-GeGLU); its "
                    f"config accepts activation_func {act!r}{' gated' if glu else ''} and its MLP then raises "
                    f"(megatron/core/transformer/mlp.py, 'Only support fusion of ...'); drop bias_activation_fusion")
+    if model.get("qk_l2_norm") and not model.get("num_moe_experts"):
+        yield ("model", "qk_l2_norm",
+               "Megatron-LM's GPT builder hands qk_l2_norm to the TransformerEngine layer spec but not to the local one "
+               "of a model without experts (gpt_builders.py:148, _get_transformer_layer_spec, core_v0.16.1 and "
+               "core_v0.19.0): with --transformer-impl local the model it trains has no L2 norm. megatron-core's MoE "
+               "decoder block spec takes it: set it on MoE models")
     if model.get("fp32_residual_connection") and recipe.dtype != "fp32":
         yield ("model", "fp32_residual_connection",
                f"with dtype {recipe.dtype}, megatron-core's local layers hand the fp32 residual stream through "

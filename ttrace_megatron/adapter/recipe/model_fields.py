@@ -45,9 +45,11 @@ STRUCTURE = (
     "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "normalization", "qk_layernorm", "num_moe_experts",
     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
     "mtp_num_layers",  # multi-token prediction (DeepSeek-V3): the MTP block's layers, built after the decoder
+    "qk_l2_norm",  # Llama 4's parameter-free L2 norm of queries and keys (MoE models: config.megatron_cannot_run)
 )
 
 NUMERICS = (
+    "moe_apply_probs_on_input",  # the router's probability scales an expert's input, not its output (top-1)
     "mtp_loss_scaling_factor",  # the weight of the MTP depths' losses in the backward
     "softmax_type",  # attention sinks (gpt-oss): off-by-one, or a learnable offset per head, sharded over TP
     "no_rope_freq",  # NoPE layers (Llama 4): which layers skip RoPE, by the global layer number
@@ -79,6 +81,7 @@ NEUTRAL = (
     "masked_softmax_fusion", "persist_layer_norm", "memory_efficient_layer_norm", "bias_dropout_fusion",
     "disable_bf16_reduced_precision_matmul", "clone_scatter_output_in_embedding", "disable_parameter_transpose_cache",
     "config_logger_dir", "moe_per_layer_logging", "transformer_impl",
+    "init_model_with_meta_device",  # initialization only: ttrace's seed checkpoint gives both sides the same weights
 )
 
 UNVERIFIED = "not verified by ttrace yet: no test shows reference and candidate agree with it"
@@ -89,15 +92,18 @@ _FP8 = "TransformerEngine FP8/FP4: use `dtype: fp8`, ttrace's emulation of TE's 
 _MUP = "μP (maximal update parametrization) rescales init, attention and outputs: " + UNVERIFIED
 _MTP = "a multi-token prediction variant of a later release: " + UNVERIFIED
 _GROUPED = "grouped GEMM needs TransformerEngine or the grouped_gemm package; ttrace builds SequentialMLP experts"
-_OFFLOAD = "activation offloading to the host: " + UNVERIFIED
 _MAMBA = "configures Mamba layers (M in hybrid_layer_pattern), which need the mamba_ssm CUDA kernels: not " \
          "supported by ttrace yet"
-_DSA = "DeepSeek sparse attention: " + UNVERIFIED
+_DSA = "DeepSeek sparse attention needs the fast_hadamard_transform CUDA package " \
+       "(megatron/core/transformer/experimental_attention_variant/dsa.py:44)"
+_GDN = "gated delta net (linear attention) needs the flash-linear-attention (fla) Triton kernels and causal_conv1d, " \
+       "CUDA packages (megatron/core/ssm/gated_delta_net.py:103)"
+_CUDA_OFFLOAD = "activation offloading to the host needs CUDA streams and pinned memory"
+_OFFLOAD = _CUDA_OFFLOAD
 
 REFUSED: Dict[str, str] = {
     "attention_backend": _TE,
     "activation_func_fp8_input_store": _FP8,
-    "qk_l2_norm": "Megatron-LM's local layer spec drops it for dense models; " + UNVERIFIED,
     "qk_clip": UNVERIFIED + " (it rescales weights in the optimizer)",
     "qk_clip_alpha": UNVERIFIED,
     "qk_clip_threshold": UNVERIFIED,
@@ -106,14 +112,14 @@ REFUSED: Dict[str, str] = {
     "test_mode": "megatron's internal test switch",
     "multi_latent_attention": "multi-latent attention needs MLATransformerConfig's fields (q_lora_rank, "
                               "kv_lora_rank, ...), which a recipe cannot set yet",
-    "experimental_attention_variant": UNVERIFIED,
-    "dsa_indexer_n_heads": UNVERIFIED, "dsa_indexer_head_dim": UNVERIFIED, "dsa_indexer_topk": UNVERIFIED,
-    "dsa_indexer_loss_coeff": UNVERIFIED, "dsa_indexer_use_sparse_loss": UNVERIFIED,
-    "linear_attention_freq": UNVERIFIED, "linear_conv_kernel_dim": UNVERIFIED,
-    "linear_key_head_dim": UNVERIFIED, "linear_value_head_dim": UNVERIFIED,
-    "linear_num_key_heads": UNVERIFIED, "linear_num_value_heads": UNVERIFIED,
+    "experimental_attention_variant": "its variants need CUDA packages: 'dsa' " + _DSA.split(" needs ")[1]
+                                      + "; 'gated_delta_net' " + _GDN.split(" needs ")[1],
+    "dsa_indexer_n_heads": _DSA, "dsa_indexer_head_dim": _DSA, "dsa_indexer_topk": _DSA,
+    "dsa_indexer_loss_coeff": _DSA, "dsa_indexer_use_sparse_loss": _DSA,
+    "linear_attention_freq": _GDN, "linear_conv_kernel_dim": _GDN,
+    "linear_key_head_dim": _GDN, "linear_value_head_dim": _GDN,
+    "linear_num_key_heads": _GDN, "linear_num_value_heads": _GDN,
     "init_method": CALLABLE, "output_layer_init_method": CALLABLE, "embedding_init_method": CALLABLE,
-    "init_model_with_meta_device": UNVERIFIED,
     "apply_rope_fusion": _TE, "use_fused_weighted_squared_relu": _TE, "fused_single_qkv_rope": _TE,
     "fp8": _FP8, "fp8_recipe": _FP8, "fp8_param": _FP8, "fp8_quantizer_factory": _FP8, "fp8_margin": _FP8,
     "fp8_interval": _FP8, "fp8_amax_history_len": _FP8, "fp8_amax_compute_algo": _FP8, "fp8_wgrad": _FP8,
@@ -121,8 +127,12 @@ REFUSED: Dict[str, str] = {
     "first_last_layers_bf16": _FP8, "num_layers_at_start_in_bf16": _FP8, "num_layers_at_end_in_bf16": _FP8,
     "fp4": _FP8, "fp4_recipe": _FP8, "fp4_param": _FP8, "fp4_quantizer_factory": _FP8,
     "use_kitchen": _TE, "use_kitchen_attention": _TE, "kitchen_attention_backend": _TE,
-    "moe_shared_expert_overlap": "overlaps the shared expert on CUDA streams; " + UNVERIFIED,
-    "moe_router_topk_limited_devices": UNVERIFIED,
+    "moe_shared_expert_overlap": "overlaps the shared expert on a CUDA stream (megatron/core/transformer/moe/"
+                                 "shared_experts.py:123, torch.cuda.Stream)",
+    "moe_router_topk_limited_devices": "device-limited routing groups the experts by the EP ranks that hold them "
+                                       "(megatron/core/transformer/transformer_config.py:1668, moe_router_num_groups = "
+                                       "expert_model_parallel_size), so a one-rank reference routes otherwise; use "
+                                       "moe_router_num_groups and moe_router_group_topk",
     "moe_router_padding_for_quantization": _FP8, "moe_router_padding_for_fp8": _FP8,
     "moe_router_force_load_balancing": _RNG + " (random router logits)",
     "moe_grouped_gemm": "grouped GEMM experts need TransformerEngine or the grouped_gemm package; "
@@ -133,8 +143,7 @@ REFUSED: Dict[str, str] = {
     "moe_hybridep_num_sms": _TE,
     "moe_layer_recompute": "activation recomputation: " + UNVERIFIED,
     "moe_permute_fusion": _TE, "moe_router_fusion": _TE,
-    "moe_apply_probs_on_input": UNVERIFIED,
-    "moe_latent_size": UNVERIFIED,
+    "moe_latent_size": "MoE latent projections need TransformerEngine (megatron/core/transformer/moe/moe_layer.py:171)",
     "cp_comm_type": "context parallelism is not supported yet",
     "enable_cuda_graph": _TE, "cuda_graph_use_single_mempool": _TE, "cuda_graph_retain_backward_graph": _TE,
     "cuda_graph_warmup_steps": _TE, "external_cuda_graph": _TE, "cuda_graph_impl": _TE, "cuda_graph_scope": _TE,
@@ -142,7 +151,8 @@ REFUSED: Dict[str, str] = {
     "use_te_activation_func": _TE, "inference_rng_tracker": "inference only",
     "inference_sampling_seed": "inference only", "symmetric_ar_type": _TE,
     "use_inference_optimized_layers": "inference only", "inference_fuse_tp_communication": "inference only",
-    "mrope_section": "multimodal rotary embedding: " + UNVERIFIED,
+    "mrope_section": "multimodal rotary embedding: its 3-D position ids come with image and video inputs, which a "
+                     "GPT recipe's token data does not have",
     "is_hybrid_model": "set from model: hybrid_layer_pattern (a HybridModel), as Megatron-LM's "
                        "--hybrid-layer-pattern sets it",
     "mamba_state_dim": _MAMBA,
@@ -153,8 +163,8 @@ REFUSED: Dict[str, str] = {
     "mlp_chunks_for_prefill": "inference only",
     "heterogeneous_block_specs": UNVERIFIED, "hetereogenous_dist_checkpoint": UNVERIFIED,
     "quant_recipe": _FP8,
-    "fine_grained_activation_offloading": UNVERIFIED, "offload_modules": UNVERIFIED,
-    "min_offloaded_tensor_size": UNVERIFIED,
+    "fine_grained_activation_offloading": _CUDA_OFFLOAD, "offload_modules": _CUDA_OFFLOAD,
+    "min_offloaded_tensor_size": _CUDA_OFFLOAD,
     # fields of later releases (0.17-0.19; tests/test_model_fields.py checks every installed field has a role)
     "use_mup": _MUP, "mup_width_mult": _MUP, "mup_base_hidden_size": _MUP, "mup_base_head_dim": _MUP,
     "mup_embedding_mult": _MUP, "mup_output_mult": _MUP, "mup_attn_scale_power": _MUP,

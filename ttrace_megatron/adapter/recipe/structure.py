@@ -164,6 +164,9 @@ def _check_attention(problems: List[str], where: str, attn, attention: bool, con
     kv = config.kv_channels or config.hidden_size // config.num_attention_heads
     groups = config.num_query_groups or config.num_attention_heads
     for qk in ("q_layernorm", "k_layernorm"):
+        if getattr(config, "qk_l2_norm", False):  # parameter-free: the norm's kind is what there is to check
+            _expect(problems, f"{where}.{qk}", "qk_l2_norm", "L2Norm", type(getattr(attn, qk, None)).__name__)
+            continue
         _expect(problems, f"{where}.{qk}", "qk_layernorm", bool(config.qk_layernorm),
                 _has_params(getattr(attn, qk, None)))
     _expect(problems, f"{where}.linear_qkv", "add_bias_linear or add_qkv_bias",
