@@ -151,7 +151,8 @@ def recipe(name: str, dtype: str, seed: int, wide: Union[bool, dict] = False):
 
 def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
     """End-to-end comparison as the recipe ships (with the perturbation estimate where it asks
-    for it), then the localization replay of iteration 1, the candidate in lock-step with the
+    for it), then the localization replay of the first mismatch's iteration (1 for a clean run), as
+    ``ttrace run`` replays it, the candidate in lock-step with the
     reference as ``ttrace run`` runs it (``lockstep=False``: on its own weights). ``calibrate``:
     also the perturbation run, for every recipe, and the analytic-only comparison."""
     from ttrace_megatron.adapter.run.launch import launch
@@ -169,8 +170,9 @@ def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
     launch(spec(CANDIDATE, cand, inject, **step))
     if calibrate or r.tolerance.perturbation:
         launch(spec(REFERENCE, pert, perturb=1, **step))  # lock-stepped like the candidate
-    launch(spec(CANDIDATE, os.path.join(tmp, "replay"), inject, replay=ref, iterations=[1], **step))
     shipped = compare_traces(ref, cand, perturbed=pert if r.tolerance.perturbation else None)
+    failing = shipped.first_mismatch.key.iteration if shipped.first_mismatch is not None else 1
+    launch(spec(CANDIDATE, os.path.join(tmp, "replay"), inject, replay=ref, iterations=[failing], **step))
     extra = {}
     if calibrate:
         analytic = compare_traces(ref, cand)
