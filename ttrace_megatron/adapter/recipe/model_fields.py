@@ -110,8 +110,10 @@ REFUSED: Dict[str, str] = {
     "log_max_attention_logit": UNVERIFIED,
     "attention_output_gate": UNVERIFIED + " (a gate projection in attention)",
     "test_mode": "megatron's internal test switch",
-    "multi_latent_attention": "multi-latent attention needs MLATransformerConfig's fields (q_lora_rank, "
-                              "kv_lora_rank, ...), which a recipe cannot set yet",
+    "multi_latent_attention": "multi-latent attention needs TransformerEngine's attention: megatron-core's local "
+                              "MLA spec builds DotProductAttention, which takes no k_channels "
+                              "(megatron/core/transformer/multi_latent_attention.py:162 passes it; the build fails "
+                              "in spec_utils.py:119, 0.16.1 and 0.19.2 alike)",
     "experimental_attention_variant": "its variants need CUDA packages: 'dsa' " + _DSA.split(" needs ")[1]
                                       + "; 'gated_delta_net' " + _GDN.split(" needs ")[1],
     "dsa_indexer_n_heads": _DSA, "dsa_indexer_head_dim": _DSA, "dsa_indexer_topk": _DSA,
