@@ -92,9 +92,7 @@ def _no_rope(rng, model):
 
 
 def _recompute(rng, model):
-    # activation recomputation (issue #33), the candidate's only; ttrace refuses it for MoE layers
-    if model.get("num_moe_experts"):
-        return None
+    # activation recomputation (issue #33), the candidate's only (MoE layers too)
     return rng.choice([None, None, None, None, "full", "selective"])
 
 
@@ -103,10 +101,8 @@ def _recompute_full(field: str, value: Any) -> Draw:
 
 
 def _mtp(rng, model):
-    # multi-token prediction (issue #33; DeepSeek-V3): one or two depths; ttrace refuses it with
-    # recomputation (and with PP, which the layout then leaves out)
-    if model.get("recompute_granularity"):
-        return None
+    # multi-token prediction (issue #33; DeepSeek-V3): one or two depths; ttrace refuses it with PP,
+    # which the layout then leaves out
     return rng.choice([None, None, None, None, 1, 2])
 
 

@@ -399,13 +399,29 @@ def test_recomputation_of_unchecked_modules_is_refused_with_the_reason():
     with pytest.raises(RecipeError, match="'recompute_granularity' is not supported by ttrace: recompute_modules "
                                           "'layernorm'.*random.py:589"):
         validate_recipe(recipe)
-    moe = recipe_from_dict({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
-                                      "num_moe_experts": 4, "add_bias_linear": False,
-                                      "recompute_granularity": "full", "recompute_method": "uniform",
-                                      "recompute_num_layers": 1}, "world_size": 1})
-    with pytest.raises(RecipeError, match="'recompute_granularity' is not supported by ttrace: activation "
-                                          "recomputation of MoE layers"):
-        validate_recipe(moe)  # before any run starts, not at the candidate's attach
+    moe_act = recipe_from_dict({"model": {"num_layers": 2, "hidden_size": 64, "num_attention_heads": 4,
+                                          "num_moe_experts": 4, "add_bias_linear": False,
+                                          "recompute_granularity": "selective", "recompute_modules": ["moe_act"]},
+                                "world_size": 1})
+    with pytest.raises(RecipeError, match="'recompute_granularity' is not supported by ttrace: recompute_modules "
+                                          "'moe_act'"):
+        validate_recipe(moe_act)  # before any run starts, not at the candidate's attach
+
+
+@pytest.mark.parametrize("model", [
+    {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1},
+    {"moe_layer_recompute": True},  # megatron: selective recomputation of the 'moe' module
+])
+def test_moe_recomputation(runs, model):
+    """Recomputed MoE layers: megatron's router computes its aux losses only with grad, so under
+    recomputation they exist only in the recomputed forward, and are recorded there; the routing
+    is recorded once and, in lock-step, the recomputed router follows the reference again."""
+    ref, cand = runs.candidate(load("moe_tp2_sp_ep2", model=model))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    assert not c.missing_in_candidate and not c.missing_in_reference
+    plain = compare_traces(*runs.candidate(load("moe_tp2_sp_ep2")))
+    assert sorted(str(r.key) for r in c.results) == sorted(str(r.key) for r in plain.results)
 
 
 def test_nope_layers_under_pipeline_parallelism(runs):
@@ -435,6 +451,8 @@ def test_attention_sinks_under_tensor_parallelism(runs, softmax_type):
 
 @pytest.mark.parametrize("model,parallel", [
     ({"mtp_num_layers": 2}, None),  # two depths, TP=2 + SP
+    # the decoder's layers and the MTP layer recomputed (megatron checkpoints the MTP layer by its own rule)
+    ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, None),
     # DeepSeek-V3's layout: the MTP layer is an MoE layer like the decoder's last, experts over EP=2 at DP=2
     ({"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [0, 1],
       "moe_token_dispatcher_type": "alltoall"},

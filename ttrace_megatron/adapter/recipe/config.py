@@ -139,9 +139,11 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
         return ("with dtype fp8 yet: ttrace emulates TE's FP8 GEMMs in the decoder's layers only, and TE runs the "
                 "MTP layers' GEMMs in FP8 too (megatron/core/transformer/multi_token_prediction.py, "
                 "_proj_and_transformer_layer)")
-    if model.get("recompute_granularity"):
-        return ("with activation recomputation yet: megatron recomputes an MTP layer by its own rules "
-                "(megatron/core/transformer/multi_token_prediction.py, _checkpointed_forward), " + model_fields.UNVERIFIED)
+    if (model.get("recompute_granularity") == "full" and model.get("recompute_method") == "uniform"
+            and model.get("recompute_num_layers", 1) != 1):
+        return ("with uniform recomputation of more than one layer a checkpoint: megatron-core asserts "
+                "recompute_num_layers 1 for the MTP layers when they first run "
+                "(megatron/core/transformer/multi_token_prediction.py:846, _checkpointed_forward)")
     if hybrid.pattern_of(model) is not None:
         return "in a HybridModel yet (its MTP block takes its own pattern): " + model_fields.UNVERIFIED
     return None
@@ -232,28 +234,24 @@ def ddp_config(recipe: Recipe):
 
 # selective recomputation's modules (recompute_modules): the ones checked on CPU, and why the others
 # are refused
-RECOMPUTE_MODULES_CHECKED = ("core_attn",)
+RECOMPUTE_MODULES_CHECKED = ("core_attn", "moe")
 RECOMPUTE_MODULES_REFUSED = {
     "layernorm": "megatron-core recomputes the norms through CheckpointWithoutOutputFunction, which reads "
                  "TransformerEngine's FP8GlobalStateManager (megatron/core/tensor_parallel/random.py:589): needs "
                  "TransformerEngine",
     "mlp": "megatron-core's recomputed MLP (megatron/core/transformer/transformer_layer.py, tensor_parallel.checkpoint "
            "of self.mlp) did not finish on CPU within 120 s for a 2-layer, hidden-64 model: not verified by ttrace yet",
-    "moe": "activation recomputation of MoE layers is not supported by ttrace yet",
-    "moe_act": "see moe",
-    "shared_experts": "see moe",
+    "moe_act": "recomputation of the experts' activations only: not verified by ttrace yet",
+    "shared_experts": "recomputation of the shared experts only: not verified by ttrace yet",
     "mla_up_proj": "multi-latent attention is not supported by ttrace yet",
 }
 
 
-def recompute_refused(granularity: Optional[str], modules, moe: bool) -> Optional[str]:
+def recompute_refused(granularity: Optional[str], modules) -> Optional[str]:
     """Why ttrace cannot trace this activation recomputation (None: it can), from the fields of a
     recipe or of a TransformerConfig alike (``ttrace run`` and ``--ttrace`` refuse by one rule)."""
     if not granularity:
         return None
-    if moe:
-        return "activation recomputation of MoE layers (a recomputed router would route, and record its aux " \
-               "losses, twice) is not supported by ttrace yet"
     if granularity == "selective":
         for module in modules or RECOMPUTE_MODULES_CHECKED:
             if module not in RECOMPUTE_MODULES_CHECKED:
@@ -270,8 +268,7 @@ def megatron_cannot_run(recipe: Recipe):
     model, opt = recipe.model, recipe.optimizer
     sizes = parallel_sizes(recipe.parallel)
     dp = recipe.world_size // (sizes["tp"] * sizes["pp"] * sizes["cp"])
-    recompute = recompute_refused(model.get("recompute_granularity"), model.get("recompute_modules"),
-                                  bool(model.get("num_moe_experts")))
+    recompute = recompute_refused(model.get("recompute_granularity"), model.get("recompute_modules"))
     if recompute:
         yield ("model", "recompute_granularity", recompute)
     if (model.get("num_moe_experts") and model.get("moe_expert_capacity_factor") is not None

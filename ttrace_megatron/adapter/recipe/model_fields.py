@@ -75,6 +75,7 @@ LAYOUT = (
 RECOMPUTE = (
     "recompute_granularity", "recompute_method", "recompute_num_layers", "distribute_saved_activations",
     "recompute_modules",
+    "moe_layer_recompute",  # each MoE layer checkpointed on its own (its router's aux losses exist only recomputed)
 )
 
 NEUTRAL = (
@@ -143,7 +144,6 @@ REFUSED: Dict[str, str] = {
     "moe_input_jitter_eps": _RNG + " (router input jitter)",
     "moe_enable_deepep": _TE, "moe_flex_dispatcher_backend": _TE, "moe_deepep_num_sms": _TE,
     "moe_hybridep_num_sms": _TE,
-    "moe_layer_recompute": "activation recomputation: " + UNVERIFIED,
     "moe_permute_fusion": _TE, "moe_router_fusion": _TE,
     "moe_latent_size": "MoE latent projections need TransformerEngine (megatron/core/transformer/moe/moe_layer.py:171)",
     "cp_comm_type": "context parallelism is not supported yet",

@@ -126,6 +126,12 @@ class Feature:
         pass
 
 
+def recomputing() -> bool:
+    """Whether the forward running now is a recomputation inside the backward (activation
+    recomputation: megatron's checkpoint runs it again, with grad, when the backward reaches it)."""
+    return torch._C._current_autograd_node() is not None
+
+
 INPUT_ARRIVES = "input_arrives"
 OUTPUT_LEAVES = "output_leaves"
 GRAD_ARRIVES = "grad_arrives"
@@ -241,7 +247,7 @@ class Dispatcher:
     def _call(self, site: layouts.Site) -> Call:
         """This forward of ``site``: inside backward it is a recomputation, of the microbatch whose
         backward runs (counted apart: a recomputation calls the modules again, in the same order)."""
-        recompute = torch._C._current_autograd_node() is not None
+        recompute = recomputing()
         microbatch = self.clock.backward_microbatch if recompute else self.clock.microbatch
         counted = (id(site.module), microbatch, recompute)
         occurrence = self._calls.get(counted, 0)

@@ -42,7 +42,7 @@ from ...keys import TensorKey
 from ...placement import Coords, Layout, owned_piece
 from ..recipe import compat
 from . import layouts
-from .hooks import INPUT_ARRIVES, OUTPUT_LEAVES, RECORD, Call, Clock, Feature
+from .hooks import INPUT_ARRIVES, OUTPUT_LEAVES, RECORD, Call, Clock, Feature, recomputing
 from .layouts import Site
 from ..recipe.naming import all_parameters, canonical_module_names, mtp_layers, mtp_loss_name, unwrap
 from .optimizer_state import expected_states, grad_scaler, group_settings, loss_scale, main_params, step_count
@@ -88,6 +88,7 @@ class Recorder(Feature):
         self.main_params = {}  # model param -> optimizer_state.MainParam, set by wrap_optimizer
         self.routing_taps = []  # routing.RoutingTap per MoE router, set by attach
         self.optimizer = None
+        self._recorded: set = set()  # keys recorded in this iteration (unrecorded)
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
     # ---- selection
@@ -108,10 +109,10 @@ class Recorder(Feature):
         return not skips_per_microbatch(site, self.facts)
 
     def wants(self, call: Call, event: str) -> bool:
-        if call.recompute and event in (INPUT_ARRIVES, OUTPUT_LEAVES):
-            return False  # a recomputed forward: its values were recorded when it first ran
         if event == INPUT_ARRIVES and layouts.is_router(call.site.module):
             return True  # the recorder notes which router runs, recorded or not (_AuxLossTap)
+        if call.recompute and event in (INPUT_ARRIVES, OUTPUT_LEAVES):
+            return False  # a recomputed forward: its values were recorded when it first ran
         return self._wants(call.name, call.microbatch)
 
     def tracks_backward(self) -> bool:
@@ -124,6 +125,8 @@ class Recorder(Feature):
             if not self._wants(call.name, call.microbatch):
                 return x
             self.router = (site.module_name, site.module)
+            if call.recompute:
+                return x  # its input was recorded when it first ran; what only a recomputation computes is not
         self._add(TensorKey(call.iteration, call.microbatch, call.name, keys.FORWARD, keys.INPUT), x, site)
         return x
 
@@ -143,8 +146,15 @@ class Recorder(Feature):
         return grad
 
     def end_iteration(self, iteration: int) -> None:
+        self._recorded.clear()
         for sink in self.sinks:
             sink.flush(iteration)
+
+    def unrecorded(self, key: TensorKey) -> bool:
+        """Whether ``key`` is not recorded yet in this iteration. A recomputed forward records only
+        such keys: what the first, grad-less run did not compute (megatron's routers compute their
+        aux losses only with grad enabled, so under full recomputation only in the recomputation)."""
+        return key not in self._recorded
 
     def close(self) -> None:
         """Remove the hooks and finish the sinks; a run that stops inside an iteration (an
@@ -185,6 +195,7 @@ class Recorder(Feature):
         kind = keys.operand_kind(statistic_of) if statistic_of else key.kind
         reduction = layouts.reduction_length(key.module, site.module, kind, self.facts)
         layout = layout or self.layouts.of(key, site, tuple(tensor.shape))
+        self._recorded.add(key)
         for sink in self.sinks:
             sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
                      arrival=arrival, statistic_of=statistic_of, roundoff=roundoff)
@@ -463,7 +474,9 @@ class _AuxLossTap:
         if rec.router is None or not isinstance(loss, torch.Tensor):
             return
         mname, router = rec.router
-        if not rec._wants(mname, rec.clock.microbatch):
+        recompute = recomputing()  # megatron computes aux losses with grad only: under recomputation, only there
+        mb = rec.clock.backward_microbatch if recompute else rec.clock.microbatch
+        if not rec._wants(mname, mb):
             return
         if name == "z_loss":
             coeff = router.config.moe_z_loss_coeff / router.tp_cp_group.size()
@@ -472,8 +485,9 @@ class _AuxLossTap:
         else:
             return  # global_load_balancing_loss averages token counts over DP and microbatches: no per-microbatch twin
         value = (loss.detach().to(torch.float64) * coeff).reshape(1)
-        rec._add(TensorKey(rec.clock.iteration, rec.clock.microbatch, mname, keys.FORWARD, name), value,
-                 Site(mname, router))
+        key = TensorKey(rec.clock.iteration, mb, mname, keys.FORWARD, name)
+        if not recompute or rec.unrecorded(key):
+            rec._add(key, value, Site(mname, router))
 
 
 class _MTPLossTap:

@@ -46,6 +46,7 @@ import torch
 
 from ... import keys
 from ...keys import TensorKey
+from .hooks import recomputing
 from .layouts import Site, is_router
 from ..recipe.naming import canonical_module_names
 
@@ -200,12 +201,15 @@ class RoutingTap:
         clock = rec.clock
         if not clock.in_iteration or group_topk:
             return values, indices
-        mb = clock.microbatch
-        record = rec._wants(self.site.module_name, mb)
+        # a recomputed router (activation recomputation) routes again inside the backward: its choice was
+        # recorded when it first ran; it follows the reference again, as it did then
+        recompute = recomputing()
+        mb = clock.backward_microbatch if recompute else clock.microbatch
+        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, keys.TOPK_CHOICE)
+        record = rec._wants(self.site.module_name, mb) and (not recompute or rec.unrecorded(key))
         if not record and self.follow is None:
             return values, indices  # nothing asked of this router now: no map built
         choice = torch.zeros_like(scores, dtype=torch.float32).scatter(1, indices, 1.0)
-        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, keys.TOPK_CHOICE)
         if record:
             rec._add(keys.sibling(key, keys.TOPK_SCORES), scores.detach(), self.site)
             rec._add(key, choice, self.site)
@@ -225,7 +229,7 @@ class RoutingTap:
         indices = indices.clone()
         indices[rows] = picked
         values = torch.where(differ.unsqueeze(1), scores.gather(1, indices), values)
-        self.followed_tokens += int(rows.numel())
+        self.followed_tokens += 0 if recompute else int(rows.numel())
         return values, indices
 
     def selection(self, choice_name: str, scores: torch.Tensor,
@@ -238,12 +242,13 @@ class RoutingTap:
         clock = rec.clock
         if not clock.in_iteration:
             return None
-        mb = clock.microbatch
-        record = rec._wants(self.site.module_name, mb)
+        recompute = recomputing()
+        mb = clock.backward_microbatch if recompute else clock.microbatch
+        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, choice_name)
+        record = rec._wants(self.site.module_name, mb) and (not recompute or rec.unrecorded(key))
         if not record and self.follow is None:
             return None
         mine = choice()
-        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, choice_name)
         if record:
             rec._add(keys.sibling(key, keys.SELECTION_SCORES_OF[choice_name]), scores.detach(), self.site)
             rec._add(key, mine.float(), self.site)
@@ -256,7 +261,7 @@ class RoutingTap:
         differ = (reference != mine).any(dim=1)
         if not bool(differ.any()):
             return None
-        self.followed_tokens += int(differ.sum())
+        self.followed_tokens += 0 if recompute else int(differ.sum())
         return reference.to(mine.dtype)
 
     def remove(self) -> None:

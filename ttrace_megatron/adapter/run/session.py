@@ -112,7 +112,7 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
     from ..recipe.config import recompute_refused
 
     recompute = recompute_refused(getattr(config, "recompute_granularity", None),
-                                  getattr(config, "recompute_modules", None), bool(getattr(config, "num_moe_experts", None)))
+                                  getattr(config, "recompute_modules", None))
     if recompute:
         problems.append(recompute)
     te = sorted({type(m).__name__ for c in chunks for m in c.modules() if type(m).__name__.startswith("TE")})
