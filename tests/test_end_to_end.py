@@ -474,7 +474,10 @@ def test_multi_token_prediction(runs, model, parallel):
     depths = c.candidate_run["recipe"]["model"]["mtp_num_layers"]
     for k in range(depths):
         assert {f"mtp.layers.{k}.loss", f"mtp.layers.{k}.output_layer", f"mtp.layers.{k}.embedding.word_embeddings",
-                f"mtp.layers.{k}.eh_proj", f"mtp.layers.{k}.transformer_layer.self_attention.linear_qkv"} <= modules
+                f"mtp.layers.{k}.eh_proj"} <= modules
+        # 0.16's transformer_layer is 0.19's mtp_model_layer
+        assert {f"mtp.layers.{k}.{inner}.self_attention.linear_qkv" for inner in ("transformer_layer", "mtp_model_layer")
+                } & modules
     assert f"mtp.layers.{depths}.loss" not in modules and "output_layer#1" not in modules
     losses = [r for r in c.results if r.key.tensor == "per_token_loss"]
     assert {r.key.module for r in losses} == {"loss"} | {f"mtp.layers.{k}.loss" for k in range(depths)}

@@ -157,3 +157,11 @@ def null_tokenizer(vocab_size: int):
     if tokenizer.vocab_size == vocab_size + 1:  # through 0.17: the EOD token comes on top
         tokenizer = MegatronTokenizer.from_pretrained(metadata_path={"library": library}, vocab_size=vocab_size - 1)
     return tokenizer
+
+
+def mtp_transformer_layer(layer):
+    """A MultiTokenPredictionLayer's transformer layer: ``transformer_layer`` in 0.16, renamed
+    ``mtp_model_layer`` by 0.19 (which may also hold a HybridStack there); its recorded tensors are
+    named after the attribute, so both sides of a comparison on one release agree."""
+    inner = getattr(layer, "transformer_layer", None)
+    return inner if inner is not None else layer.mtp_model_layer

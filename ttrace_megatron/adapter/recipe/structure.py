@@ -16,6 +16,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from . import compat
 from .naming import unwrap
 
 
@@ -128,7 +129,7 @@ def _check_mtp(problems: List[str], model, config, contents, pattern: Optional[s
         _expect(problems, f"{where}.eh_proj", "[2·hidden_size → hidden_size] without bias",
                 (2 * config.hidden_size, config.hidden_size, False),
                 (int(getattr(proj, "input_size", 0)), int(getattr(proj, "output_size", 0)), _bias(proj)))
-        inner = layer.transformer_layer
+        inner = compat.mtp_transformer_layer(layer)
         _expect(problems, f"{where}.transformer_layer", "layer number (after the decoder's num_layers)",
                 config.num_layers + k + 1, inner.layer_number)
         _check_layer(problems, f"{where}.transformer_layer", inner, contents[-1], config, pattern, norm_kind)
