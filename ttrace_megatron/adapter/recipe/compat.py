@@ -165,3 +165,13 @@ def mtp_transformer_layer(layer):
     named after the attribute, so both sides of a comparison on one release agree."""
     inner = getattr(layer, "transformer_layer", None)
     return inner if inner is not None else layer.mtp_model_layer
+
+
+def mtp_layer_number(layer, num_layers: int, depth_index: int):
+    """(how, the number) megatron gives MTP depth ``depth_index + 1``'s transformer layer: after the
+    decoder's layers in 0.16 (``num_layers + k``); its own number ``k`` by 0.19 ("MTP inner layers use
+    their own layer numbering", ``MultiTokenPredictionLayer.__init__``). Attention reads it (NoPE,
+    sliding windows, query-key layer scaling), the same way in reference and candidate."""
+    if getattr(layer, "transformer_layer", None) is not None:
+        return "after the decoder's num_layers", num_layers + depth_index + 1
+    return "the MTP layer's own, 0.19's numbering", depth_index + 1

@@ -130,8 +130,8 @@ def _check_mtp(problems: List[str], model, config, contents, pattern: Optional[s
                 (2 * config.hidden_size, config.hidden_size, False),
                 (int(getattr(proj, "input_size", 0)), int(getattr(proj, "output_size", 0)), _bias(proj)))
         inner = compat.mtp_transformer_layer(layer)
-        _expect(problems, f"{where}.transformer_layer", "layer number (after the decoder's num_layers)",
-                config.num_layers + k + 1, inner.layer_number)
+        numbered, expected = compat.mtp_layer_number(layer, config.num_layers, k)
+        _expect(problems, f"{where}.transformer_layer", f"layer number ({numbered})", expected, inner.layer_number)
         _check_layer(problems, f"{where}.transformer_layer", inner, contents[-1], config, pattern, norm_kind)
 
 
