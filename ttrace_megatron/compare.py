@@ -806,7 +806,9 @@ def describe_difference(cand: torch.Tensor, ref: torch.Tensor) -> Optional[str]:
         if abs(ratio * math.sqrt(k) - 1) < 0.03:
             return (f"norm ≈ 1/√{k} of the reference, like one of {k} uncorrelated partial sums "
                     f"(a missing all-reduce or reduce-scatter?)")
-    if c.numel() <= 1 << 22 and float((torch.sort(c).values - torch.sort(r).values).norm()) <= 1e-3 * rn:
+    # sorting must explain a difference that is there: a tensor off by little (or a scalar) sorts alike too
+    if (1 < c.numel() <= 1 << 22 and float((c - r).norm()) > 1e-2 * rn
+            and float((torch.sort(c).values - torch.sort(r).values).norm()) <= 1e-3 * rn):
         return "the same values in another order: a permutation (a wrong stride or layout?)"
     cos = float(torch.dot(c, r)) / (cn * rn) if cn else 0.0
     return f"norm ratio {ratio:.3g}, cosine similarity {cos:.3g} to the reference"
