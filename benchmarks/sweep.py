@@ -127,6 +127,8 @@ FIELDS: Dict[str, Draw] = {
     "add_bias_linear": _choice(True, False),
     "add_qkv_bias": _sometimes(0.3, True),
     "qk_layernorm": _sometimes(0.3, True),
+    # Qwen3-Next's gated attention output (its gate projection inside each query group of linear_qkv)
+    "attention_output_gate": _sometimes(0.15, True),
     "apply_residual_connection_post_layernorm": _sometimes(0.15, True),
     "fp32_residual_connection": _sometimes(0.15, True),
     "apply_query_key_layer_scaling": _sometimes(0.15, True),
@@ -317,6 +319,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("qkv bias")
     if m.get("qk_layernorm"):
         tags.append("qk_layernorm")
+    if m.get("attention_output_gate"):
+        tags.append("output gate")
     if m.get("no_rope_freq"):
         tags.append("NoPE")
     if m.get("softmax_type"):

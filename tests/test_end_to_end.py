@@ -543,6 +543,17 @@ def test_overlapped_param_gather(runs):
     assert any(type(p).__name__ == "RangeShard" for p in layouts["weight"].placements)
 
 
+def test_attention_output_gate(runs):
+    """attention_output_gate (Qwen3-Next): a sigmoid gate per head on attention's output, its
+    projection inside each query group of linear_qkv, so TP shards it with its group."""
+    ref, cand = runs.candidate(load("gpt_tp2", model={"attention_output_gate": True}))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    qkv = next(r for r in c.results if r.key.module == "decoder.layers.0.self_attention.linear_qkv"
+               and r.key.tensor == "weight.main_grad")
+    assert qkv.shape[0] == 16 * (4 + 2 * 4 + 4)  # kv_channels × (heads + 2 groups + the gate's heads)
+
+
 def test_qk_l2_norm_and_probs_on_expert_inputs(runs):
     """qk_l2_norm (Llama 4: a parameter-free L2 norm of queries and keys, built by megatron-core's
     MoE decoder block spec) and moe_apply_probs_on_input (the top-1 router's probability scales the

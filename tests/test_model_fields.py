@@ -34,7 +34,7 @@ def test_every_transformer_config_field_has_exactly_one_role():
     assert not stale, f"roles for fields no supported megatron-core has: {stale}"
 
 
-@pytest.mark.parametrize("field,value", [("attention_output_gate", True), ("qk_clip", True),
+@pytest.mark.parametrize("field,value", [("heterogeneous_block_specs", True), ("qk_clip", True),
                                          ("multi_latent_attention", True), ("moe_grouped_gemm", True),
                                          ("moe_input_jitter_eps", 0.01)])
 def test_refused_field_is_refused_naming_it(field, value):

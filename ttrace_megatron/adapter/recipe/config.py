@@ -306,6 +306,12 @@ def megatron_cannot_run(recipe: Recipe):
                    f"megatron-core fuses the bias with gelu or SwiGLU only (with experts: SwiGLU or quick-GeGLU); its "
                    f"config accepts activation_func {act!r}{' gated' if glu else ''} and its MLP then raises "
                    f"(megatron/core/transformer/mlp.py, 'Only support fusion of ...'); drop bias_activation_fusion")
+    groups = model.get("num_query_groups") or model.get("num_attention_heads", 1)
+    if model.get("attention_output_gate") and groups < sizes["tp"]:
+        yield ("model", "attention_output_gate",
+               f"with fewer query groups ({groups}) than TP ranks ({sizes['tp']}) megatron-core's output gate does not "
+               f"fit the heads each rank holds (megatron/core/transformer/attention.py:1200, _apply_output_gate: a "
+               f"view of the wrong size); use num_query_groups ≥ tensor_model_parallel_size")
     if model.get("qk_l2_norm") and not model.get("num_moe_experts"):
         yield ("model", "qk_l2_norm",
                "Megatron-LM's GPT builder hands qk_l2_norm to the TransformerEngine layer spec but not to the local one "

@@ -46,6 +46,7 @@ STRUCTURE = (
     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
     "mtp_num_layers",  # multi-token prediction (DeepSeek-V3): the MTP block's layers, built after the decoder
     "qk_l2_norm",  # Llama 4's parameter-free L2 norm of queries and keys (MoE models: config.megatron_cannot_run)
+    "attention_output_gate",  # a sigmoid gate per head on attention's output, its projection inside each query group of linear_qkv
 )
 
 NUMERICS = (
@@ -109,7 +110,6 @@ REFUSED: Dict[str, str] = {
     "qk_clip_alpha": UNVERIFIED,
     "qk_clip_threshold": UNVERIFIED,
     "log_max_attention_logit": UNVERIFIED,
-    "attention_output_gate": UNVERIFIED + " (a gate projection in attention)",
     "test_mode": "megatron's internal test switch",
     "multi_latent_attention": "multi-latent attention needs TransformerEngine's attention: megatron-core's local "
                               "MLA spec builds DotProductAttention, which takes no k_channels "

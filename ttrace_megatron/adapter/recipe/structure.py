@@ -173,8 +173,10 @@ def _check_attention(problems: List[str], where: str, attn, attention: bool, con
     _expect(problems, f"{where}.linear_qkv", "add_bias_linear or add_qkv_bias",
             bool(config.add_bias_linear or config.add_qkv_bias), _bias(attn.linear_qkv))
     _expect(problems, f"{where}.linear_proj", "add_bias_linear", bool(config.add_bias_linear), _bias(attn.linear_proj))
-    _expect(problems, f"{where}.linear_qkv output size", "kv_channels × (num_attention_heads + 2·num_query_groups)",
-            kv * (config.num_attention_heads + 2 * groups), int(attn.linear_qkv.output_size))
+    gate = config.num_attention_heads if getattr(config, "attention_output_gate", False) else 0
+    _expect(problems, f"{where}.linear_qkv output size", "kv_channels × (num_attention_heads + 2·num_query_groups "
+            "+ num_attention_heads with attention_output_gate)",
+            kv * (config.num_attention_heads + 2 * groups + gate), int(attn.linear_qkv.output_size))
 
 
 def _check_mlp(problems: List[str], where: str, module, mlp: Optional[str], config, pattern: Optional[str]) -> None:
