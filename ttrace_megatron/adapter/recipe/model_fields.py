@@ -100,16 +100,19 @@ _DSA = "DeepSeek sparse attention needs the fast_hadamard_transform CUDA package
        "(megatron/core/transformer/experimental_attention_variant/dsa.py:44)"
 _GDN = "gated delta net (linear attention) needs the flash-linear-attention (fla) Triton kernels and causal_conv1d, " \
        "CUDA packages (megatron/core/ssm/gated_delta_net.py:103)"
+_HETEROGENEOUS = ("per-layer specs from a heterogeneous-layers JSON (HeterogeneousTransformerConfig, Megatron-LM's "
+                  "--heterogeneous-layers-config-path), which a recipe cannot give yet")
+_QK_CLIP = ("QK-clip (MuonClip) reads the max attention logit that only TransformerEngine's attention records "
+            "(megatron/core/extensions/transformer_engine.py:1308) and clips multi-latent attention's weights "
+            "(megatron/core/transformer/multi_latent_attention.py:984), which needs TransformerEngine too")
 _CUDA_OFFLOAD = "activation offloading to the host needs CUDA streams and pinned memory"
 _OFFLOAD = _CUDA_OFFLOAD
 
 REFUSED: Dict[str, str] = {
     "attention_backend": _TE,
     "activation_func_fp8_input_store": _FP8,
-    "qk_clip": UNVERIFIED + " (it rescales weights in the optimizer)",
-    "qk_clip_alpha": UNVERIFIED,
-    "qk_clip_threshold": UNVERIFIED,
-    "log_max_attention_logit": UNVERIFIED,
+    "qk_clip": _QK_CLIP, "qk_clip_alpha": _QK_CLIP, "qk_clip_threshold": _QK_CLIP,
+    "log_max_attention_logit": _QK_CLIP,
     "test_mode": "megatron's internal test switch",
     "multi_latent_attention": "multi-latent attention needs TransformerEngine's attention: megatron-core's local "
                               "MLA spec builds DotProductAttention, which takes no k_channels "
@@ -163,7 +166,7 @@ REFUSED: Dict[str, str] = {
     "mamba_num_heads": _MAMBA,
     "use_mamba_mem_eff_path": _MAMBA,
     "mlp_chunks_for_prefill": "inference only",
-    "heterogeneous_block_specs": UNVERIFIED, "hetereogenous_dist_checkpoint": UNVERIFIED,
+    "heterogeneous_block_specs": _HETEROGENEOUS, "hetereogenous_dist_checkpoint": _HETEROGENEOUS,
     "quant_recipe": _FP8,
     "fine_grained_activation_offloading": _CUDA_OFFLOAD, "offload_modules": _CUDA_OFFLOAD,
     "min_offloaded_tensor_size": _CUDA_OFFLOAD,
