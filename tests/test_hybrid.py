@@ -173,3 +173,21 @@ def test_structure_check_reads_each_hybrid_layer_by_its_symbol():
         assert any("an MLP layer, no attention" in p for p in problems), problems
         assert any("an attention layer, no MLP" in p for p in problems), problems
     assert any("hybrid_layer_pattern (E)" in p for p in out["moe"]["rotated_problems"])
+
+
+@needs_hybrid
+def test_a_hybrid_segment_numbered_as_another_stages_is_a_build_failure(tmp_path):
+    """A HybridModel's layers are checked against its pattern's segments, as megatron's
+    select_pipeline_segment assigns them (structure.hybrid_layer_split): a chunk that builds its own
+    segment under another stage's layer numbers is megatron's bug, found before any iteration runs."""
+    import json
+
+    from ttrace_megatron.cli import main
+
+    recipe = os.path.join(RECIPES, "hybrid_pp2_vpp.yaml")
+    assert main(["run", recipe, "--out", str(tmp_path / "a"), "--json", str(tmp_path / "a.json"),
+                 "--inject", "hybrid_segment_offset_from_next_stage"]) == 1
+    report = json.loads((tmp_path / "a.json").read_text())
+    first = report["first_mismatch"]
+    assert report["verdict"] == "fail" and first["phase"] == "build"
+    assert "the pipeline split (hybrid_layer_pattern '*-|*-|*-|*-') puts it on" in first["reason"]

@@ -44,3 +44,15 @@ def test_the_split_assigns_every_layer_once(fields, pp, vpp, expected):
 def test_a_layout_for_another_pipeline_is_refused():
     with pytest.raises(ValueError, match="3 segments for PP 2"):
         layer_split(config(num_layers=3, pipeline_model_parallel_layout="Et|t|tL"), 2, 1)
+
+
+def test_a_hybrid_pattern_splits_by_its_segments():
+    """megatron's select_pipeline_segment: segment i on virtual chunk i // PP of rank i % PP, its
+    layers numbered after the earlier segments'; one segment is one stage's (None: megatron splits
+    it over several stages by its own rule)."""
+    from ttrace_megatron.adapter.recipe.structure import hybrid_layer_split
+
+    assert hybrid_layer_split("*-*E", 1, 1) == {(0, 0): [0, 1, 2, 3]}
+    assert hybrid_layer_split("*-|*E", 2, 1) == {(0, 0): [0, 1], (1, 0): [2, 3]}
+    assert hybrid_layer_split("*|-|*|E", 2, 2) == {(0, 0): [0], (1, 0): [1], (0, 1): [2], (1, 1): [3]}
+    assert hybrid_layer_split("*-*E", 2, 1) is None

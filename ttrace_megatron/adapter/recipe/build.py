@@ -64,9 +64,9 @@ def gpt_chunks(recipe: Recipe, parallel: Dict[str, Any], *, cpu: bool = True, as
             chunk.cuda(torch.cuda.current_device())
         chunks.append(chunk)
     problems = check_built_as_described(chunks, config, cfg.gpt_model_kwargs(recipe), pattern)
-    if pattern is None:  # a HybridModel's stages are its pattern's segments (hybrid.side_pattern)
-        check_layer_placement(problems, chunks, config, parallel_state.get_pipeline_model_parallel_rank(),
-                              sizes["pp"], vpp)
+    # a HybridModel's stages are its pattern's segments (hybrid.side_pattern)
+    check_layer_placement(problems, chunks, config, parallel_state.get_pipeline_model_parallel_rank(), sizes["pp"],
+                          vpp, None if pattern is None else hybrid.side_pattern(pattern, sizes["pp"], vpp))
     if problems:  # the recipe passed validation: megatron built something else, a finding
         raise BuiltOtherwise(problems, rank=torch.distributed.get_rank() if torch.distributed.is_initialized() else 0)
     for mname, pname, _, param in all_parameters(chunks):

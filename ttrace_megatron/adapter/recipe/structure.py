@@ -273,15 +273,20 @@ def _layout_counts(layout, pp: int, vpp: int) -> Dict[Tuple[int, int], int]:
 
 
 def check_layer_placement(problems: List[str], chunks: Sequence[torch.nn.Module], config, pp_rank: int, pp: int,
-                          vpp: int) -> None:
-    """Every chunk of this rank built exactly the layers the split assigns it. Each rank checks its
-    own chunks against the same split, and the split hands every layer to one chunk of one stage,
-    so all ranks passing means every layer is built once, where it belongs."""
+                          vpp: int, pattern: Optional[str] = None) -> None:
+    """Every chunk of this rank built exactly the layers the split assigns it (a HybridModel's: its
+    pattern's segments, :func:`hybrid_layer_split`). Each rank checks its own chunks against the
+    same split, and the split hands every layer to one chunk of one stage, so all ranks passing
+    means every layer is built once, where it belongs."""
     from megatron.core.transformer.transformer_layer import TransformerLayer
 
-    expected = layer_split(config, pp, vpp)
+    if pattern is None:
+        expected, fields = layer_split(config, pp, vpp), _split_fields(config)
+    else:
+        expected, fields = hybrid_layer_split(pattern, pp, vpp), f"hybrid_layer_pattern {pattern!r}"
+        if expected is None:
+            return  # one segment over several stages: megatron's own split of a pattern, not restated here
     owner = {n: stage for stage, layers in expected.items() for n in layers}
-    fields = _split_fields(config)
     for v, chunk in enumerate(chunks):
         built = sorted(m.layer_number - 1 for m in decoder_modules(chunk) if isinstance(m, TransformerLayer))
         want = expected[(pp_rank, v)]
@@ -291,6 +296,21 @@ def check_layer_placement(problems: List[str], chunks: Sequence[torch.nn.Module]
             problems.append(f"decoder.layers.{n}: built on {here}; the pipeline split ({fields}) {belongs}")
         for n in (n for n in want if n not in built):
             problems.append(f"decoder.layers.{n}: not built on {here}, where the pipeline split ({fields}) puts it")
+
+
+def hybrid_layer_split(pattern: str, pp: int, vpp: int) -> Optional[Dict[Tuple[int, int], List[int]]]:
+    """(pipeline rank, virtual chunk) -> the 0-based global layers a HybridModel builds there, as
+    megatron's ``select_pipeline_segment`` reads a pattern: '|'-separated segment i goes to virtual
+    chunk i // PP of rank i % PP, its layers numbered after every earlier segment's. A pattern of one
+    segment is all on one stage (None where PP > 1: megatron then splits it by its own rule)."""
+    segments = pattern.split("|")
+    if len(segments) == 1:
+        return {(0, 0): list(range(len(pattern)))} if pp * vpp == 1 else None
+    split, offset = {}, 0
+    for index, segment in enumerate(segments):
+        split[(index % pp, index // pp)] = list(range(offset, offset + len(segment)))
+        offset += len(segment)
+    return split
 
 
 def _stage(pp_rank: int, vp: int, vpp: int) -> str:

@@ -352,6 +352,27 @@ def vpp_layer_offset_off_by_one_stage() -> None:
     transformer_block.get_transformer_layer_offset = get_transformer_layer_offset
 
 
+@bug(at_build=True)
+def hybrid_segment_offset_from_next_stage() -> None:
+    """A HybridModel under virtual pipelining numbers the layers of every chunk after the first
+    from the next pipeline rank's offset: each chunk builds its own segment's layers, but under
+    the numbers of another stage's, so names, weights from the seed checkpoint and layer-numbered
+    behaviour (NoPE, windows) follow the wrong layers."""
+    from megatron.core.models.hybrid import hybrid_layer_allocation
+
+    original = hybrid_layer_allocation.select_pipeline_segment
+
+    def select_pipeline_segment(main_pattern, pp_group, vp_stage, *args, **kwargs):
+        layers, offset = original(main_pattern, pp_group, vp_stage, *args, **kwargs)
+        if vp_stage and pp_group is not None and pp_group.size() > 1:
+            segments = main_pattern.split("|")
+            index = vp_stage * pp_group.size() + (pp_group.rank() + 1) % pp_group.size()
+            offset = sum(len(s) for s in segments[:index])
+        return layers, offset
+
+    hybrid_layer_allocation.select_pipeline_segment = select_pipeline_segment  # HybridModel imports it when built
+
+
 @bug()
 def distopt_grad_shard_offset(chunks) -> None:
     """The distributed optimizer reads each parameter's owned range of the reduced grad buffer one
