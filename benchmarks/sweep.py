@@ -101,8 +101,8 @@ def _recompute_full(field: str, value: Any) -> Draw:
 
 
 def _mtp(rng, model):
-    # multi-token prediction (issue #33; DeepSeek-V3): one or two depths; ttrace refuses it with PP,
-    # which the layout then leaves out
+    # multi-token prediction (issue #33; DeepSeek-V3): one or two depths; ttrace refuses it with PP and
+    # tied embeddings, which the layout then leaves out
     return rng.choice([None, None, None, None, 1, 2])
 
 
@@ -222,8 +222,9 @@ def _layout(rng: random.Random, model: Dict[str, Any]) -> Tuple[int, Dict[str, A
     """(world size, parallel section, the model fields a layout adds: uneven pipeline stages)."""
     world = rng.choice([2, 4])
     tp = rng.choice([t for t in (1, 2, 4) if t <= world])
-    # ttrace traces multi-token prediction at PP 1 only (config.mtp_refused)
-    pp = 1 if model.get("mtp_num_layers") else rng.choice([p for p in (1, 2) if tp * p <= world])
+    # ttrace refuses multi-token prediction with PP and tied embeddings (config.mtp_refused)
+    mtp_tied = model.get("mtp_num_layers") and model.get("share_embeddings_and_output_weights")
+    pp = 1 if mtp_tied else rng.choice([p for p in (1, 2) if tp * p <= world])
     parallel: Dict[str, Any] = {}
     extra: Dict[str, Any] = {}
     if tp > 1:

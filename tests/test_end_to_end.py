@@ -453,6 +453,9 @@ def test_attention_sinks_under_tensor_parallelism(runs, softmax_type):
     ({"mtp_num_layers": 2}, None),  # two depths, TP=2 + SP
     # the decoder's layers and the MTP layer recomputed (megatron checkpoints the MTP layer by its own rule)
     ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 1}, None),
+    # PP 2: the MTP layer on the last stage with its own copy of the word embeddings, which embeds only
+    # the MTP depths' tokens (naming.calls_made_elsewhere) and whose grads the embedding group adds up
+    ({}, {"tensor_model_parallel_size": 1, "sequence_parallel": False, "pipeline_model_parallel_size": 2}),
     # DeepSeek-V3's layout: the MTP layer is an MoE layer like the decoder's last, experts over EP=2 at DP=2
     ({"num_moe_experts": 4, "moe_router_topk": 2, "moe_ffn_hidden_size": 32, "moe_layer_freq": [0, 1],
       "moe_token_dispatcher_type": "alltoall"},
@@ -484,8 +487,8 @@ def test_multi_token_prediction(runs, model, parallel):
 
 
 @pytest.mark.parametrize("fields,why", [
-    ({"parallel": {"tensor_model_parallel_size": 1, "sequence_parallel": False, "pipeline_model_parallel_size": 2}},
-     "with pipeline parallelism yet"),
+    ({"parallel": {"tensor_model_parallel_size": 1, "sequence_parallel": False, "pipeline_model_parallel_size": 2},
+      "model": {"share_embeddings_and_output_weights": True}}, "with pipeline parallelism and tied embeddings yet"),
     ({"dtype": "fp8"}, "with dtype fp8 yet"),
 ])
 def test_multi_token_prediction_refusals_name_the_reason(fields, why):

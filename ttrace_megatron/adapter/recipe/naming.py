@@ -71,6 +71,18 @@ def mtp_layers(chunks: Sequence[torch.nn.Module]) -> int:
     return 0
 
 
+def calls_made_elsewhere(chunks: Sequence[torch.nn.Module]) -> Dict[torch.nn.Module, int]:
+    """module -> how many of its calls per microbatch (:func:`call_name`'s occurrences) run on another
+    pipeline stage: the last stage's copy of the word embeddings (multi-token prediction with PP)
+    embeds only the MTP depths' tokens, the decoder's run on the first stage."""
+    out: Dict[torch.nn.Module, int] = {}
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if getattr(model, "mtp_process", False) and not getattr(model, "pre_process", True):
+            out[model.embedding.word_embeddings] = 1
+    return out
+
+
 def mtp_loss_name(depth_index: int) -> str:
     """The module name the per-token loss of MTP depth ``depth_index + 1`` is recorded under."""
     return f"{MTP_LAYERS}.{depth_index}.{LOSS_MODULE}"
