@@ -41,6 +41,7 @@ from ... import keys
 from ...keys import TensorKey
 from ...placement import Coords, Layout, owned_piece
 from ..recipe import compat
+from ..recipe.config import loss_scale_multiplier
 from . import layouts
 from .hooks import INPUT_ARRIVES, OUTPUT_LEAVES, RECORD, Call, Clock, Feature, recomputing
 from .layouts import Site
@@ -88,7 +89,7 @@ class Recorder(Feature):
         self.main_params = {}  # model param -> optimizer_state.MainParam, set by wrap_optimizer
         self.routing_taps = []  # routing.RoutingTap per MoE router, set by attach
         self.optimizer = None
-        self._recorded: set = set()  # keys recorded in this iteration (unrecorded)
+        self._recorded: set = set()  # keys recorded in this iteration (tap_key)
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
     # ---- selection
@@ -150,11 +151,15 @@ class Recorder(Feature):
         for sink in self.sinks:
             sink.flush(iteration)
 
-    def unrecorded(self, key: TensorKey) -> bool:
-        """Whether ``key`` is not recorded yet in this iteration. A recomputed forward records only
-        such keys: what the first, grad-less run did not compute (megatron's routers compute their
-        aux losses only with grad enabled, so under full recomputation only in the recomputation)."""
-        return key not in self._recorded
+    def tap_key(self, module_name: str, tensor: str) -> Tuple[TensorKey, bool, bool]:
+        """(the key a tap's tensor of this forward goes under, whether to record it, whether the
+        forward is a recomputation). A recomputed forward's is the microbatch whose backward runs,
+        and it records only what its first, grad-less run did not (megatron's routers compute their
+        aux losses and balancing top-k only with grad enabled: under full recomputation, only there)."""
+        recompute = recomputing()
+        mb = self.clock.backward_microbatch if recompute else self.clock.microbatch
+        key = TensorKey(self.clock.iteration, mb, module_name, keys.FORWARD, tensor)
+        return key, self._wants(module_name, mb) and not (recompute and key in self._recorded), recompute
 
     def close(self) -> None:
         """Remove the hooks and finish the sinks; a run that stops inside an iteration (an
@@ -316,8 +321,8 @@ class Recorder(Feature):
             for callback in self.before_step:
                 callback()
             twin = self.filter.iterations is None or self.clock.iteration in self.filter.iterations
-            # the scale as a one-rank run of the same batch has it (config.loss_scale_multiplier)
-            scaled = self.layouts.loss_scale * (1 if self.facts.per_token_loss else self.layouts.dp_size)
+            # the scale as a one-rank run of the same batch has it
+            scaled = self.layouts.loss_scale * loss_scale_multiplier(self.layouts.dp_size, self.facts.per_token_loss)
             with _observe_clipping() as clipping, _observe_grad_norm(twin) as norms:
                 result = original(*args, **kwargs)
             result_tuple = result if isinstance(result, tuple) else ()
@@ -474,9 +479,8 @@ class _AuxLossTap:
         if rec.router is None or not isinstance(loss, torch.Tensor):
             return
         mname, router = rec.router
-        recompute = recomputing()  # megatron computes aux losses with grad only: under recomputation, only there
-        mb = rec.clock.backward_microbatch if recompute else rec.clock.microbatch
-        if not rec._wants(mname, mb):
+        key, record, _ = rec.tap_key(mname, name)
+        if not record:
             return
         if name == "z_loss":
             coeff = router.config.moe_z_loss_coeff / router.tp_cp_group.size()
@@ -485,9 +489,7 @@ class _AuxLossTap:
         else:
             return  # global_load_balancing_loss averages token counts over DP and microbatches: no per-microbatch twin
         value = (loss.detach().to(torch.float64) * coeff).reshape(1)
-        key = TensorKey(rec.clock.iteration, mb, mname, keys.FORWARD, name)
-        if not recompute or rec.unrecorded(key):
-            rec._add(key, value, Site(mname, router))
+        rec._add(key, value, Site(mname, router))
 
 
 class _MTPLossTap:
@@ -503,16 +505,18 @@ class _MTPLossTap:
         self.recorder = recorder
         self.model = model
         self.depths = mtp_layers([model])
-        self._calls = {}  # (iteration, microbatch) -> losses computed so far
+        self._calls = {}  # microbatch -> losses computed so far, in iteration self._iteration
+        self._iteration = None
         original = model.compute_language_model_loss
 
         def tapped(labels, logits):
             loss = original(labels, logits)
             rec = recorder
             if rec.clock.in_iteration and isinstance(loss, torch.Tensor):
-                at = (rec.clock.iteration, rec.clock.microbatch)
-                depth = self._calls.get(at, 0)
-                self._calls[at] = depth + 1
+                if self._iteration != rec.clock.iteration:
+                    self._iteration, self._calls = rec.clock.iteration, {}
+                depth = self._calls.get(rec.clock.microbatch, 0)
+                self._calls[rec.clock.microbatch] = depth + 1
                 if depth < self.depths:
                     rec.record_loss(loss, mtp_loss_name(depth))
             return loss

@@ -45,8 +45,6 @@ from typing import Callable, List, Optional
 import torch
 
 from ... import keys
-from ...keys import TensorKey
-from .hooks import recomputing
 from .layouts import Site, is_router
 from ..recipe.naming import canonical_module_names
 
@@ -203,10 +201,7 @@ class RoutingTap:
             return values, indices
         # a recomputed router (activation recomputation) routes again inside the backward: its choice was
         # recorded when it first ran; it follows the reference again, as it did then
-        recompute = recomputing()
-        mb = clock.backward_microbatch if recompute else clock.microbatch
-        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, keys.TOPK_CHOICE)
-        record = rec._wants(self.site.module_name, mb) and (not recompute or rec.unrecorded(key))
+        key, record, recompute = rec.tap_key(self.site.module_name, keys.TOPK_CHOICE)
         if not record and self.follow is None:
             return values, indices  # nothing asked of this router now: no map built
         choice = torch.zeros_like(scores, dtype=torch.float32).scatter(1, indices, 1.0)
@@ -242,10 +237,7 @@ class RoutingTap:
         clock = rec.clock
         if not clock.in_iteration:
             return None
-        recompute = recomputing()
-        mb = clock.backward_microbatch if recompute else clock.microbatch
-        key = TensorKey(clock.iteration, mb, self.site.module_name, keys.FORWARD, choice_name)
-        record = rec._wants(self.site.module_name, mb) and (not recompute or rec.unrecorded(key))
+        key, record, recompute = rec.tap_key(self.site.module_name, choice_name)
         if not record and self.follow is None:
             return None
         mine = choice()
