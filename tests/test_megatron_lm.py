@@ -81,8 +81,8 @@ def test_missing_training_imports_are_named_up_front(tmp_path, monkeypatch):
     for need in ("pretrain_gpt.py", "megatron/training/training.py", "megatron/core/__init__.py"):
         (tmp_path / need).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / need).write_text("")
-    real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("six", "regex") else real(name, *a))
+    # whatever this environment has: six and regex missing, the rest present
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name in ("six", "regex") else object())
     with pytest.raises(RecipeError, match=r"imports six, regex, not installed .*pip install -e '\.\[megatron-lm\]'"):
         megatron_lm.check_checkout(str(tmp_path))
 
