@@ -107,3 +107,31 @@ def test_reclipping_the_reference_takes_the_coefficients_difference_out_of_adams
         fixed = ref.double() + reclip_delta(state, rule, g, 0.5 * (1 + 3e-3), 0.5)
         after = float((cand.double() - fixed).norm() / fixed.norm())
         assert before > 1e-4 and after < 4 * EPS32, (state, before, after)
+
+
+def test_a_parameters_term_of_the_norm_is_judged_by_its_own_main_grads_error():
+    """|‖g_c‖² − ‖g_r‖²| ≤ (2 + e)·e·‖g_r‖² with e the main grad's measured relative error (+ u32)."""
+    b = StepBounds(RUN, num_layers=2, tol_config=ToleranceConfig())
+    b.note(_main_grad(0), 3 * EPS32, 3.0)
+    term = b.bound(_key(keys.grad_norm_term("weight"), module="m0"), "float32", 1024, 9.0, 0.0, 0.0)
+    e = 3 * EPS32 + 2.0 ** -24
+    assert term.tolerance_eps == pytest.approx((2 + e) * e / EPS32, rel=1e-3)
+    assert "measured error" in term.source
+    # a main grad not compared: its largest analytic bound stands in
+    other = b.bound(_key(keys.grad_norm_term("weight"), module="m1"), "float32", 1024, 9.0, 0.0, 0.0)
+    assert "not compared" in other.source and other.tolerance_eps > term.tolerance_eps
+    # a parameter counted twice is off by 100 % of its term: far outside, whatever the model's size
+    assert 1.0 / EPS32 > 1e5 * term.tolerance_eps
+
+
+def test_a_term_adds_up_over_the_axes_its_norm_reduced_over_and_is_a_replica_elsewhere():
+    from ttrace_megatron.adapter.record.layouts import grad_norm_term_layout
+    from ttrace_megatron.placement import Layout, Partial, RangeShard, Replicate, Shard
+
+    main = Layout((Replicate("dp"), Shard(0, "tp")), (8, 4), scale=4.0)
+    term = grad_norm_term_layout(main, ("tp", "pp"))  # megatron's model-parallel group: DP replicas
+    assert term.placements == (Replicate("dp"), Partial("tp")) and term.logical_shape == (1,) and term.scale == 1.0
+    distopt = Layout((Replicate("tp"), RangeShard("dp", (0, 10, 32), (8, 4))), (8, 4))
+    assert grad_norm_term_layout(distopt, ("tp", "dp", "pp")).placements == (Partial("tp"), Partial("dp"))
+    assert keys.kind_of(keys.OPTIMIZER, keys.grad_norm_term("weight")) is keys.TensorKind.GRAD_NORM_TERM
+    assert keys.param_name_of(keys.grad_norm_term("bias")) == "bias"

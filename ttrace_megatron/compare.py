@@ -226,6 +226,10 @@ class ShardSums:
     detail: str = ""
     partial_norm: float = 0.0  # a partial sum's ‖piece‖ in logical units (status partial): piece_norm
     roundoff: float = 0.0  # the candidate's own measured round-off of the value (Record.roundoff)
+    # a scalar partial sum (status partial): the piece's value in logical units, and the rank's
+    # position along the Partial axes, so the ranks' pieces add up after the run (online)
+    partial_value: Optional[float] = None
+    partial_position: Dict[str, Tuple[int, int]] = dataclasses.field(default_factory=dict)
 
     def to_json(self) -> dict:
         obj = dataclasses.asdict(self)
@@ -245,6 +249,9 @@ class ShardSums:
             fields[name] = float(obj[name])
         fields["partial_norm"] = float(obj.get("partial_norm", 0.0))
         fields["roundoff"] = float(obj.get("roundoff", 0.0))
+        value = obj.get("partial_value")
+        fields["partial_value"] = None if value is None else float(value)
+        fields["partial_position"] = {str(k): (int(v[0]), int(v[1])) for k, v in obj.get("partial_position", {}).items()}
         return ShardSums(**fields)
 
 
@@ -364,6 +371,19 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     if step is not None and not overflowed:
         step.note(key, result.error, result.reference_norm)
     return result
+
+
+def distinct_pieces(pieces: List[Tuple[RankTrace, Record]]) -> List[Tuple[RankTrace, Record]]:
+    """One piece per position along the axes that are not replicas (the lowest rank's), as a merge
+    takes them: a partial sum's magnitude counts each term once, not once per replica of it."""
+    seen, out = set(), []
+    for rt, r in sorted(pieces, key=lambda p: p[0].rank):
+        at = tuple((p.axis, tuple(rt.coords.get(p.axis, (0, 1)))) for p in r.layout.placements
+                   if not isinstance(p, Replicate))
+        if at not in seen:
+            seen.add(at)
+            out.append((rt, r))
+    return out
 
 
 def piece_norm(piece: torch.Tensor, layout: Layout) -> float:
@@ -585,7 +605,7 @@ class _TraceJudge:
                       for m in cand_merged.replica_mismatches]
             whole = Layout((), tuple(cand_merged.tensor.shape))
             if any(isinstance(p, Partial) for p in layout.placements):
-                magnitude = sum(piece_norm(cand.load(rt, r), r.layout) for rt, r in pieces)
+                magnitude = sum(piece_norm(cand.load(rt, r), r.layout) for rt, r in distinct_pieces(pieces))
                 cancellation = self.cancellations.note_partial(key, magnitude, cand_merged.tensor)
             entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, judged_against))]
         else:

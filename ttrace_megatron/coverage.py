@@ -21,7 +21,8 @@ from . import keys
 from .keys import TensorKey, TensorKind
 
 # the kinds of tensor that are about one parameter
-PARAM_KINDS = (TensorKind.PARAM_GRAD, TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_STATE)
+PARAM_KINDS = (TensorKind.PARAM_GRAD, TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_STATE,
+               TensorKind.GRAD_NORM_TERM)
 
 FROZEN = "frozen (requires_grad is false): no grad, main grad or update to compare"
 NOT_SELECTED = "outside the run's selective recording (record_filter modules)"

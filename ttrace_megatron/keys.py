@@ -49,6 +49,10 @@ OPTIMIZER_STATES = (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, MAIN_PARAM)
 LR = "lr"
 WEIGHT_DECAY = "weight_decay"
 STEP_SETTINGS = (LR, WEIGHT_DECAY)
+# a parameter's share of the step's grad norm (module: the parameter's, phase optimizer):
+# ``{param}.grad_norm_sq``, the sum of the squares of its main grad as the norm counted them,
+# over every rank (a rank that holds it and does not count it contributes 0)
+GRAD_NORM_SQ = "grad_norm_sq"
 # what a loss-scaled (fp16) step decided (module optimizer, phase optimizer): the scale its grads
 # were computed at, and whether it skipped the update (1) because a grad was not finite. Set, not
 # reduced: two correct runs agree exactly
@@ -95,6 +99,7 @@ class TensorKind(enum.Enum):
     AMAX = "amax"  # an FP8 GEMM operand's amax: a statistic of that operand
     SELECTION_SCORES = "selection_scores"  # what a top-k selection is taken on, per token
     SELECTION = "selection"  # a top-k choice: 1 where chosen, 0 elsewhere; judged by its scores
+    GRAD_NORM_TERM = "grad_norm_term"  # one parameter's ‖main grad‖² as the step's grad norm counted it
 
 
 _ACTIVATIONS = {(FORWARD, INPUT): TensorKind.INPUT, (FORWARD, OUTPUT): TensorKind.OUTPUT,
@@ -163,6 +168,11 @@ def step_setting(group: str, setting: str) -> str:
     return f"{group}.{setting}"
 
 
+def grad_norm_term(param_name: str) -> str:
+    """A parameter's term of the step's grad norm (phase optimizer): ``{param}.grad_norm_sq``."""
+    return f"{param_name}.{GRAD_NORM_SQ}"
+
+
 def amax(operand: str) -> str:
     """The amax of a GEMM operand (``input``, ``weight``, ``grad_output``)."""
     if operand not in _OPERAND_KINDS:
@@ -191,6 +201,8 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
         if tensor in OPTIMIZER_SCALARS:
             return TensorKind.OPTIMIZER_SCALAR
         suffix = tensor.rpartition(".")[2] if "." in tensor else ""
+        if suffix == GRAD_NORM_SQ:
+            return TensorKind.GRAD_NORM_TERM
         if suffix in OPTIMIZER_STATES:
             return TensorKind.OPTIMIZER_STATE
         if suffix in STEP_SETTINGS:
@@ -208,12 +220,12 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
 
 
 def param_name_of(tensor: str) -> str:
-    """The parameter a PARAM_GRAD / MAIN_GRAD / PARAM / OPTIMIZER_STATE name is about."""
+    """The parameter a PARAM_GRAD / MAIN_GRAD / PARAM / OPTIMIZER_STATE / GRAD_NORM_TERM name is about."""
     for suffix in (_MAIN_GRAD_SUFFIX, _GRAD_SUFFIX):
         if tensor.endswith(suffix):
             return tensor[:-len(suffix)]
     head, _, tail = tensor.rpartition(".")
-    if head and tail in OPTIMIZER_STATES:
+    if head and (tail in OPTIMIZER_STATES or tail == GRAD_NORM_SQ):
         return head
     return tensor
 

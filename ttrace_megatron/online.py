@@ -10,6 +10,8 @@ No rank talks to another: the combination happens after the run, from the per-ra
 
 A partial sum (a :class:`~ttrace_megatron.placement.Partial` placement) cannot be judged on one
 rank; such tensors are listed as skipped. The reduced value they feed (``main_grad``) is judged.
+A scalar partial sum (each parameter's term of the grad norm) is kept whole, 8 bytes a rank: the
+pieces are added up after the run and judged like any scalar (:func:`_scalar_partial`).
 So are a lock-stepped Adam run's updated parameters (judged element by element against their
 moments, offline); the moments themselves are judged online. A top-k choice (an MoE router's) is
 judged against both sides' scores (``selection``) offline only: online it is skipped, and its
@@ -30,7 +32,7 @@ import torch
 from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, blank_shard_sums,
                       check_compatible,
                       combine_shards, decide, group_records, logical_tensor, missing_reference, piece_norm,
-                      reference_order, shard_sums, OVERFLOW_PHASES, overflowed_iterations)
+                      reference_order, replica_note, shard_sums, OVERFLOW_PHASES, overflowed_iterations)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
@@ -84,8 +86,12 @@ class OnlineComparer:
         if pieces is None:
             return missing_reference(key, cand, layout, self.coords)
         if any(isinstance(p, Partial) for p in layout.placements):
+            scalar = cand.numel() == 1 and math.prod(layout.logical_shape) == 1
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
-                                    detail="a partial sum; judge it offline", partial_norm=piece_norm(cand, layout)))
+                                    detail="a partial sum; judge it offline", partial_norm=piece_norm(cand, layout),
+                                    partial_value=float(cand.reshape(-1)[0].double()) / layout.scale if scalar else None,
+                                    partial_position={p.axis: tuple(self.coords[p.axis]) for p in layout.placements
+                                                      if isinstance(p, Partial)}))
         if self.updates_offline and keys.is_updated_value(key):
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
                                     detail="an Adam update in lock-step, judged element by element offline"))
@@ -181,6 +187,35 @@ def _read_rank(trace_dir: str, rank: int) -> List[ShardSums]:
         raise TraceError(f"malformed online results ({type(e).__name__}: {e})", path=path, rank=rank) from None
 
 
+def _scalar_partial(key: TensorKey, entries: List[Tuple[int, ShardSums]], reference: torch.Tensor,
+                    where: str) -> Tuple[ShardSums, List[str]]:
+    """A scalar partial sum's pieces added up (the lowest rank's copy where replicas hold the same
+    position, as a merge takes it; replicas that differ are noted) and judged against the
+    reference: one piece, as the offline compare judges the merged tensor."""
+    positions: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
+    for rank, e in entries:
+        positions.setdefault(tuple(sorted(e.partial_position.items())), []).append((rank, e))
+    sizes = dict(entries[0][1].partial_position)
+    if len(positions) != math.prod(size for _, size in sizes.values()):
+        raise TraceError(f"the candidate's pieces of a partial sum cover {len(positions)} of "
+                         f"{math.prod(size for _, size in sizes.values())} positions", path=where, tensor=str(key))
+    notes = []
+    total = 0.0
+    for _, copies in sorted(positions.items()):
+        if len({e.partial_value for _, e in copies}) > 1:
+            notes.append(replica_note("candidate", sorted(r for r, _ in copies)))
+        total += min(copies, key=lambda c: c[0])[1].partial_value
+    ref = float(reference.reshape(-1)[0].double())
+    finite = math.isfinite(total) and math.isfinite(ref)
+    first = entries[0][1]
+    sums = dataclasses.replace(first, status="ok", shard={}, diff_sq=(total - ref) ** 2 if finite else 0.0,
+                               ref_sq=ref ** 2 if finite else 0.0, compared=1 if finite else 0,
+                               candidate_nonfinite=0 if math.isfinite(total) else 1,
+                               reference_nonfinite=0 if math.isfinite(ref) else 1,
+                               same_nonfinite=math.isfinite(total) == math.isfinite(ref))
+    return sums, notes
+
+
 def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
                    tol_config: ToleranceConfig = ToleranceConfig()) -> Comparison:
     """Add up the ranks' shard sums into one :class:`~ttrace_megatron.compare.Comparison`."""
@@ -213,6 +248,11 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     overflowed = overflowed_iterations(ref, ref_groups)
     for key in sorted((k for k in judged if k in ref_groups), key=lambda k: order[k]):
         entries = by_key[key]
+        if entries and all(e.status == "partial" and e.partial_value is not None for _, e in entries):
+            scalar, notes = _scalar_partial(key, entries, logical_tensor(ref, ref_groups[key]).tensor, candidate_dir)
+            results.append(combine_shards(key, [(entries[0][0], scalar)], ref_groups[key][0][1], num_layers,
+                                          order[key], tol_config, candidate_dir, notes, step=step_bounds))
+            continue
         if any(e.status == "partial" for _, e in entries):
             cancellations.note_partial(key, sum(e.partial_norm for _, e in entries))  # for its main grad
             skipped.append(key)

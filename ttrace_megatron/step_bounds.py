@@ -43,6 +43,7 @@ from .update_rules import AdamRule
 # the optimizer states linear in the clipped grad (their power: the second moment sums its squares)
 _CLIPPED_STATES = (keys.EXP_AVG, keys.EXP_AVG_SQ, keys.MOMENTUM_BUFFER)
 RECLIPPED = "the reference's state re-clipped by the candidate's coefficient"
+_FP32_UNIT_ROUNDOFF = 2.0 ** -24  # the optimizer's unscaling of a main grad, one rounding per element
 
 
 def state_of(key: TensorKey) -> str:
@@ -100,6 +101,7 @@ class StepBounds:
         self.num_layers = num_layers
         self.tol_config = tol_config
         self._grads: Dict[int, _Grads] = {}
+        self._main_grad_error: Dict[TensorKey, float] = {}  # each main grad's measured relative error
         self._norm: Dict[int, Tolerance] = {}  # iteration -> the grad norm's bound
         self._clip_error: Dict[int, float] = {}
         self._state_norm: Dict[Tuple[int, str, str], float] = {}  # ‖ref‖ of each optimizer state judged
@@ -117,6 +119,7 @@ class StepBounds:
             g.diff_sq += (error * reference_norm) ** 2
             g.ref_sq += reference_norm ** 2
             g.count += 1
+            self._main_grad_error[key] = error
         elif key.kind is TensorKind.OPTIMIZER_SCALAR and key.tensor == keys.CLIP_COEFFICIENT and math.isfinite(error):
             self._clip_error[key.iteration] = error
         elif key.kind is TensorKind.OPTIMIZER_STATE and math.isfinite(reference_norm):
@@ -125,12 +128,14 @@ class StepBounds:
     # ---- bounds
     def bound(self, key: TensorKey, dtype: str, reduction: int, reference_value: float,
               reference_roundoff: float, candidate_roundoff: float) -> Optional[Tolerance]:
-        """The tolerance of a grad norm, its fp64 twin or the clip coefficient; None for any other
-        tensor (the analytic bound applies)."""
+        """The tolerance of a grad norm, its fp64 twin, the clip coefficient or a parameter's term of
+        the norm; None for any other tensor (the analytic bound applies)."""
+        eps = tolerance_for(keys.OPTIMIZER, 0, self.num_layers, dtype, reduction, self.tol_config).eps
+        if key.kind is TensorKind.GRAD_NORM_TERM:
+            return self._term_bound(key, eps, dtype, reduction)
         if key.kind is not TensorKind.OPTIMIZER_SCALAR or key.tensor not in (
                 keys.GRAD_NORM, keys.GRAD_NORM_FP64, keys.CLIP_COEFFICIENT):
             return None
-        eps = tolerance_for(keys.OPTIMIZER, 0, self.num_layers, dtype, reduction, self.tol_config).eps
         if key.tensor == keys.CLIP_COEFFICIENT:
             norm = self._norm.get(key.iteration)
             if norm is None:
@@ -152,6 +157,28 @@ class StepBounds:
         if key.tensor == keys.GRAD_NORM:
             self._norm[key.iteration] = tol
         return tol
+
+    def _term_bound(self, key: TensorKey, eps: float, dtype: str, reduction: int) -> Tolerance:
+        """A parameter's term of the grad norm, ‖g‖² of its main grad as the norm counted it, merged
+        over the ranks (a partial sum: each rank's count of its piece). Both sides' terms are exact
+        squares of each side's main grad (summed in fp64), so by the triangle inequality
+        |‖g_c‖² − ‖g_r‖²| = (‖g_c‖ + ‖g_r‖)·|‖g_c‖ − ‖g_r‖| ≤ (2 + e)·e·‖g_r‖² with e = ‖g_c − g_r‖ / ‖g_r‖,
+        the main grad's relative error as the comparison has just measured it (plus one fp32
+        rounding per element: the optimizer unscales the grads it takes the norm of). A norm that
+        counts a parameter twice, misses a rank's piece of it or takes it from another group is off
+        by a fraction of the term, whatever the model's size: a verdict that does not dilute as the
+        grad norm's does. Where the main grad was not compared, its largest analytic bound stands in."""
+        e = self._main_grad_error.get(main_grad_key(key))
+        if e is not None and math.isfinite(e):
+            source = f"e = the main grad's measured error {e / eps:.3g}ε"
+        else:
+            tol = tolerance_for(keys.MAIN_GRAD, 0, self.num_layers, dtype, reduction, self.tol_config)
+            e = tol.tolerance_eps * tol.eps
+            source = f"e = the largest main-grad bound, its main grad not compared ({tol.source})"
+        e += _FP32_UNIT_ROUNDOFF
+        fp64 = 2 * local_error(max(self.elements, 1), "float64")
+        relative = (2.0 + e) * e + fp64
+        return Tolerance(eps, relative / eps, 0, f"(2 + e)·e, {source} + u32; + the terms' fp64 sums {fp64 / eps:.3g}ε")
 
     def _grads_term(self, iteration: int, dtype: str, reduction: int) -> Tuple[float, str]:
         """‖g_cand − g_ref‖ / ‖g_ref‖ over every main grad of the iteration, as compared; where some

@@ -550,6 +550,23 @@ def gemm_operand_placements(module_name: str, module: torch.nn.Module, facts: Mo
     return {INPUT: in_layout.placements, WEIGHT: weight.placements, GRAD_OUTPUT: grad_output}
 
 
+def grad_norm_term_layout(main_grad: Layout, counted_over: Sequence[str]) -> Layout:
+    """The layout of a parameter's term of the grad norm (``keys.grad_norm_term``: the sum of the
+    squares of its main grad that this rank counted), from its main grad's layout and the axes the
+    norm's call reduced over (``counted_over``: those whose whole group lies in the call's
+    grad-stats group).
+
+    Over a counted axis the ranks' terms add up: a shard's squares, or a replica counted on one
+    rank and 0 on the others (megatron counts a TP-replicated parameter on TP rank 0 only, the
+    last stage's copy of a tied embedding not at all): Partial. Over an axis the norm does not
+    reduce over, every rank computes the same norm (DP replicas without the distributed optimizer):
+    Replicate, so a rank that counts otherwise is a replica that differs. The grads are unscaled
+    when the norm is taken: the term carries no scale."""
+    placements = tuple(Partial(p.axis) if p.axis in counted_over else Replicate(p.axis)
+                       for p in main_grad.placements)
+    return Layout(placements, (1,))
+
+
 def sharded_axes(placements: Sequence[Placement]) -> Tuple[str, ...]:
     """The axes over which a tensor with these placements is split (not replicated, not partial)."""
     return tuple(p.axis for p in placements if isinstance(p, (Shard, RangeShard)))
@@ -563,6 +580,16 @@ def axis_group(axis: str):
               PP: ps.get_pipeline_model_parallel_group, ETP: ps.get_expert_tensor_parallel_group,
               EDP: ps.get_expert_data_parallel_group}
     return groups[axis]()
+
+
+def counted_axes(group) -> Tuple[str, ...]:
+    """The placement axes whose whole group lies in ``group`` (a grad-norm call's grad-stats group;
+    None: every rank): the axes a sum over ``group`` adds up over."""
+    import torch.distributed as dist
+
+    members = set(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+    return tuple(axis for axis in (TP, DP, PP, ETP, EDP)
+                 if set(dist.get_process_group_ranks(axis_group(axis))) <= members)
 
 
 # the linears around core attention (the local spec's SelfAttention): what arrives at the output
@@ -606,7 +633,8 @@ def reduction_length(module_name: str, module: Optional[torch.nn.Module], kind: 
     if kind is TensorKind.PARAM_GRAD:
         tokens = facts.tokens_per_microbatch // facts.seq_length if per_position else facts.tokens_per_microbatch
         return max(tokens, operands)
-    if kind in (TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_SCALAR, TensorKind.OPTIMIZER_STATE):
+    if kind in (TensorKind.MAIN_GRAD, TensorKind.PARAM, TensorKind.OPTIMIZER_SCALAR, TensorKind.OPTIMIZER_STATE,
+                TensorKind.GRAD_NORM_TERM):
         tokens = facts.tokens_per_iteration // facts.seq_length if per_position else facts.tokens_per_iteration
         return max(tokens, operands)
     if (kind is TensorKind.INPUT and module_name.endswith(ATTENTION_OUTPUT_PROJECTION)) or (

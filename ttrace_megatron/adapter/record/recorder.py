@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import math
-from typing import List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -272,6 +272,8 @@ class Recorder(Feature):
         if not self.recording:
             return
         it = self.clock.iteration
+        if norms is not None and norms.call_axes:
+            self.record_grad_norm_terms(norms)
         if self._wants(keys.OPTIMIZER_MODULE, -1):
             twin, roundoff = norms.explain(grad_norm) if norms is not None and grad_norm is not None else (None, 0.0)
             scalars = [(keys.GRAD_NORM, grad_norm), (keys.GRAD_NORM_FP64, twin),
@@ -305,6 +307,36 @@ class Recorder(Feature):
                         value = param.new_empty((0,), dtype=torch.float32)  # this rank owns none of it
                     self._add(TensorKey(it, -1, mname, keys.OPTIMIZER, keys.optimizer_state(pname, name)), value, site)
 
+    def _norm_grads(self) -> Dict[Tuple[int, int, torch.dtype], Tuple[torch.nn.Parameter, bool]]:
+        """{identity of the grad megatron takes the norm of: (model parameter, whether an expert's)}.
+        The norm is of each main copy's ``.grad`` (the main grad itself under FP32Optimizer, its fp32
+        copy under the fp16/bf16 optimizers, the owned range's under the distributed optimizer)."""
+        owners = {}
+        for _, _, module, param in self._params:
+            main = self.main_params.get(param)
+            grads = [] if main is None else [main.main.grad, getattr(main.main, "decoupled_grad", None)]
+            for g in grads:
+                if isinstance(g, torch.Tensor) and g.numel():
+                    owners[_identity(g)] = (param, layouts.is_expert(module))
+        return owners
+
+    def record_grad_norm_terms(self, norms: "_GradNormTwin") -> None:
+        """Each parameter's term of the step's grad norm (``keys.grad_norm_term``): the squares of its
+        main grad this rank counted, 0 where it holds the parameter and did not count it. Merged over
+        the ranks (:func:`layouts.grad_norm_term_layout`) a term is the parameter's ‖g‖² as the norm
+        saw it, judged against the reference's ‖g‖² by the main grad's own measured error: a norm that
+        counts a parameter twice or misses a piece of it fails there, by the same fraction of the
+        term at any model size (the whole norm dilutes such an error by the size of the model).
+        Grads in a norm that are no parameter's main grad are not attributed; ``unattributed`` counts
+        them, and the fp64 twin of the whole norm still judges them."""
+        for key, site, main_layout in self.main_grad_keys():
+            if not self._wants(site.module_name, -1):
+                continue
+            term_key = TensorKey(key.iteration, -1, key.module, keys.OPTIMIZER, keys.grad_norm_term(site.param_name))
+            axes = norms.axes_of(site.param, layouts.is_expert(site.module))
+            value = torch.tensor([norms.terms.get(site.param, 0.0)], dtype=torch.float64)
+            self._add(term_key, value, site, layout=layouts.grad_norm_term_layout(main_layout, axes))
+
     def wrap_optimizer(self, optimizer) -> None:
         """Record main grads as ``optimizer.step()`` starts, grad norm and parameters after it.
 
@@ -323,7 +355,7 @@ class Recorder(Feature):
             twin = self.filter.iterations is None or self.clock.iteration in self.filter.iterations
             # the scale as a one-rank run of the same batch has it
             scaled = self.layouts.loss_scale * loss_scale_multiplier(self.layouts.dp_size, self.facts.per_token_loss)
-            with _observe_clipping() as clipping, _observe_grad_norm(twin) as norms:
+            with _observe_clipping() as clipping, _observe_grad_norm(twin, self._norm_grads) as norms:
                 result = original(*args, **kwargs)
             result_tuple = result if isinstance(result, tuple) else ()
             grad_norm = result_tuple[1] if len(result_tuple) >= 2 else None
@@ -344,6 +376,11 @@ class Recorder(Feature):
         original = getattr(optimizer.step, "ttrace_original", None)
         if original is not None:
             optimizer.step = original
+
+
+def _identity(t: torch.Tensor) -> Tuple[int, int, torch.dtype]:
+    """A grad tensor's identity across the views megatron hands around: where its data lies."""
+    return t.data_ptr(), t.numel(), t.dtype
 
 
 class _ClipObserver:
@@ -388,8 +425,15 @@ class _GradNormTwin:
     megatron's own, right after it), and the difference is the call's own round-off.
     """
 
-    def __init__(self):
+    def __init__(self, attribute=None):
         self.calls: List[Tuple[float, float]] = []  # (megatron's result, the fp64 twin)
+        self.attribute = attribute
+        # each model parameter's term: the squares of its grad this rank counted (fp64), and the axes
+        # the call that counted it reduced over
+        self.terms: Dict[torch.nn.Parameter, float] = {}
+        self.counted_over: Dict[torch.nn.Parameter, Tuple[str, ...]] = {}
+        self.call_axes: List[Tuple[Tuple[str, ...], bool]] = []  # per call: its axes, whether it counted experts
+        self.unattributed = 0  # grads in a norm that are no model parameter's main grad (elements)
 
     def observe(self, grads_for_norm, norm_type, grad_stats_parallel_group, result) -> None:
         from megatron.core.utils import get_data_parallel_group_if_dtensor, to_local_if_dtensor
@@ -404,14 +448,39 @@ class _GradNormTwin:
             dp_group = get_data_parallel_group_if_dtensor(g, dp_group)
         device = grads[0].device if grads else torch.device("cuda" if torch.cuda.is_available() else "cpu")
         total = torch.zeros(1, dtype=torch.float64, device=device)
+        owners = self.attribute() if self.attribute is not None else {}
+        axes = layouts.counted_axes(grad_stats_parallel_group) if owners else ()
+        experts = False
         for g in grads:
             local = to_local_if_dtensor(g).detach().reshape(-1)
+            square = torch.zeros(1, dtype=torch.float64, device=device)
             for start in range(0, local.numel(), 1 << 22):  # fp64 in pieces: never a whole fp64 copy
-                total += torch.linalg.vector_norm(local[start:start + (1 << 22)].to(torch.float64)) ** 2
+                square += torch.linalg.vector_norm(local[start:start + (1 << 22)].to(torch.float64)) ** 2
+            total += square
+            owner = owners.get(_identity(g)) if owners else None
+            if owner is None:
+                self.unattributed += local.numel() if owners else 0
+                continue
+            param, expert = owner
+            self.terms[param] = self.terms.get(param, 0.0) + float(square.item())
+            self.counted_over[param] = axes
+            experts = experts or expert
+        if owners:
+            self.call_axes.append((axes, experts))
         if dp_group:
             torch.distributed.all_reduce(total, group=dp_group)
         torch.distributed.all_reduce(total, group=grad_stats_parallel_group)
         self.calls.append((value, float(total.item()) ** 0.5))
+
+    def axes_of(self, param: torch.nn.Parameter, expert: bool) -> Tuple[str, ...]:
+        """The axes over which ``param``'s term adds up: those of the call that counted it, or, where
+        this rank did not count it (a TP replica, the last stage's tied embedding), those of this
+        rank's call of the same kind (dense or expert): every rank makes the same calls, so every
+        rank derives the same layout."""
+        if param in self.counted_over:
+            return self.counted_over[param]
+        alike = [a for a, e in self.call_axes if e == expert] or [a for a, _ in self.call_axes]
+        return alike[0] if alike else ()
 
     def explain(self, grad_norm: float) -> Tuple[Optional[float], float]:
         """(the fp64 twin of ``grad_norm``, a bound on its own round-off).
@@ -436,12 +505,13 @@ class _GradNormTwin:
 
 
 @contextlib.contextmanager
-def _observe_grad_norm(active: bool = True):
+def _observe_grad_norm(active: bool = True, attribute=None):
     """While the optimizer steps, twin each of megatron's grad-norm calls in fp64 (:class:`_GradNormTwin`).
-    The original function runs first and unchanged; ``active`` must be the same on every rank."""
+    The original function runs first and unchanged; ``active`` must be the same on every rank.
+    ``attribute``: () -> {grad tensor's identity: model parameter} (:meth:`Recorder._norm_grads`)."""
     from megatron.core.optimizer import optimizer as optimizer_module
 
-    twin = _GradNormTwin()
+    twin = _GradNormTwin(attribute)
     original = optimizer_module.get_grad_norm_fp32
     if not active:
         yield None
