@@ -7,6 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ttrace_megatron import keys
 from ttrace_megatron.compare import compare_traces
 
 from conftest import RECIPES, load
@@ -438,15 +439,25 @@ def test_attention_sinks_under_tensor_parallelism(runs, softmax_type):
     """softmax_type (gpt-oss's attention sinks): off-by-one adds a zero logit per head; learnable
     adds a per-head parameter that each TP rank holds for its own heads, though megatron does not
     tag it tensor_model_parallel. ttrace places it by the module's heads: merged over TP, it is
-    the reference's, and its grads, moments and updates are judged."""
+    the reference's, and its grads, moments and updates are judged.
+
+    Untagged, megatron's grad norm takes it for a TP replica and counts TP rank 0's heads only
+    (benchmarks/upstream_bugs softmax_offset_counted_on_tp_rank0_only, unfixed upstream): on stock
+    megatron-core each layer's term of the norm for it fails, and nothing else does."""
     ref, cand = runs.candidate(load("gpt_tp2_sinks", model={"softmax_type": softmax_type}))
     c = compare_traces(ref, cand)
-    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     offsets = [r for r in c.results if r.key.tensor.startswith("softmax_offset")]
     assert bool(offsets) == (softmax_type == "learnable")
-    if offsets:
-        assert {r.key.phase for r in offsets} >= {"backward", "main_grad", "optimizer"}
-        assert all(r.shape == (4,) for r in offsets if r.key.tensor == "softmax_offset.main_grad")
+    if not offsets:
+        assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+        return
+    assert {r.key.phase for r in offsets} >= {"backward", "main_grad", "optimizer"}
+    assert all(r.shape == (4,) for r in offsets if r.key.tensor == "softmax_offset.main_grad")
+    terms = {r.key for r in offsets if r.key.kind is keys.TensorKind.GRAD_NORM_TERM}
+    assert terms and {r.key for r in c.failures} == terms
+    # the candidate's term is rank 0's two heads of four: short of the reference's by rank 1's share
+    # (measured 1 % to 68 %), far outside round-off
+    assert all(0 < r.error < 1 and r.ratio > 1e3 for r in c.failures)
 
 
 @pytest.mark.parametrize("model,parallel", [

@@ -8,7 +8,9 @@ against the installed megatron-core:
 * ``kind: reverted`` — the fix is in the installed release; the patch takes it out again. The
   buggy build is an overlay copy with the patch applied, the clean build the installed package.
 * ``kind: live`` — the bug is still in the installed release; the patch is the upstream fix. The
-  buggy build is the installed package, the clean build the overlay.
+  buggy build is the installed package, the clean build the overlay. A live bug upstream has not
+  fixed (found by ttrace) has ``commit: unfixed``, its ``url`` points at the code, and its patch is
+  ttrace's proposed fix.
 
 The installed files are never edited: an overlay is a copy of the installed ``megatron`` package
 with the patch applied, run through ``--candidate-megatron``/``--reference-megatron``
@@ -37,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, REPO)
 ENTRIES = os.path.join(HERE, "entries")
 REVERTED, LIVE = "reverted", "live"
+UNFIXED = "unfixed"  # the commit of a live bug upstream has no fix for
 # the megatron-core release every bug.patch is written against (a patch re-creates its bug, or its
 # fix, in that release's code; another release is another set of patches)
 PATCHED_RELEASE = "0.16.1"
@@ -84,6 +87,8 @@ def load_entries(root: str = ENTRIES) -> List[Entry]:
         trigger, expected = raw["trigger"], raw["expected"]
         if raw["kind"] not in (REVERTED, LIVE):
             raise ValueError(f"{path}: kind must be {REVERTED} or {LIVE}, not {raw['kind']!r}")
+        if str(raw["commit"]) == UNFIXED and (raw["kind"] != LIVE or not raw.get("url")):
+            raise ValueError(f"{path}: an {UNFIXED} bug is live and needs a url to the code")
         entries.append(Entry(name=name, kind=raw["kind"], commit=str(raw["commit"]), title=raw["title"],
                              bug_class=raw["class"], description=raw["description"].strip(),
                              recipe=trigger["recipe"], overrides=trigger.get("overrides") or {},
