@@ -272,8 +272,8 @@ class Recorder(Feature):
         if not self.recording:
             return
         it = self.clock.iteration
-        if norms is not None and norms.call_axes:
-            self.record_grad_norm_terms(norms)
+        if norms is not None and any(axes for _, axes, _ in norms.call_terms):
+            self.record_grad_norm_terms(norms, grad_norm)
         if self._wants(keys.OPTIMIZER_MODULE, -1):
             twin, roundoff = norms.explain(grad_norm) if norms is not None and grad_norm is not None else (None, 0.0)
             scalars = [(keys.GRAD_NORM, grad_norm), (keys.GRAD_NORM_FP64, twin),
@@ -320,7 +320,7 @@ class Recorder(Feature):
                     owners[_identity(g)] = (param, layouts.is_expert(module))
         return owners
 
-    def record_grad_norm_terms(self, norms: "_GradNormTwin") -> None:
+    def record_grad_norm_terms(self, norms: "_GradNormTwin", grad_norm: Optional[float]) -> None:
         """Each parameter's term of the step's grad norm (``keys.grad_norm_term``): the squares of its
         main grad this rank counted, 0 where it holds the parameter and did not count it. Merged over
         the ranks (:func:`layouts.grad_norm_term_layout`) a term is the parameter's ‖g‖² as the norm
@@ -329,12 +329,13 @@ class Recorder(Feature):
         term at any model size (the whole norm dilutes such an error by the size of the model).
         Grads in a norm that are no parameter's main grad are not attributed; ``unattributed`` counts
         them, and the fp64 twin of the whole norm still judges them."""
+        terms, axes_of = norms.terms_of(grad_norm)
         for key, site, main_layout in self.main_grad_keys():
             if not self._wants(site.module_name, -1):
                 continue
             term_key = TensorKey(key.iteration, -1, key.module, keys.OPTIMIZER, keys.grad_norm_term(site.param_name))
-            axes = norms.axes_of(site.param, layouts.is_expert(site.module))
-            value = torch.tensor([norms.terms.get(site.param, 0.0)], dtype=torch.float64)
+            axes = axes_of(site.param, layouts.is_expert(site.module))
+            value = torch.tensor([terms.get(site.param, 0.0)], dtype=torch.float64)
             self._add(term_key, value, site, layout=layouts.grad_norm_term_layout(main_layout, axes))
 
     def wrap_optimizer(self, optimizer) -> None:
@@ -428,11 +429,9 @@ class _GradNormTwin:
     def __init__(self, attribute=None):
         self.calls: List[Tuple[float, float]] = []  # (megatron's result, the fp64 twin)
         self.attribute = attribute
-        # each model parameter's term: the squares of its grad this rank counted (fp64), and the axes
-        # the call that counted it reduced over
-        self.terms: Dict[torch.nn.Parameter, float] = {}
-        self.counted_over: Dict[torch.nn.Parameter, Tuple[str, ...]] = {}
-        self.call_axes: List[Tuple[Tuple[str, ...], bool]] = []  # per call: its axes, whether it counted experts
+        # per call (aligned with ``calls``): each model parameter's squares this rank counted (fp64),
+        # the axes the call reduced over, whether it counted experts' grads
+        self.call_terms: List[Tuple[Dict[torch.nn.Parameter, float], Tuple[str, ...], bool]] = []
         self.unattributed = 0  # grads in a norm that are no model parameter's main grad (elements)
 
     def observe(self, grads_for_norm, norm_type, grad_stats_parallel_group, result) -> None:
@@ -442,6 +441,7 @@ class _GradNormTwin:
         value = float(result)
         if float(norm_type) != 2.0:  # a max is exact; other p-norms are not twinned
             self.calls.append((value, value))
+            self.call_terms.append(({}, (), False))
             return
         dp_group = None
         for g in grads:
@@ -451,6 +451,7 @@ class _GradNormTwin:
         owners = self.attribute() if self.attribute is not None else {}
         axes = layouts.counted_axes(grad_stats_parallel_group) if owners else ()
         experts = False
+        terms: Dict[torch.nn.Parameter, float] = {}
         for g in grads:
             local = to_local_if_dtensor(g).detach().reshape(-1)
             square = torch.zeros(1, dtype=torch.float64, device=device)
@@ -462,25 +463,53 @@ class _GradNormTwin:
                 self.unattributed += local.numel() if owners else 0
                 continue
             param, expert = owner
-            self.terms[param] = self.terms.get(param, 0.0) + float(square.item())
-            self.counted_over[param] = axes
+            terms[param] = terms.get(param, 0.0) + float(square.item())
             experts = experts or expert
-        if owners:
-            self.call_axes.append((axes, experts))
+        self.call_terms.append((terms, axes, experts))
         if dp_group:
             torch.distributed.all_reduce(total, group=dp_group)
         torch.distributed.all_reduce(total, group=grad_stats_parallel_group)
         self.calls.append((value, float(total.item()) ** 0.5))
 
-    def axes_of(self, param: torch.nn.Parameter, expert: bool) -> Tuple[str, ...]:
-        """The axes over which ``param``'s term adds up: those of the call that counted it, or, where
-        this rank did not count it (a TP replica, the last stage's tied embedding), those of this
-        rank's call of the same kind (dense or expert): every rank makes the same calls, so every
-        rank derives the same layout."""
-        if param in self.counted_over:
-            return self.counted_over[param]
-        alike = [a for a, e in self.call_axes if e == expert] or [a for a, _ in self.call_axes]
-        return alike[0] if alike else ()
+    def terms_of(self, grad_norm: Optional[float]):
+        """The step's terms: (parameter -> the squares this rank counted, parameter -> the axes its
+        call reduced over, a function giving an uncounted parameter's axes). Only the calls that
+        make up the step's norm (:meth:`norm_calls`; every call where none reproduces it) count: a
+        step that also takes other norms (a part of a ChainedOptimizer clipping by its own) is
+        judged on its norm and clip coefficient, not counted twice here."""
+        chosen = self.norm_calls(grad_norm) if grad_norm is not None else None
+        calls = [self.call_terms[i] for i in (chosen if chosen is not None else range(len(self.call_terms)))]
+        calls = [c for c in calls if c[0] or c[1]]  # twinned calls
+        terms: Dict[torch.nn.Parameter, float] = {}
+        counted_over: Dict[torch.nn.Parameter, Tuple[str, ...]] = {}
+        for call, axes, _ in calls:
+            for param, value in call.items():
+                terms[param] = terms.get(param, 0.0) + value
+                counted_over[param] = axes
+
+        def axes_of(param: torch.nn.Parameter, expert: bool) -> Tuple[str, ...]:
+            """Those of the call that counted ``param``, or, where this rank did not count it (a TP
+            replica, the last stage's tied embedding), those of this rank's call of the same kind
+            (dense or expert): every rank makes the same calls, so every rank derives the same layout."""
+            if param in counted_over:
+                return counted_over[param]
+            alike = [a for _, a, e in calls if e == expert] or [a for _, a, _ in calls]
+            return alike[0] if alike else ()
+
+        return terms, axes_of
+
+    def norm_calls(self, grad_norm: float) -> Optional[List[int]]:
+        """The calls whose combination is the step's norm: one call's result, or ``√Σ`` over the
+        first n calls (a ChainedOptimizer whose parts reduce over different groups), the first that
+        reproduces it bitwise; None where none does."""
+        norm = float(grad_norm)
+        for n in range(1, len(self.calls) + 1):
+            values = [v for v, _ in self.calls[:n]]
+            if values[-1] == norm:
+                return [n - 1]
+            if math.sqrt(sum(x ** 2 for x in values)) == norm:
+                return list(range(n))
+        return None
 
     def explain(self, grad_norm: float) -> Tuple[Optional[float], float]:
         """(the fp64 twin of ``grad_norm``, a bound on its own round-off).
@@ -492,16 +521,11 @@ class _GradNormTwin:
         their arguments do (each is 1-Lipschitz in every argument). Where no combination
         reproduces the norm (a step that combines its calls otherwise), there is no twin, and the
         bound still holds."""
-        norm = float(grad_norm)
         roundoff = sum(abs(value - exact) for value, exact in self.calls)
-        for n in range(1, len(self.calls) + 1):
-            values = [v for v, _ in self.calls[:n]]
-            exacts = [e for _, e in self.calls[:n]]
-            if values[-1] == norm:
-                return exacts[-1], roundoff
-            if math.sqrt(sum(x ** 2 for x in values)) == norm:
-                return math.sqrt(sum(x ** 2 for x in exacts)), roundoff
-        return None, roundoff
+        chosen = self.norm_calls(grad_norm)
+        if chosen is None:
+            return None, roundoff
+        return math.sqrt(sum(self.calls[i][1] ** 2 for i in chosen)), roundoff
 
 
 @contextlib.contextmanager
