@@ -68,12 +68,14 @@ LAYOUTS = {
     "ep2": dict(parallel={"expert_model_parallel_size": 2}, world_size=2, moe_only=True),
 }
 # the tensor kinds a row reports, in the order of a step
-KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "clip", "moments", "update", "loss", "routing")
+KINDS = ("forward", "dgrad", "wgrad", "main grad", "norm terms", "grad norm", "clip", "moments", "update", "loss",
+         "routing")
 _KIND_OF = {
     TensorKind.INPUT: "forward", TensorKind.OUTPUT: "forward", TensorKind.AUX_LOSS: "loss",
     TensorKind.GRAD_INPUT: "dgrad", TensorKind.GRAD_OUTPUT: "dgrad", TensorKind.PARAM_GRAD: "wgrad",
     TensorKind.MAIN_GRAD: "main grad", TensorKind.PARAM: "update", TensorKind.LOSS: "loss",
     TensorKind.SELECTION_SCORES: "forward", TensorKind.SELECTION: "routing",
+    TensorKind.GRAD_NORM_TERM: "norm terms",  # each parameter's ‖g‖² as the norm counted it (issue #31)
 }
 
 
@@ -258,7 +260,7 @@ def slopes(rows: List[dict], dtype: str = "fp32") -> Dict[Tuple[str, str], Tuple
 
 
 _COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#17becf",
-           "#bcbd22")
+           "#bcbd22", "#393b79")
 
 
 def plot(rows: List[dict], dtype: str = "fp32") -> str:
