@@ -78,6 +78,21 @@ def test_twin_explains_one_call_and_a_chained_optimizers_root_sum_square():
     assert chained.explain(7.5) == (None, pytest.approx(0.003))  # no combination reproduces it
 
 
+def test_terms_come_from_the_calls_that_make_the_steps_norm():
+    """A ChainedOptimizer's norm is √Σ over its parts' calls; a later call (a part clipping by its own
+    norm) is not counted again. A parameter this rank did not count takes the axes of its kind's call."""
+    dense, expert, replica = (torch.nn.Parameter(torch.zeros(1)) for _ in range(3))
+    twin = _GradNormTwin()
+    twin.calls = [(3.0, 3.0), (4.0, 4.0), (3.0, 3.0)]
+    twin.call_terms = [({dense: 9.0}, ("tp", "pp"), False), ({expert: 16.0}, ("etp", "pp"), True),
+                       ({dense: 9.0}, ("tp", "pp"), False)]
+    terms, axes_of = twin.terms_of(5.0)
+    assert terms == {dense: 9.0, expert: 16.0}
+    assert axes_of(replica, False) == ("tp", "pp") and axes_of(replica, True) == ("etp", "pp")
+    terms, _ = twin.terms_of(7.5)  # no combination reproduces it: every call
+    assert terms[dense] == 18.0
+
+
 @pytest.mark.parametrize("decoupled", [True, False])
 def test_reclipping_the_reference_takes_the_coefficients_difference_out_of_adams_moments(decoupled):
     """Two AdamW (or Adam with coupled weight decay) steps from the same state on the same grads,

@@ -90,6 +90,7 @@ class Recorder(Feature):
         self.routing_taps = []  # routing.RoutingTap per MoE router, set by attach
         self.optimizer = None
         self._recorded: set = set()  # keys recorded in this iteration (tap_key)
+        self._said_unattributed = False
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
 
     # ---- selection
@@ -327,9 +328,14 @@ class Recorder(Feature):
         saw it, judged against the reference's ‖g‖² by the main grad's own measured error: a norm that
         counts a parameter twice or misses a piece of it fails there, by the same fraction of the
         term at any model size (the whole norm dilutes such an error by the size of the model).
-        Grads in a norm that are no parameter's main grad are not attributed; ``unattributed`` counts
-        them, and the fp64 twin of the whole norm still judges them."""
+        Grads in a norm that are no parameter's main grad are not attributed: the run says so once,
+        with how many elements, and the fp64 twin of the whole norm still judges them."""
         terms, axes_of = norms.terms_of(grad_norm)
+        if norms.unattributed and not self._said_unattributed:
+            self._said_unattributed = True  # once a run: the optimizer's layout does not change
+            print(f"[ttrace] rank {self.rank}: {norms.unattributed} elements of megatron's grad norm are no "
+                  f"parameter's main grad: they are in no parameter's term of the norm (grad_norm_sq); the whole "
+                  f"norm's fp64 twin still judges them", flush=True)
         for key, site, main_layout in self.main_grad_keys():
             if not self._wants(site.module_name, -1):
                 continue
