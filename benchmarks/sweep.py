@@ -294,6 +294,11 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
             ddp.update(overlap_grad_reduce=True, overlap_param_gather=True)
     micro = rng.choice([1, 2])
     nmicro = rng.choice([1, 2]) * (pp if parallel.get("virtual_pipeline_model_parallel_size") else 1)
+    # the loss masks (issue #34) from a generator of their own: the configurations drawn before them
+    # stay what they were
+    masks = random.Random(f"masks{index}")
+    data_masks = {**({"masked_share": masks.choice([0.2, 0.4])} if masks.random() < 0.4 else {}),
+                  **({"eod_mask_loss": True} if masks.random() < 0.3 else {})}
     return {
         "name": f"sweep{index:04d}",
         "model": model,
@@ -302,7 +307,7 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
         "optimizer": optimizer,
         "data": {"seed": rng.randrange(1, 10_000), "vocab_size": rng.choice([250, 256, 300, 1000]),
                  "seq_length": rng.choice([16, 32]), "micro_batch_size": micro,
-                 "global_batch_size": micro * dp * nmicro},
+                 "global_batch_size": micro * dp * nmicro, **data_masks},
         "train": {"iterations": 2},
         "dtype": dtype,
         **({"ddp": ddp} if ddp else {}),
@@ -331,6 +336,10 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("NoPE")
     if m.get("softmax_type"):
         tags.append(f"sinks {m['softmax_type']}")
+    if raw["data"].get("masked_share") or raw["data"].get("eod_mask_loss"):
+        tags.append("loss mask")
+    if m.get("calculate_per_token_loss"):
+        tags.append("per-token loss")
     if m.get("window_size"):
         tags.append("sliding window")
     if m.get("recompute_granularity"):

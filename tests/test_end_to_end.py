@@ -578,3 +578,25 @@ def test_qk_l2_norm_and_probs_on_expert_inputs(runs):
     c = compare_traces(ref, cand)
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     assert not any(r.key.module.endswith(("q_layernorm", "k_layernorm")) for r in c.results)  # no parameters
+
+
+@pytest.mark.parametrize("name", ["masked_tp2_sp", "masked_pp2", "masked_dp2_distopt"])
+def test_loss_masks_with_uneven_valid_token_counts(runs, name):
+    """Loss masks (issue #34): a prompt prefix of each sample's own length and the end-of-document
+    tokens carry no loss. The valid-token counts differ between microbatches (and DP ranks), each
+    microbatch's loss is its mean over its own valid tokens, or (calculate_per_token_loss) the grads
+    are divided by the batch's valid tokens. The mask the model was handed is recorded and judged
+    exactly, and the run passes at TP2+SP, PP2 with 4 microbatches and DP2 with the distributed
+    optimizer."""
+    from ttrace_megatron.compare import group_records, logical_tensor
+    from ttrace_megatron.trace_store import TraceReader
+
+    ref, cand = runs.candidate(load(name))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    masks = [r for r in c.results if r.key.tensor == keys.LOSS_MASK]
+    assert len(masks) == 3 * 4 and all(r.error == 0.0 for r in masks)
+    reader = TraceReader(ref)
+    groups = group_records(reader)
+    valid = [float(logical_tensor(reader, groups[r.key]).tensor.sum()) for r in masks if r.key.iteration == 1]
+    assert len(set(valid)) > 1 and max(valid) < 2 * 32, valid  # uneven, and tokens are masked

@@ -43,6 +43,8 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     ("gpt_tp2_sp_dp2", "fp32", "dp_grad_not_averaged", "embedding.word_embeddings", "grad reduction",
      "weight.main_grad"),
     # the first TP-replicated parameter's term of the norm, counted on both ranks (issue #31)
+    # the data path hands DP rank 1 its microbatches unmasked: the recorded loss mask says so (issue #34)
+    ("masked_dp2_distopt", "fp32", "loss_mask_dropped_on_dp_rank_1", "loss", "forward (loss)", "loss_mask"),
     ("gpt_tp2", "fp32", "grad_norm_counts_tp_replicas", "embedding.position_embeddings", "optimizer",
      "weight.grad_norm_sq"),
     ("gpt_tp2_sp", "bf16", "gated_mlp_halves_swapped:decoder.layers.0.mlp.linear_fc1",

@@ -226,7 +226,8 @@ def test_real_loop_and_ttrace_runner_write_the_same_trace(tmp_path):
     from ttrace_megatron.adapter.run.side import check_tree
     from ttrace_megatron.compare import compare_traces
 
-    recipe = load("gpt_tp2", data={"source": "megatron_mock"})
+    # with megatron's EOD loss mask (--eod-mask-loss), which both loops hand the model (issue #34)
+    recipe = load("gpt_tp2", data={"source": "megatron_mock", "eod_mask_loss": True})
     seed = str(tmp_path / "seed.safetensors")
     ours, real = str(tmp_path / "ttrace-runner"), str(tmp_path / "megatron-lm")
     launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ours, seed),
@@ -235,3 +236,4 @@ def test_real_loop_and_ttrace_runner_write_the_same_trace(tmp_path):
     c = compare_traces(ours, real)
     assert c.verdict == "pass", c.first_mismatch
     assert any(r.key.module == "embedding.word_embeddings" and r.key.tensor == "input" for r in c.results)
+    assert any(r.key.tensor == "loss_mask" for r in c.results)

@@ -41,6 +41,34 @@ def test_unknown_keys_are_named(section, key, message):
         validate_recipe(recipe_from_dict(raw))
 
 
+@pytest.mark.parametrize("data,message", [
+    ({"masked_share": 0.5}, "'masked_share' must be a number in \\[0, 0.5\\)"),
+    ({"masked_share": True}, "'masked_share' must be a number"),
+    ({"masked_share": 0.2, "source": "megatron_mock"}, "megatron_mock's mask is megatron's own"),
+    ({"eod_mask_loss": "yes"}, "'eod_mask_loss' must be true or false"),
+])
+def test_loss_mask_fields_are_checked(data, message):
+    raw = dict(DEFAULT_RECIPE, data=dict(DEFAULT_RECIPE["data"], **data))
+    with pytest.raises(RecipeError, match=message):
+        recipe_from_dict(raw)
+
+
+def test_synthetic_masks_are_uneven_and_leave_a_token():
+    """masked_share: each sample masks a prompt prefix of its own length; eod_mask_loss masks the
+    tokenizer's last token where it is an input."""
+    from ttrace_megatron.adapter.recipe import data
+
+    recipe = recipe_from_dict(dict(DEFAULT_RECIPE, data=dict(DEFAULT_RECIPE["data"], masked_share=0.4,
+                                                             eod_mask_loss=True)))
+    samples = [data.sampler(recipe)(i) for i in range(32)]
+    valid = [int(mask.sum()) for _, _, mask in samples]
+    assert len(set(valid)) > 8 and min(valid) >= 1 and 0.25 < 1 - sum(valid) / (32 * 32) < 0.55  # mean 0.4
+    eod = data.eod_token(recipe.data.vocab_size)
+    assert all(bool((mask[tokens == eod] == 0).all()) for tokens, _, mask in samples)
+    plain = recipe_from_dict(DEFAULT_RECIPE)
+    assert all(bool(mask.all()) for _, _, mask in (data.sampler(plain)(i) for i in range(4)))
+
+
 def test_dropout_is_refused():
     from ttrace_megatron.adapter.recipe.config import validate_recipe
 

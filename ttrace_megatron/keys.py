@@ -32,6 +32,9 @@ OUTPUT = "output"  # a module's first output (forward)
 GRAD_INPUT = "grad_input"  # the grad w.r.t. a module's input: its dgrad (backward)
 GRAD_OUTPUT = "grad_output"  # the grad arriving at a module's output (backward)
 PER_TOKEN_LOSS = "per_token_loss"
+# the loss mask the model was handed with its labels ([b, s], 1 where a token carries loss): the data
+# path's decision which tokens count, judged like the loss it masks (phase forward, module loss)
+LOSS_MASK = "loss_mask"
 GRAD_NORM = "grad_norm"
 # the same norm of the same grads over the same groups, computed in fp64 beside megatron's fp32 kernel:
 # what the grad norm would be without its own round-off (its difference from GRAD_NORM is that round-off)
@@ -208,7 +211,7 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
         if suffix in STEP_SETTINGS:
             return TensorKind.STEP_SETTING
         return TensorKind.PARAM
-    if phase == FORWARD and tensor == PER_TOKEN_LOSS:
+    if phase == FORWARD and tensor in (PER_TOKEN_LOSS, LOSS_MASK):
         return TensorKind.LOSS
     if phase == FORWARD and tensor in SELECTION_SCORES_OF.values():
         return TensorKind.SELECTION_SCORES

@@ -33,6 +33,13 @@ class DataConfig:
     # sample per sequence) or MEGATRON_MOCK (megatron-core's MockGPTDataset, what Megatron-LM's
     # --mock-data trains on); None: synthetic in ttrace's runner, Megatron-LM's own data with --megatron-lm
     source: Optional[str] = None
+    # Megatron-LM's --eod-mask-loss: the end-of-document token (the tokenizer's last, NullTokenizer's
+    # EOD) carries no loss, as megatron's GPTDataset masks it
+    eod_mask_loss: bool = False
+    # synthetic data only: the mean share of each sample's tokens masked out of the loss, as a prompt
+    # prefix whose length every sample draws (0 … 2 × share of the sequence, at least one token left):
+    # the valid-token counts differ between microbatches and DP ranks on purpose
+    masked_share: float = 0.0
 
 
 SYNTHETIC, MEGATRON_MOCK = "synthetic", "megatron_mock"
@@ -139,6 +146,14 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
         raise RecipeError(f"{source}: train: 'frozen' must be a list of parameter-name patterns")
     if data.source is not None and data.source not in DATA_SOURCES:
         raise RecipeError(f"{source}: data: 'source' must be one of {DATA_SOURCES}, got {data.source!r}")
+    if not isinstance(data.eod_mask_loss, bool):
+        raise RecipeError(f"{source}: data: 'eod_mask_loss' must be true or false")
+    if isinstance(data.masked_share, bool) or not isinstance(data.masked_share, (int, float)) \
+            or not 0.0 <= data.masked_share < 0.5:
+        raise RecipeError(f"{source}: data: 'masked_share' must be a number in [0, 0.5), got {data.masked_share!r}")
+    if data.masked_share and data.source == MEGATRON_MOCK:
+        raise RecipeError(f"{source}: data: 'masked_share' masks ttrace's synthetic data; megatron_mock's mask is "
+                          f"megatron's own (eod_mask_loss)")
     if data.global_batch_size % data.micro_batch_size:
         raise RecipeError(f"{source}: data: global_batch_size {data.global_batch_size} is not a multiple of "
                           f"micro_batch_size {data.micro_batch_size}")

@@ -229,6 +229,9 @@ def _refuse_untranslated_data(recipe: Recipe, data_path: Optional[str]) -> None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: data: source 'synthetic' is ttrace's own data; "
                           f"Megatron-LM's pretrain_gpt.py trains on its mock dataset ('{MEGATRON_MOCK}', the "
                           f"default with --megatron-lm) or on --megatron-lm-data")
+    if d.masked_share:
+        raise RecipeError(f"{recipe.source}: --megatron-lm: data: 'masked_share' masks ttrace's synthetic data; "
+                          f"Megatron-LM's loop masks with its dataset's own mask (eod_mask_loss)")
     if t.frozen or t.start_weight_decay is not None or t.end_weight_decay is not None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: train: frozen parameters and weight-decay schedules "
                           f"have no translation in ttrace yet")
@@ -247,6 +250,7 @@ def _loop_flags(recipe: Recipe, release: str, data_path: Optional[str]) -> List[
         "--train-iters", str(t.iterations),
         *(["--data-path", data_path, "--split", "100,0,0", "--dataloader-type", "single"] if data_path
           else ["--mock-data"]),
+        *(["--eod-mask-loss"] if d.eod_mask_loss else []),
         # the recipe's vocabulary (the logical one, before padding), NullTokenizer's EOD token included
         "--tokenizer-type", "NullTokenizer",
         "--vocab-size", str(compat.null_tokenizer_vocab_flag(d.vocab_size, release)),

@@ -211,6 +211,8 @@ class Recorder(Feature):
         if (kwargs.get("labels") is not None and isinstance(output, torch.Tensor)
                 and getattr(module, "post_process", True)):
             self.record_loss(output)
+            if isinstance(kwargs.get("loss_mask"), torch.Tensor):
+                self.record_loss(kwargs["loss_mask"], tensor=keys.LOSS_MASK)
 
     def _param_grad_hook(self, site: Site):
         def hook(grad):
@@ -223,12 +225,14 @@ class Recorder(Feature):
         return hook
 
     # ---- loss, grad finalization, optimizer
-    def record_loss(self, per_token_loss: torch.Tensor, module: str = keys.LOSS_MODULE) -> None:
+    def record_loss(self, per_token_loss: torch.Tensor, module: str = keys.LOSS_MODULE,
+                    tensor: str = keys.PER_TOKEN_LOSS) -> None:
         """The per-token loss of the decoder (``loss``) or of a multi-token prediction depth
-        (``mtp.layers.0.loss``), before the loss mask: [b, s], whole on every TP rank."""
+        (``mtp.layers.0.loss``), before the loss mask: [b, s], whole on every TP rank. Or
+        (``tensor`` LOSS_MASK) the loss mask the model was handed, [b, s]: which tokens count."""
         mb = self.clock.microbatch
         if self._wants(module, mb):
-            self._add(TensorKey(self.clock.iteration, mb, module, keys.FORWARD, keys.PER_TOKEN_LOSS),
+            self._add(TensorKey(self.clock.iteration, mb, module, keys.FORWARD, tensor),
                       per_token_loss, Site(keys.LOSS_MODULE))
 
     def main_grad_keys(self):

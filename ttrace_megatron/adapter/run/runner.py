@@ -9,6 +9,7 @@ The model and optimizer come from :mod:`..recipe.build` (megatron-core's GPTMode
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import json
 import os
 import time
@@ -23,6 +24,7 @@ from ...trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-ex
 from ..recipe import build
 from ..recipe import config as cfg
 from ..recipe import data, hybrid, model_fields
+from ..recipe.naming import unwrap
 from ..record import layouts
 from .session import TraceOptions
 
@@ -139,7 +141,8 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         "seed": recipe.data.seed, "seq_length": recipe.data.seq_length,
         "micro_batch_size": recipe.data.micro_batch_size, "global_batch_size": recipe.data.global_batch_size,
         "iterations": recipe.train.iterations, "lr_decay_style": recipe.train.lr_decay_style,
-        "data_source": recipe.data.source or SYNTHETIC,
+        "data_source": recipe.data.source or SYNTHETIC, "eod_mask_loss": recipe.data.eod_mask_loss,
+        "masked_share": recipe.data.masked_share,
         "lr_warmup_iters": recipe.train.lr_warmup_iters,
         "lr_decay_iters": recipe.train.lr_decay_iters or recipe.train.iterations})
     model = build.wrap_for_training(chunks, config, recipe)
@@ -185,21 +188,25 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
     if not cpu:
         position_ids = position_ids.cuda()
 
-    def loss_func(output_tensor):
-        # Megatron-LM's pretrain_gpt loss: the sum over the microbatch's tokens and their count;
-        # megatron's schedule divides by the count unless calculate_per_token_loss, in which case
-        # finalize_model_grads divides the grads by the tokens of the whole batch
+    def loss_func(loss_mask, output_tensor):
+        # Megatron-LM's pretrain_gpt loss: the sum over the microbatch's unmasked tokens and their
+        # count; megatron's schedule divides by the count unless calculate_per_token_loss, in which
+        # case finalize_model_grads divides the grads by the valid tokens of the whole batch
         losses = output_tensor.float().reshape(-1)
-        loss = losses.sum()
-        num_tokens = torch.tensor(losses.numel(), dtype=torch.int)
+        loss = torch.sum(losses * loss_mask.reshape(-1).float())
+        num_tokens = loss_mask.sum().clone().detach().to(torch.int)
         return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.float()])}
 
+    # the mask goes to the model too, as Megatron-LM's pretrain_gpt passes it (multi-token prediction
+    # masks its losses with it); a hybrid model takes none (pretrain_mamba passes none)
+    takes_mask = "loss_mask" in inspect.signature(unwrap(model[0]).forward).parameters
+
     def forward_step(data_iterator, model):
-        _, tokens, labels = next(data_iterator)
+        _, tokens, labels, loss_mask = next(data_iterator)
         if not cpu:
-            tokens, labels = tokens.cuda(), labels.cuda()
-        output = model(tokens, position_ids, None, labels=labels)
-        return output, partial(loss_func)
+            tokens, labels, loss_mask = tokens.cuda(), labels.cuda(), loss_mask.cuda()
+        output = model(tokens, position_ids, None, labels=labels, **({"loss_mask": loss_mask} if takes_mask else {}))
+        return output, partial(loss_func, loss_mask)
 
     losses = []
     timings = []

@@ -157,6 +157,30 @@ def dp_grad_not_averaged(chunks) -> None:
 
 
 @bug()
+def loss_mask_dropped_on_dp_rank_1(chunks) -> None:
+    """The data pipeline hands DP rank 1 its microbatches without their loss mask (all ones: a
+    broadcast that forgets the mask, a collate function that rebuilds it on one rank): that rank
+    trains on the prompt and end-of-document tokens the others leave out. Silent: the loss stays
+    finite, only its value and the grads of DP rank 1's microbatches change. Acts on ttrace's
+    runner's data path (Megatron-LM's loop builds its batches in pretrain_gpt.get_batch)."""
+    from megatron.core import parallel_state
+
+    from ..recipe import data
+
+    if parallel_state.get_data_parallel_world_size() < 2:
+        raise ValueError("bug injection: loss_mask_dropped_on_dp_rank_1 needs data parallelism (DP > 1)")
+    if parallel_state.get_data_parallel_rank() != 1:
+        return
+    original = data.microbatches
+
+    def microbatches(*args, **kwargs):
+        for j, tokens, labels, loss_mask in original(*args, **kwargs):
+            yield j, tokens, labels, torch.ones_like(loss_mask)
+
+    data.microbatches = microbatches
+
+
+@bug()
 def grad_norm_counts_tp_replicas(chunks) -> None:
     """The grad norm counts TP-replicated parameters (norms, row-parallel biases) on every TP rank
     instead of once: the BLOOM class of bug. Clipping then scales every update wrongly."""
