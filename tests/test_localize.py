@@ -45,6 +45,9 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     # the first TP-replicated parameter's term of the norm, counted on both ranks (issue #31)
     # the data path hands DP rank 1 its microbatches unmasked: the recorded loss mask says so (issue #34)
     ("masked_dp2_distopt", "fp32", "loss_mask_dropped_on_dp_rank_1", "loss", "forward (loss)", "loss_mask"),
+    # packed documents' attention mask dropped on DP rank 1: core attention computes what linear_proj gets
+    ("packed_dp2_distopt", "fp32", "document_mask_dropped_on_dp_rank_1", "decoder.layers.0.self_attention.linear_proj",
+     "forward (arrival)", "input"),
     ("gpt_tp2", "fp32", "grad_norm_counts_tp_replicas", "embedding.position_embeddings", "optimizer",
      "weight.grad_norm_sq"),
     ("gpt_tp2_sp", "bf16", "gated_mlp_halves_swapped:decoder.layers.0.mlp.linear_fc1",

@@ -226,8 +226,10 @@ def test_real_loop_and_ttrace_runner_write_the_same_trace(tmp_path):
     from ttrace_megatron.adapter.run.side import check_tree
     from ttrace_megatron.compare import compare_traces
 
-    # with megatron's EOD loss mask (--eod-mask-loss), which both loops hand the model (issue #34)
-    recipe = load("gpt_tp2", data={"source": "megatron_mock", "eod_mask_loss": True})
+    # with megatron's EOD loss mask (--eod-mask-loss), which both loops hand the model, and packed
+    # documents' positions and attention mask (--reset-position-ids, --reset-attention-mask) (issue #34)
+    recipe = load("gpt_tp2", data={"source": "megatron_mock", "eod_mask_loss": True, "reset_position_ids": True,
+                                   "reset_attention_mask": True})
     seed = str(tmp_path / "seed.safetensors")
     ours, real = str(tmp_path / "ttrace-runner"), str(tmp_path / "megatron-lm")
     launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ours, seed),

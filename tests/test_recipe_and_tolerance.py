@@ -61,12 +61,12 @@ def test_synthetic_masks_are_uneven_and_leave_a_token():
     recipe = recipe_from_dict(dict(DEFAULT_RECIPE, data=dict(DEFAULT_RECIPE["data"], masked_share=0.4,
                                                              eod_mask_loss=True)))
     samples = [data.sampler(recipe)(i) for i in range(32)]
-    valid = [int(mask.sum()) for _, _, mask in samples]
+    valid = [int(s.loss_mask.sum()) for s in samples]
     assert len(set(valid)) > 8 and min(valid) >= 1 and 0.25 < 1 - sum(valid) / (32 * 32) < 0.55  # mean 0.4
     eod = data.eod_token(recipe.data.vocab_size)
-    assert all(bool((mask[tokens == eod] == 0).all()) for tokens, _, mask in samples)
+    assert all(bool((s.loss_mask[s.tokens == eod] == 0).all()) for s in samples)
     plain = recipe_from_dict(DEFAULT_RECIPE)
-    assert all(bool(mask.all()) for _, _, mask in (data.sampler(plain)(i) for i in range(4)))
+    assert all(bool(s.loss_mask.all()) for s in (data.sampler(plain)(i) for i in range(4)))
 
 
 def test_dropout_is_refused():

@@ -40,6 +40,14 @@ class DataConfig:
     # prefix whose length every sample draws (0 … 2 × share of the sequence, at least one token left):
     # the valid-token counts differ between microbatches and DP ranks on purpose
     masked_share: float = 0.0
+    # packed documents, as Megatron-LM's --reset-position-ids and --reset-attention-mask: each
+    # document of a sample (ended by the EOD token) starts again at position 0 and attends only to
+    # itself (megatron's GPTDataset builds the positions and the [s, s] mask)
+    reset_position_ids: bool = False
+    reset_attention_mask: bool = False
+    # synthetic data only: the mean length of the documents packed into a sample (an EOD token ends
+    # each); 0: documents end only where the drawn token happens to be EOD
+    document_length: int = 0
 
 
 SYNTHETIC, MEGATRON_MOCK = "synthetic", "megatron_mock"
@@ -146,8 +154,15 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
         raise RecipeError(f"{source}: train: 'frozen' must be a list of parameter-name patterns")
     if data.source is not None and data.source not in DATA_SOURCES:
         raise RecipeError(f"{source}: data: 'source' must be one of {DATA_SOURCES}, got {data.source!r}")
-    if not isinstance(data.eod_mask_loss, bool):
-        raise RecipeError(f"{source}: data: 'eod_mask_loss' must be true or false")
+    for switch in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+        if not isinstance(getattr(data, switch), bool):
+            raise RecipeError(f"{source}: data: '{switch}' must be true or false")
+    if isinstance(data.document_length, bool) or not isinstance(data.document_length, int) or data.document_length < 0:
+        raise RecipeError(f"{source}: data: 'document_length' must be a whole number of tokens ≥ 0, got "
+                          f"{data.document_length!r}")
+    if data.document_length and data.source == MEGATRON_MOCK:
+        raise RecipeError(f"{source}: data: 'document_length' shapes ttrace's synthetic data; megatron_mock's "
+                          f"documents are megatron's own")
     if isinstance(data.masked_share, bool) or not isinstance(data.masked_share, (int, float)) \
             or not 0.0 <= data.masked_share < 0.5:
         raise RecipeError(f"{source}: data: 'masked_share' must be a number in [0, 0.5), got {data.masked_share!r}")

@@ -99,8 +99,10 @@ def training_signature(args: Any) -> Dict[str, Any]:
     # megatron_mock) or a dataset of the user's, named by its paths
     out["data_source"] = "megatron_mock" if getattr(args, "mock_data", False) else \
         "megatron_data:" + ",".join(map(str, getattr(args, "data_path", None) or []))
-    out["eod_mask_loss"] = bool(getattr(args, "eod_mask_loss", False))
+    for switch in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+        out[switch] = bool(getattr(args, switch, False))
     out["masked_share"] = 0.0  # Megatron-LM's loop masks only with its dataset's own mask
+    out["document_length"] = 0  # and trains on its dataset's own documents
     return out
 
 

@@ -229,9 +229,9 @@ def _refuse_untranslated_data(recipe: Recipe, data_path: Optional[str]) -> None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: data: source 'synthetic' is ttrace's own data; "
                           f"Megatron-LM's pretrain_gpt.py trains on its mock dataset ('{MEGATRON_MOCK}', the "
                           f"default with --megatron-lm) or on --megatron-lm-data")
-    if d.masked_share:
-        raise RecipeError(f"{recipe.source}: --megatron-lm: data: 'masked_share' masks ttrace's synthetic data; "
-                          f"Megatron-LM's loop masks with its dataset's own mask (eod_mask_loss)")
+    if d.masked_share or d.document_length:
+        raise RecipeError(f"{recipe.source}: --megatron-lm: data: 'masked_share' and 'document_length' shape ttrace's "
+                          f"synthetic data; Megatron-LM's loop trains on its own dataset's documents and masks")
     if t.frozen or t.start_weight_decay is not None or t.end_weight_decay is not None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: train: frozen parameters and weight-decay schedules "
                           f"have no translation in ttrace yet")
@@ -251,6 +251,8 @@ def _loop_flags(recipe: Recipe, release: str, data_path: Optional[str]) -> List[
         *(["--data-path", data_path, "--split", "100,0,0", "--dataloader-type", "single"] if data_path
           else ["--mock-data"]),
         *(["--eod-mask-loss"] if d.eod_mask_loss else []),
+        *(["--reset-position-ids"] if d.reset_position_ids else []),
+        *(["--reset-attention-mask"] if d.reset_attention_mask else []),
         # the recipe's vocabulary (the logical one, before padding), NullTokenizer's EOD token included
         "--tokenizer-type", "NullTokenizer",
         "--vocab-size", str(compat.null_tokenizer_vocab_flag(d.vocab_size, release)),

@@ -175,3 +175,14 @@ def mtp_layer_number(layer, num_layers: int, depth_index: int):
     if getattr(layer, "transformer_layer", None) is not None:
         return "after the decoder's num_layers", num_layers + depth_index + 1
     return "the MTP layer's own, 0.19's numbering", depth_index + 1
+
+
+def ltor_masks_and_position_ids(tokens, eod_token: int, *, reset_position_ids: bool, reset_attention_mask: bool,
+                                eod_mask_loss: bool, create_attention_mask: bool):
+    """(attention_mask, loss_mask, position_ids) of one sample as megatron's GPTDataset builds them
+    (``megatron/core/datasets/gpt_dataset.py`` ``_get_ltor_masks_and_position_ids``, the same at
+    0.16 through 0.19): the attention mask [1, s, s], True where a query may not see a key."""
+    from megatron.core.datasets.gpt_dataset import _get_ltor_masks_and_position_ids
+
+    return _get_ltor_masks_and_position_ids(tokens, eod_token, reset_position_ids, reset_attention_mask,
+                                            eod_mask_loss, create_attention_mask)

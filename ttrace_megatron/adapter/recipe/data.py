@@ -10,22 +10,34 @@ Either way DP rank ``r`` takes global microbatch ``g = j·dp + r`` for its ``j``
 samples ``[g·mbs, (g+1)·mbs)`` of the iteration's global batch: Megatron-LM's
 MegatronPretrainingSampler.
 
-Each sample carries its loss mask, as megatron's GPTDataset builds it: 0 on the end-of-document
-token with ``eod_mask_loss``, and on synthetic data a prompt prefix of each sample with
-``masked_share`` (lengths drawn per sample, so the valid-token counts of microbatches and DP ranks
-differ). The runner applies it as Megatron-LM's ``pretrain_gpt.loss_func`` does.
+Each sample carries its loss mask, position ids and attention mask, as megatron's GPTDataset builds
+them (``compat.ltor_masks_and_position_ids``): 0 in the loss mask on the end-of-document token with
+``eod_mask_loss``, and on synthetic data on a prompt prefix of each sample with ``masked_share``
+(lengths drawn per sample, so the valid-token counts of microbatches and DP ranks differ); positions
+that start again after each EOD token with ``reset_position_ids``; an attention mask that keeps each
+document to itself with ``reset_attention_mask`` (None otherwise: the causal mask megatron's
+attention makes itself). Synthetic samples pack documents of ``document_length`` tokens on average.
+The runner applies the loss mask as Megatron-LM's ``pretrain_gpt.loss_func`` does.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Iterator, Tuple
+from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
 from ...recipe import MEGATRON_MOCK, Recipe
 from . import compat
 
-Sample = Tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (tokens, labels, loss_mask), each of seq_length
+
+class Sample(NamedTuple):
+    """One sample, or (stacked) one microbatch: each of seq_length per sample."""
+
+    tokens: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: Optional[torch.Tensor]  # [1, s, s] per sample, True where masked; None: causal
 
 
 def eod_token(vocab_size: int) -> int:
@@ -37,39 +49,48 @@ def eod_token(vocab_size: int) -> int:
 def _synthetic(recipe: Recipe) -> Callable[[int], Sample]:
     d = recipe.data
 
+    eod = eod_token(d.vocab_size)
+
     def sample(index: int) -> Sample:
         g = torch.Generator().manual_seed(d.seed * 1_000_003 + index)
         tokens = torch.randint(0, d.vocab_size, (d.seq_length + 1,), generator=g)
-        loss_mask = torch.ones(d.seq_length, dtype=torch.float32)
+        if d.document_length:  # documents packed into the sample, each ended by the EOD token
+            ends = torch.rand(d.seq_length + 1, generator=g) < 1.0 / d.document_length
+            tokens[ends] = eod
+        attention_mask, loss_mask, position_ids = compat.ltor_masks_and_position_ids(
+            tokens[:-1], eod, reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+            eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.reset_attention_mask)
         if d.masked_share:
             prompt = int(torch.rand((), generator=g) * 2.0 * d.masked_share * d.seq_length)
             loss_mask[:min(prompt, d.seq_length - 1)] = 0.0
-        if d.eod_mask_loss:
-            loss_mask[tokens[:-1] == eod_token(d.vocab_size)] = 0.0
-        return tokens[:-1], tokens[1:], loss_mask
+        return Sample(tokens[:-1], tokens[1:], loss_mask, position_ids, attention_mask)
 
     return sample
 
 
 def _megatron_mock(recipe: Recipe) -> Callable[[int], Sample]:
     """megatron-core's MockGPTDataset with Megatron-LM's settings for ``--mock-data``: the train
-    split of ``iterations × global_batch_size`` samples (no evaluation), its loss mask megatron's
-    (``eod_mask_loss`` as the recipe says), position ids 0 … seq − 1 (``reset_position_ids`` off)."""
+    split of ``iterations × global_batch_size`` samples (no evaluation), its loss mask, positions
+    and attention mask megatron's (``eod_mask_loss``, ``reset_position_ids``, ``reset_attention_mask``
+    as the recipe says; the attention mask made only where it is reset, as the causal one megatron's
+    attention makes itself otherwise)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
 
     d = recipe.data
     config = GPTDatasetConfig(random_seed=d.seed, sequence_length=d.seq_length, blend=None, blend_per_split=None,
-                              tokenizer=compat.null_tokenizer(d.vocab_size), reset_position_ids=False,
-                              reset_attention_mask=False, eod_mask_loss=d.eod_mask_loss,
-                              create_attention_mask=False)
+                              tokenizer=compat.null_tokenizer(d.vocab_size), reset_position_ids=d.reset_position_ids,
+                              reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
+                              create_attention_mask=d.reset_attention_mask)
     train = BlendedMegatronDatasetBuilder(MockGPTDataset, [recipe.train.iterations * d.global_batch_size, 0, 0],
                                           lambda: True, config).build()[0]
 
     def sample(index: int) -> Sample:
         item = train[index]
-        return (torch.as_tensor(item["tokens"]).long(), torch.as_tensor(item["labels"]).long(),
-                torch.as_tensor(item["loss_mask"]).float())
+        mask = item.get("attention_mask")
+        return Sample(torch.as_tensor(item["tokens"]).long(), torch.as_tensor(item["labels"]).long(),
+                      torch.as_tensor(item["loss_mask"]).float(), torch.as_tensor(item["position_ids"]).long(),
+                      None if mask is None else torch.as_tensor(mask))
 
     return sample
 
@@ -80,12 +101,13 @@ def sampler(recipe: Recipe) -> Callable[[int], Sample]:
 
 
 def microbatches(recipe: Recipe, samples: Callable[[int], Sample], iteration: int, dp_rank: int,
-                 dp_size: int) -> Iterator[Tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """This DP rank's ``(j, tokens, labels, loss_mask)`` of one iteration (0-based), in megatron's
-    data order."""
+                 dp_size: int) -> Iterator[Tuple[int, Sample]]:
+    """This DP rank's ``(j, microbatch)`` of one iteration (0-based), in megatron's data order: the
+    samples stacked (the attention mask [b, 1, s, s], as megatron's collate makes it)."""
     d = recipe.data
     per_rank = d.global_batch_size // (d.micro_batch_size * dp_size)
     for j in range(per_rank):
         first = iteration * d.global_batch_size + (j * dp_size + dp_rank) * d.micro_batch_size
         rows = [samples(first + s) for s in range(d.micro_batch_size)]
-        yield (j, *(torch.stack([row[i] for row in rows]).contiguous() for i in range(3)))
+        yield j, Sample(*(None if rows[0][i] is None else torch.stack([row[i] for row in rows]).contiguous()
+                          for i in range(len(Sample._fields))))

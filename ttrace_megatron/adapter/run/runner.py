@@ -142,7 +142,8 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         "micro_batch_size": recipe.data.micro_batch_size, "global_batch_size": recipe.data.global_batch_size,
         "iterations": recipe.train.iterations, "lr_decay_style": recipe.train.lr_decay_style,
         "data_source": recipe.data.source or SYNTHETIC, "eod_mask_loss": recipe.data.eod_mask_loss,
-        "masked_share": recipe.data.masked_share,
+        "masked_share": recipe.data.masked_share, "reset_position_ids": recipe.data.reset_position_ids,
+        "reset_attention_mask": recipe.data.reset_attention_mask, "document_length": recipe.data.document_length,
         "lr_warmup_iters": recipe.train.lr_warmup_iters,
         "lr_decay_iters": recipe.train.lr_decay_iters or recipe.train.iterations})
     model = build.wrap_for_training(chunks, config, recipe)
@@ -184,9 +185,6 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
     forward_backward = get_forward_backward_func()
     seq = recipe.data.seq_length
     mbs = recipe.data.micro_batch_size
-    position_ids = torch.arange(seq).unsqueeze(0).expand(mbs, -1)
-    if not cpu:
-        position_ids = position_ids.cuda()
 
     def loss_func(loss_mask, output_tensor):
         # Megatron-LM's pretrain_gpt loss: the sum over the microbatch's unmasked tokens and their
@@ -202,11 +200,12 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
     takes_mask = "loss_mask" in inspect.signature(unwrap(model[0]).forward).parameters
 
     def forward_step(data_iterator, model):
-        _, tokens, labels, loss_mask = next(data_iterator)
+        _, batch = next(data_iterator)
         if not cpu:
-            tokens, labels, loss_mask = tokens.cuda(), labels.cuda(), loss_mask.cuda()
-        output = model(tokens, position_ids, None, labels=labels, **({"loss_mask": loss_mask} if takes_mask else {}))
-        return output, partial(loss_func, loss_mask)
+            batch = data.Sample(*(None if t is None else t.cuda() for t in batch))
+        output = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels,
+                       **({"loss_mask": batch.loss_mask} if takes_mask else {}))
+        return output, partial(loss_func, batch.loss_mask)
 
     losses = []
     timings = []

@@ -174,8 +174,33 @@ def loss_mask_dropped_on_dp_rank_1(chunks) -> None:
     original = data.microbatches
 
     def microbatches(*args, **kwargs):
-        for j, tokens, labels, loss_mask in original(*args, **kwargs):
-            yield j, tokens, labels, torch.ones_like(loss_mask)
+        for j, batch in original(*args, **kwargs):
+            yield j, batch._replace(loss_mask=torch.ones_like(batch.loss_mask))
+
+    data.microbatches = microbatches
+
+
+@bug()
+def document_mask_dropped_on_dp_rank_1(chunks) -> None:
+    """Packed documents (reset_attention_mask): the data pipeline hands DP rank 1 its microbatches
+    without their attention mask, so that rank's attention is only causal and each token attends to
+    the documents before its own. Silent: shapes, losses and grads stay finite. Acts on ttrace's
+    runner's data path."""
+    from megatron.core import parallel_state
+
+    from ..recipe import data
+
+    if parallel_state.get_data_parallel_world_size() < 2:
+        raise ValueError("bug injection: document_mask_dropped_on_dp_rank_1 needs data parallelism (DP > 1)")
+    if parallel_state.get_data_parallel_rank() != 1:
+        return
+    original = data.microbatches
+
+    def microbatches(*args, **kwargs):
+        for j, batch in original(*args, **kwargs):
+            if batch.attention_mask is None:
+                raise ValueError("bug injection: document_mask_dropped_on_dp_rank_1 needs reset_attention_mask")
+            yield j, batch._replace(attention_mask=None)
 
     data.microbatches = microbatches
 
