@@ -299,6 +299,9 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
     masks = random.Random(f"masks{index}")
     data_masks = {**({"masked_share": masks.choice([0.2, 0.4])} if masks.random() < 0.4 else {}),
                   **({"eod_mask_loss": True} if masks.random() < 0.3 else {})}
+    if masks.random() < 0.25:  # packed documents
+        data_masks.update(document_length=masks.choice([4, 8, 16]), reset_attention_mask=True,
+                          reset_position_ids=masks.random() < 0.7)
     return {
         "name": f"sweep{index:04d}",
         "model": model,
@@ -338,6 +341,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append(f"sinks {m['softmax_type']}")
     if raw["data"].get("masked_share") or raw["data"].get("eod_mask_loss"):
         tags.append("loss mask")
+    if raw["data"].get("reset_attention_mask") or raw["data"].get("reset_position_ids"):
+        tags.append("packed documents")
     if m.get("calculate_per_token_loss"):
         tags.append("per-token loss")
     if m.get("window_size"):
