@@ -216,6 +216,12 @@ MEGATRON_BUGS = {
         # rank) untagged, so param_is_not_tensor_parallel_duplicate counts it on TP rank 0 only
         # (benchmarks/upstream_bugs softmax_offset_counted_on_tp_rank0_only; unfixed upstream)
         lambda raw: raw["model"].get("softmax_type") == "learnable" and _sizes(raw)["tp"] > 1),
+    "MoE z-loss with a padding mask: the mean of each sequence shard's mean (TP > 1 with SP)": (
+        # transformer/moe/router.py:486 divides the coefficient by the TP×CP size and moe_utils.py:160
+        # averages over the rank's own valid tokens (benchmarks/upstream_bugs
+        # moe_z_loss_padding_mean_per_sequence_shard; unfixed upstream)
+        lambda raw: bool(raw["model"].get("num_moe_experts")) and raw["model"].get("moe_z_loss_coeff") is not None
+        and bool(raw.get("data", {}).get("padded_share")) and _sizes(raw)["tp"] > 1 and _sizes(raw)["sp"]),
 }
 
 
@@ -299,6 +305,8 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
     masks = random.Random(f"masks{index}")
     data_masks = {**({"masked_share": masks.choice([0.2, 0.4])} if masks.random() < 0.4 else {}),
                   **({"eod_mask_loss": True} if masks.random() < 0.3 else {})}
+    if masks.random() < 0.25:  # padded tails, handed to the model as its padding mask
+        data_masks["padded_share"] = masks.choice([0.2, 0.4])
     if masks.random() < 0.25:  # packed documents
         data_masks.update(document_length=masks.choice([4, 8, 16]), reset_attention_mask=True,
                           reset_position_ids=masks.random() < 0.7)
@@ -343,6 +351,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("loss mask")
     if raw["data"].get("reset_attention_mask") or raw["data"].get("reset_position_ids"):
         tags.append("packed documents")
+    if raw["data"].get("padded_share"):
+        tags.append("padding mask")
     if m.get("calculate_per_token_loss"):
         tags.append("per-token loss")
     if m.get("window_size"):

@@ -617,3 +617,31 @@ def test_packed_documents(runs, name):
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     assert any(r.key.module == "embedding.position_embeddings" and r.key.tensor == "weight.main_grad"
                for r in c.results)
+
+
+@pytest.mark.parametrize("name", ["padded_moe_pp2", "padded_moe_ep2_distopt"])
+def test_padded_samples_with_moe(runs, name):
+    """The router's padding mask (issue #34): each sample ends in a padded tail that carries no loss
+    and that the routers' aux loss, z-loss and expert-bias counts leave out. The mask the model was
+    handed is recorded and judged exactly; the run passes at PP2 (4 microbatches) and at EP2 over
+    DP2 with the distributed optimizer."""
+    ref, cand = runs.candidate(load(name))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    padding = [r for r in c.results if r.key.tensor == keys.PADDING_MASK]
+    assert padding and all(r.error == 0.0 for r in padding)
+    assert any(r.key.tensor == "z_loss" for r in c.results) and any(
+        r.key.tensor == "load_balancing_loss" for r in c.results)
+
+
+def test_padded_z_loss_under_sequence_parallelism_is_megatrons_bug(runs):
+    """With a padding mask under TP + SP megatron-core's z-loss is the mean of each sequence shard's
+    mean (benchmarks/upstream_bugs moe_z_loss_padding_mean_per_sequence_shard, unfixed): the recipe is
+    an expected FAIL, first at layer 0's z_loss, and the load-balancing loss (counted over the group)
+    still agrees. When megatron fixes it, this test fails: a change to look at."""
+    ref, cand = runs.candidate(load("padded_moe_tp2_sp_ep2"))
+    c = compare_traces(ref, cand)
+    assert c.verdict == "fail"
+    first = c.first_mismatch
+    assert (first.key.module, first.key.phase, first.key.tensor) == ("decoder.layers.0.mlp.router", "forward", "z_loss")
+    assert all(r.verdict == "pass" for r in c.results if r.key.tensor in ("load_balancing_loss", keys.PADDING_MASK))

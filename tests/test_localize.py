@@ -45,6 +45,10 @@ def test_clean_replay_has_no_culprit(runs, name, dtype):
     # the first TP-replicated parameter's term of the norm, counted on both ranks (issue #31)
     # the data path hands DP rank 1 its microbatches unmasked: the recorded loss mask says so (issue #34)
     ("masked_dp2_distopt", "fp32", "loss_mask_dropped_on_dp_rank_1", "loss", "forward (loss)", "loss_mask"),
+    # the padding mask not handed to EP rank 1's routers: their z-loss (the first thing routing computes)
+    # averages over the padding too (issue #34)
+    ("padded_moe_ep2_distopt", "fp32", "router_ignores_padding_mask_on_ep_rank_1", "decoder.layers.0.mlp.router",
+     "forward", "z_loss"),
     # packed documents' attention mask dropped on DP rank 1: core attention computes what linear_proj gets
     ("packed_dp2_distopt", "fp32", "document_mask_dropped_on_dp_rank_1", "decoder.layers.0.self_attention.linear_proj",
      "forward (arrival)", "input"),

@@ -35,6 +35,8 @@ PER_TOKEN_LOSS = "per_token_loss"
 # the loss mask the model was handed with its labels ([b, s], 1 where a token carries loss): the data
 # path's decision which tokens count, judged like the loss it masks (phase forward, module loss)
 LOSS_MASK = "loss_mask"
+# the padding mask the model was handed ([b, s], 1 on padding): what an MoE router leaves out
+PADDING_MASK = "padding_mask"
 GRAD_NORM = "grad_norm"
 # the same norm of the same grads over the same groups, computed in fp64 beside megatron's fp32 kernel:
 # what the grad norm would be without its own round-off (its difference from GRAD_NORM is that round-off)
@@ -211,7 +213,7 @@ def kind_of(phase: str, tensor: str) -> TensorKind:
         if suffix in STEP_SETTINGS:
             return TensorKind.STEP_SETTING
         return TensorKind.PARAM
-    if phase == FORWARD and tensor in (PER_TOKEN_LOSS, LOSS_MASK):
+    if phase == FORWARD and tensor in (PER_TOKEN_LOSS, LOSS_MASK, PADDING_MASK):
         return TensorKind.LOSS
     if phase == FORWARD and tensor in SELECTION_SCORES_OF.values():
         return TensorKind.SELECTION_SCORES

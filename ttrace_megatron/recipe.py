@@ -48,6 +48,10 @@ class DataConfig:
     # synthetic data only: the mean length of the documents packed into a sample (an EOD token ends
     # each); 0: documents end only where the drawn token happens to be EOD
     document_length: int = 0
+    # synthetic data only: the mean share of each sample that is padding (a tail of drawn length, at
+    # least one real token left): no loss, and handed to the model as its padding_mask, which an MoE
+    # router's aux loss, z-loss and expert-bias counts leave out (megatron-core's GPTModel.forward)
+    padded_share: float = 0.0
 
 
 SYNTHETIC, MEGATRON_MOCK = "synthetic", "megatron_mock"
@@ -163,12 +167,13 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
     if data.document_length and data.source == MEGATRON_MOCK:
         raise RecipeError(f"{source}: data: 'document_length' shapes ttrace's synthetic data; megatron_mock's "
                           f"documents are megatron's own")
-    if isinstance(data.masked_share, bool) or not isinstance(data.masked_share, (int, float)) \
-            or not 0.0 <= data.masked_share < 0.5:
-        raise RecipeError(f"{source}: data: 'masked_share' must be a number in [0, 0.5), got {data.masked_share!r}")
-    if data.masked_share and data.source == MEGATRON_MOCK:
-        raise RecipeError(f"{source}: data: 'masked_share' masks ttrace's synthetic data; megatron_mock's mask is "
-                          f"megatron's own (eod_mask_loss)")
+    for share in ("masked_share", "padded_share"):
+        value = getattr(data, share)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 0.5:
+            raise RecipeError(f"{source}: data: '{share}' must be a number in [0, 0.5), got {value!r}")
+        if value and data.source == MEGATRON_MOCK:
+            raise RecipeError(f"{source}: data: '{share}' shapes ttrace's synthetic data; megatron_mock's mask is "
+                              f"megatron's own (eod_mask_loss)")
     if data.global_batch_size % data.micro_batch_size:
         raise RecipeError(f"{source}: data: global_batch_size {data.global_batch_size} is not a multiple of "
                           f"micro_batch_size {data.micro_batch_size}")

@@ -103,6 +103,7 @@ def training_signature(args: Any) -> Dict[str, Any]:
         out[switch] = bool(getattr(args, switch, False))
     out["masked_share"] = 0.0  # Megatron-LM's loop masks only with its dataset's own mask
     out["document_length"] = 0  # and trains on its dataset's own documents
+    out["padded_share"] = 0.0  # pretrain_gpt.py hands the model no padding mask
     return out
 
 

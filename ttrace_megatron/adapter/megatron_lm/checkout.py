@@ -229,9 +229,10 @@ def _refuse_untranslated_data(recipe: Recipe, data_path: Optional[str]) -> None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: data: source 'synthetic' is ttrace's own data; "
                           f"Megatron-LM's pretrain_gpt.py trains on its mock dataset ('{MEGATRON_MOCK}', the "
                           f"default with --megatron-lm) or on --megatron-lm-data")
-    if d.masked_share or d.document_length:
-        raise RecipeError(f"{recipe.source}: --megatron-lm: data: 'masked_share' and 'document_length' shape ttrace's "
-                          f"synthetic data; Megatron-LM's loop trains on its own dataset's documents and masks")
+    if d.masked_share or d.document_length or d.padded_share:
+        raise RecipeError(f"{recipe.source}: --megatron-lm: data: 'masked_share', 'document_length' and "
+                          f"'padded_share' shape ttrace's synthetic data; Megatron-LM's loop trains on its own "
+                          f"dataset's documents and masks (pretrain_gpt.py hands the model no padding mask)")
     if t.frozen or t.start_weight_decay is not None or t.end_weight_decay is not None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: train: frozen parameters and weight-decay schedules "
                           f"have no translation in ttrace yet")

@@ -286,6 +286,14 @@ def megatron_cannot_run(recipe: Recipe):
                "over the microbatches a rank has run so far (megatron/core/transformer/moe/router.py, "
                "_apply_global_aux_loss), so the loss depends on the DP size and no one-rank reference trains the same "
                "model; compare at DP 1 or with aux_loss / seq_aux_loss")
+    if (recipe.data.padded_share and model.get("num_moe_experts") and sizes["pp"] > 1
+            and recipe.parallel.get("sequence_parallel")):
+        yield ("data", "padded_share",
+               "a padding mask with MoE, pipeline and sequence parallelism: megatron-core scatters the mask along "
+               "the sequence on the first stage only (megatron/core/models/gpt/gpt_model.py:307-320, under "
+               "pre_process), so a later stage's routers get the whole microbatch's mask for their sequence shard "
+               "and fail (megatron/core/transformer/moe/moe_utils.py:795, a size mismatch); compare without "
+               "sequence_parallel or without pipeline parallelism")
     if opt.get("use_distributed_optimizer") and opt.get("optimizer", "adam") != "adam":
         yield ("optimizer", "use_distributed_optimizer",
                "megatron-core's DistributedOptimizer supports only Adam (megatron/core/optimizer/distrib_optimizer.py "

@@ -16,7 +16,8 @@ them (``compat.ltor_masks_and_position_ids``): 0 in the loss mask on the end-of-
 (lengths drawn per sample, so the valid-token counts of microbatches and DP ranks differ); positions
 that start again after each EOD token with ``reset_position_ids``; an attention mask that keeps each
 document to itself with ``reset_attention_mask`` (None otherwise: the causal mask megatron's
-attention makes itself). Synthetic samples pack documents of ``document_length`` tokens on average.
+attention makes itself). Synthetic samples pack documents of ``document_length`` tokens on average,
+and with ``padded_share`` end in a padded tail the model is told of (``padding_mask``).
 The runner applies the loss mask as Megatron-LM's ``pretrain_gpt.loss_func`` does.
 """
 
@@ -38,6 +39,10 @@ class Sample(NamedTuple):
     loss_mask: torch.Tensor
     position_ids: torch.Tensor
     attention_mask: Optional[torch.Tensor]  # [1, s, s] per sample, True where masked; None: causal
+    padding_mask: Optional[torch.Tensor] = None  # [s] per sample, True on padding; None: no padding
+
+
+PAD_TOKEN = 0  # what fills a padded tail (its id does not matter: it carries no loss and is masked)
 
 
 def eod_token(vocab_size: int) -> int:
@@ -63,7 +68,14 @@ def _synthetic(recipe: Recipe) -> Callable[[int], Sample]:
         if d.masked_share:
             prompt = int(torch.rand((), generator=g) * 2.0 * d.masked_share * d.seq_length)
             loss_mask[:min(prompt, d.seq_length - 1)] = 0.0
-        return Sample(tokens[:-1], tokens[1:], loss_mask, position_ids, attention_mask)
+        padding_mask = None
+        if d.padded_share:  # a padded tail: no loss, and the model is told which tokens are padding
+            pad = min(int(torch.rand((), generator=g) * 2.0 * d.padded_share * d.seq_length), d.seq_length - 1)
+            padding_mask = torch.zeros(d.seq_length, dtype=torch.bool)
+            padding_mask[d.seq_length - pad:] = True
+            tokens[:-1][padding_mask] = PAD_TOKEN
+            loss_mask[padding_mask] = 0.0
+        return Sample(tokens[:-1], tokens[1:], loss_mask, position_ids, attention_mask, padding_mask)
 
     return sample
 

@@ -213,6 +213,8 @@ class Recorder(Feature):
             self.record_loss(output)
             if isinstance(kwargs.get("loss_mask"), torch.Tensor):
                 self.record_loss(kwargs["loss_mask"], tensor=keys.LOSS_MASK)
+            if isinstance(kwargs.get("padding_mask"), torch.Tensor):  # as handed in: [b, s]
+                self.record_loss(kwargs["padding_mask"].float(), tensor=keys.PADDING_MASK)
 
     def _param_grad_hook(self, site: Site):
         def hook(grad):

@@ -144,6 +144,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         "data_source": recipe.data.source or SYNTHETIC, "eod_mask_loss": recipe.data.eod_mask_loss,
         "masked_share": recipe.data.masked_share, "reset_position_ids": recipe.data.reset_position_ids,
         "reset_attention_mask": recipe.data.reset_attention_mask, "document_length": recipe.data.document_length,
+        "padded_share": recipe.data.padded_share,
         "lr_warmup_iters": recipe.train.lr_warmup_iters,
         "lr_decay_iters": recipe.train.lr_decay_iters or recipe.train.iterations})
     model = build.wrap_for_training(chunks, config, recipe)
@@ -197,14 +198,17 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
 
     # the mask goes to the model too, as Megatron-LM's pretrain_gpt passes it (multi-token prediction
     # masks its losses with it); a hybrid model takes none (pretrain_mamba passes none)
-    takes_mask = "loss_mask" in inspect.signature(unwrap(model[0]).forward).parameters
+    takes = inspect.signature(unwrap(model[0]).forward).parameters
+    takes_mask = "loss_mask" in takes
 
     def forward_step(data_iterator, model):
         _, batch = next(data_iterator)
         if not cpu:
             batch = data.Sample(*(None if t is None else t.cuda() for t in batch))
-        output = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels,
-                       **({"loss_mask": batch.loss_mask} if takes_mask else {}))
+        extra = {"loss_mask": batch.loss_mask} if takes_mask else {}
+        if batch.padding_mask is not None:  # validate_recipe: the model takes one
+            extra["padding_mask"] = batch.padding_mask
+        output = model(batch.tokens, batch.position_ids, batch.attention_mask, labels=batch.labels, **extra)
         return output, partial(loss_func, batch.loss_mask)
 
     losses = []

@@ -505,6 +505,25 @@ def moe_aux_loss_scaled_by_tp(chunks) -> None:
 
 
 @bug()
+def router_ignores_padding_mask_on_ep_rank_1(chunks) -> None:
+    """The MoE routers of expert-parallel rank 1 are not handed the padding mask (a layer that
+    drops the keyword on its way down): their load-balancing loss, z-loss and expert-bias counts
+    take the padding tokens for real ones. Silent: only the auxiliary losses' values and grads
+    change."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    routers = [m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+    if not routers or parallel_state.get_expert_model_parallel_world_size() < 2:
+        raise ValueError("bug injection: router_ignores_padding_mask_on_ep_rank_1 needs MoE with EP > 1")
+    if parallel_state.get_expert_model_parallel_rank() != 1:
+        return
+    for router in routers:
+        original = router.routing
+        router.routing = functools.partial(lambda fn, logits, padding_mask=None: fn(logits), original)
+
+
+@bug()
 def qk_layernorm_grads_not_reduced(chunks) -> None:
     """The grad finalization sums the TP-partial grads of sequence-parallel parameters only and
     forgets the q/k layernorms (each TP rank normalizes its own heads): without SP their grads stay
