@@ -53,6 +53,18 @@ def test_loss_mask_fields_are_checked(data, message):
         recipe_from_dict(raw)
 
 
+@pytest.mark.parametrize("model,field", [({"parallel_output": False}, "parallel_output"),
+                                         ({"runtime_gather_output": True}, "runtime_gather_output")])
+def test_gathered_logits_are_refused_naming_megatrons_lines(model, field):
+    """Gathered logits (issue #34): megatron-core's training loss cannot take them (measured on 0.16.1:
+    the backward fails at any TP size), so a recipe asking for them is refused before it runs."""
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+
+    raw = dict(DEFAULT_RECIPE, model=dict(DEFAULT_RECIPE["model"], **model))
+    with pytest.raises(RecipeError, match=f"'{field}' is not supported by ttrace: .*cross_entropy.py:196"):
+        validate_recipe(recipe_from_dict(raw))
+
+
 def test_synthetic_masks_are_uneven_and_leave_a_token():
     """masked_share: each sample masks a prompt prefix of its own length; eod_mask_loss masks the
     tokenizer's last token where it is an input."""

@@ -20,6 +20,13 @@ GPT_MODEL_KEYS = {
     "rotary_base": 10000,
     # megatron.training pads the vocabulary to a multiple of this times TP
     "make_vocab_size_divisible_by": 128,
+    # False: the output layer gathers the logits over TP (gather_output) before the loss
+    "parallel_output": True,
+}
+# GPTModel.forward's arguments a recipe may name (the training loop passes them; none is passed by
+# ttrace's runner unless a recipe can be traced with it)
+GPT_FORWARD_KEYS = {
+    "runtime_gather_output": None,  # True: gather the logits over TP in this forward (parallel_output false)
 }
 
 
@@ -50,7 +57,7 @@ def _section_fields() -> Dict[str, Tuple[str, Dict[str, dataclasses.Field]]]:
 
     parallel = parallel_fields()
     model = {k: f for k, f in _fields(TransformerConfig).items() if k not in parallel}  # parallel: its own section
-    return {"model": ("TransformerConfig", {**model, **dict.fromkeys(GPT_MODEL_KEYS)}),
+    return {"model": ("TransformerConfig", {**model, **dict.fromkeys(GPT_MODEL_KEYS), **dict.fromkeys(GPT_FORWARD_KEYS)}),
             "parallel": ("ModelParallelConfig", parallel),
             "optimizer": ("OptimizerConfig", _fields(OptimizerConfig)),
             "ddp": ("DistributedDataParallelConfig", ddp_fields())}
@@ -80,9 +87,10 @@ def validate_recipe(recipe: Recipe) -> None:
     for key in recipe.model:
         if key in pc and key not in ("params_dtype",):
             raise RecipeError(f"{where}: model: '{key}' is a parallel setting; put it under 'parallel:'")
-        if key not in tc and key not in GPT_MODEL_KEYS and key != hybrid.PATTERN_KEY:
+        if key not in tc and key not in GPT_MODEL_KEYS and key not in GPT_FORWARD_KEYS and key != hybrid.PATTERN_KEY:
             raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field "
-                              f"nor one of {sorted(GPT_MODEL_KEYS) + [hybrid.PATTERN_KEY]})" + _elsewhere(key, "model"))
+                              f"nor one of {sorted(GPT_MODEL_KEYS) + sorted(GPT_FORWARD_KEYS) + [hybrid.PATTERN_KEY]})"
+                              + _elsewhere(key, "model"))
     hybrid.check(recipe.model, recipe.parallel, where)  # before the fields: it names the pattern's own refusals
     model_fields.check_fields(recipe.model, where)
     if "activation_func" in recipe.model and recipe.model["activation_func"] not in activations():
@@ -286,6 +294,20 @@ def megatron_cannot_run(recipe: Recipe):
                "over the microbatches a rank has run so far (megatron/core/transformer/moe/router.py, "
                "_apply_global_aux_loss), so the loss depends on the DP size and no one-rank reference trains the same "
                "model; compare at DP 1 or with aux_loss / seq_aux_loss")
+    if model.get("runtime_gather_output"):
+        yield ("model", "runtime_gather_output",
+               "true in training gathers the logits before the loss as parallel_output false does: megatron-core "
+               "computes the vocab-parallel cross entropy on them as if they were one rank's vocabulary shard "
+               "(megatron/core/models/common/language_module/language_module.py:167) and its backward fails "
+               "(megatron/core/tensor_parallel/cross_entropy.py:196)")
+    if model.get("parallel_output", True) is False:
+        yield ("model", "parallel_output",
+               "false in training: the output layer gathers the logits over TP and megatron-core computes the "
+               "vocab-parallel cross entropy on them as if they were this rank's vocabulary shard "
+               "(megatron/core/models/common/language_module/language_module.py:167; at TP > 1 its forward counts "
+               "the other ranks' vocabulary twice), and its backward fails at any TP size, the gathered logits being "
+               "a view it changed in place (megatron/core/tensor_parallel/cross_entropy.py:196, measured on 0.16.1); "
+               "Megatron-LM trains with parallel_output true")
     if (recipe.data.padded_share and model.get("num_moe_experts") and sizes["pp"] > 1
             and recipe.parallel.get("sequence_parallel")):
         yield ("data", "padded_share",
@@ -423,7 +445,8 @@ def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
     model = recipe.model
     if parallel_sizes(parallel)["pp"] == 1:  # e.g. the one-rank reference: no pipeline split to describe
         model = model_fields.without_layout(model)
-    kwargs = {k: v for k, v in model.items() if k not in GPT_MODEL_KEYS and k != hybrid.PATTERN_KEY}
+    kwargs = {k: v for k, v in model.items()
+              if k not in GPT_MODEL_KEYS and k not in GPT_FORWARD_KEYS and k != hybrid.PATTERN_KEY}
     kwargs.update(hybrid.config_fields(model))
     if "activation_func" in kwargs:
         if kwargs["activation_func"] not in activations():

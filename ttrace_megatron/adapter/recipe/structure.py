@@ -138,7 +138,7 @@ def _check_mtp(problems: List[str], model, config, contents, pattern: Optional[s
 def _check_model(problems: List[str], model, gpt_kwargs: Dict[str, Any], pattern: Optional[str],
                  norm_kind: str) -> None:
     """The GPTModel arguments, the position embedding (first stage) and the final norm (last stage)."""
-    for a in ("share_embeddings_and_output_weights", "position_embedding_type"):
+    for a in ("share_embeddings_and_output_weights", "position_embedding_type", "parallel_output"):
         if a in gpt_kwargs:
             _expect(problems, "model", a, gpt_kwargs[a], getattr(model, a, None))
     if getattr(model, "pre_process", False):
