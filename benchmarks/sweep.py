@@ -307,6 +307,8 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
                   **({"eod_mask_loss": True} if masks.random() < 0.3 else {})}
     if masks.random() < 0.25:  # padded tails, handed to the model as its padding mask
         data_masks["padded_share"] = masks.choice([0.2, 0.4])
+    if masks.random() < 0.05:  # gathered logits (refused: megatron-core cannot train on them)
+        model["parallel_output"] = False
     if masks.random() < 0.25:  # packed documents
         data_masks.update(document_length=masks.choice([4, 8, 16]), reset_attention_mask=True,
                           reset_position_ids=masks.random() < 0.7)
@@ -353,6 +355,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("packed documents")
     if raw["data"].get("padded_share"):
         tags.append("padding mask")
+    if m.get("parallel_output") is False:
+        tags.append("gathered logits")
     if m.get("calculate_per_token_loss"):
         tags.append("per-token loss")
     if m.get("window_size"):
