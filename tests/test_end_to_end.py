@@ -645,3 +645,26 @@ def test_padded_z_loss_under_sequence_parallelism_is_megatrons_bug(runs):
     first = c.first_mismatch
     assert (first.key.module, first.key.phase, first.key.tensor) == ("decoder.layers.0.mlp.router", "forward", "z_loss")
     assert all(r.verdict == "pass" for r in c.results if r.key.tensor in ("load_balancing_loss", keys.PADDING_MASK))
+
+
+CORPUS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+
+
+@pytest.mark.parametrize("name", ["gpt_tp2_sp", "packed_pp2", "masked_dp2_distopt"])
+def test_real_text_through_megatrons_gpt_dataset(runs, tmp_path, name):
+    """Real data (issue #34): tests/data/corpus.txt written as a megatron indexed dataset by
+    megatron-core's IndexedDatasetBuilder (bytes, each paragraph a document ended by EOD), read by
+    megatron-core's GPTDataset as Megatron-LM's pretrain_gpt.py reads --data-path (no mock in the
+    path): its documents shuffled, packed and masked by megatron's own indices and rules."""
+    from ttrace_megatron.adapter.recipe import data
+
+    prefix = data.write_text_dataset(CORPUS, str(tmp_path / "corpus"))
+    recipe = load(name, data={"source": "megatron_indexed", "path": prefix, "vocab_size": data.BYTE_VOCAB,
+                              "seq_length": 64, "eod_mask_loss": True, "reset_position_ids": True,
+                              "reset_attention_mask": True, "masked_share": 0.0, "document_length": 0})
+    first = data.sampler(recipe)(0)
+    assert bytes(t for t in first.tokens.tolist() if t < 256).decode("utf-8", "replace").isprintable()
+    ref, cand = runs.candidate(recipe)
+    c = compare_traces(ref, cand)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    assert c.reference_run["model_config"]["training"]["data_source"] == "megatron_data:" + prefix

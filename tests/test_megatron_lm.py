@@ -160,6 +160,39 @@ def test_real_gpt_dataset_over_an_indexed_dataset_passes(tmp_path):
 
 @needs_checkout
 @pytest.mark.multiprocess
+def test_real_loop_and_ttrace_runner_read_real_text_alike(tmp_path):
+    """Real text (issue #34): tests/data/corpus.txt as an indexed dataset, read by GPTDataset in
+    ttrace's runner (data source megatron_indexed) and in Megatron-LM's pretrain_gpt.py (the same
+    prefix as --data-path), both one-rank references from one seed checkpoint, with EOD masks and
+    packed documents: the traces compare clean tensor by tensor, token ids and masks included."""
+    from conftest import load
+    from ttrace_megatron.adapter.recipe import data
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.adapter.run.session import TraceOptions
+    from ttrace_megatron.adapter.run.side import check_tree
+    from ttrace_megatron.compare import compare_traces
+
+    corpus = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
+    prefix = data.write_text_dataset(corpus, str(tmp_path / "data" / "corpus"))
+    # a TP-1 recipe: both one-rank references then pad the 257-token vocabulary alike (ttrace pads a
+    # reference to its candidate's TP, Megatron-LM to its own)
+    recipe = load("gpt_dp2", data={"source": "megatron_indexed", "path": prefix, "vocab_size": data.BYTE_VOCAB,
+                                   "seq_length": 64, "eod_mask_loss": True, "reset_position_ids": True,
+                                   "reset_attention_mask": True})
+    seed = str(tmp_path / "seed.safetensors")
+    ours, real = str(tmp_path / "ttrace-runner"), str(tmp_path / "megatron-lm")
+    launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ours, seed),
+                   megatron=check_tree(CHECKOUT, "MEGATRON_LM_DIR")), timeout_s=600)
+    megatron_lm.run(CHECKOUT, recipe, REFERENCE, TraceOptions(enabled=True, dir=real, seed_checkpoint=seed))
+    c = compare_traces(ours, real)
+    assert c.verdict == "pass", c.first_mismatch
+    assert any(r.key.tensor == "loss_mask" for r in c.results)
+    assert any(r.key.module == "embedding.word_embeddings" and r.key.tensor == "input" for r in c.results)
+
+
+@needs_checkout
+@pytest.mark.multiprocess
 def test_the_patched_checkout_runs_clean(tmp_path):
     """The patch route: a patched copy of the checkout runs the same recipe clean (ttrace neither
     installs nor chains its flags a second time)."""

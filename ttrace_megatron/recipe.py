@@ -33,6 +33,9 @@ class DataConfig:
     # sample per sequence) or MEGATRON_MOCK (megatron-core's MockGPTDataset, what Megatron-LM's
     # --mock-data trains on); None: synthetic in ttrace's runner, Megatron-LM's own data with --megatron-lm
     source: Optional[str] = None
+    # MEGATRON_INDEXED only: the prefix of a megatron indexed dataset (PREFIX.bin / PREFIX.idx), relative
+    # to the recipe's directory unless absolute
+    path: Optional[str] = None
     # Megatron-LM's --eod-mask-loss: the end-of-document token (the tokenizer's last, NullTokenizer's
     # EOD) carries no loss, as megatron's GPTDataset masks it
     eod_mask_loss: bool = False
@@ -54,8 +57,8 @@ class DataConfig:
     padded_share: float = 0.0
 
 
-SYNTHETIC, MEGATRON_MOCK = "synthetic", "megatron_mock"
-DATA_SOURCES = (SYNTHETIC, MEGATRON_MOCK)
+SYNTHETIC, MEGATRON_MOCK, MEGATRON_INDEXED = "synthetic", "megatron_mock", "megatron_indexed"
+DATA_SOURCES = (SYNTHETIC, MEGATRON_MOCK, MEGATRON_INDEXED)
 
 
 @dataclasses.dataclass
@@ -164,16 +167,19 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
     if isinstance(data.document_length, bool) or not isinstance(data.document_length, int) or data.document_length < 0:
         raise RecipeError(f"{source}: data: 'document_length' must be a whole number of tokens ≥ 0, got "
                           f"{data.document_length!r}")
-    if data.document_length and data.source == MEGATRON_MOCK:
-        raise RecipeError(f"{source}: data: 'document_length' shapes ttrace's synthetic data; megatron_mock's "
-                          f"documents are megatron's own")
+    if data.document_length and data.source in (MEGATRON_MOCK, MEGATRON_INDEXED):
+        raise RecipeError(f"{source}: data: 'document_length' shapes ttrace's synthetic data; {data.source}'s "
+                          f"documents are its own")
     for share in ("masked_share", "padded_share"):
         value = getattr(data, share)
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 0.5:
             raise RecipeError(f"{source}: data: '{share}' must be a number in [0, 0.5), got {value!r}")
-        if value and data.source == MEGATRON_MOCK:
-            raise RecipeError(f"{source}: data: '{share}' shapes ttrace's synthetic data; megatron_mock's mask is "
+        if value and data.source in (MEGATRON_MOCK, MEGATRON_INDEXED):
+            raise RecipeError(f"{source}: data: '{share}' shapes ttrace's synthetic data; {data.source}'s mask is "
                               f"megatron's own (eod_mask_loss)")
+    if (data.source == MEGATRON_INDEXED) != bool(data.path):
+        raise RecipeError(f"{source}: data: 'path' (an indexed dataset's prefix) goes with source "
+                          f"'{MEGATRON_INDEXED}', and that source needs one")
     if data.global_batch_size % data.micro_batch_size:
         raise RecipeError(f"{source}: data: global_batch_size {data.global_batch_size} is not a multiple of "
                           f"micro_batch_size {data.micro_batch_size}")

@@ -24,7 +24,8 @@ from typing import Dict, List, Optional, Tuple
 
 from ...about import SOURCE_ROOT
 from ...errors import RecipeError
-from ...recipe import MEGATRON_MOCK, SYNTHETIC, Recipe
+from ...recipe import MEGATRON_INDEXED, MEGATRON_MOCK, SYNTHETIC, Recipe
+from ..recipe.data import indexed_path
 from ..recipe import compat
 from ..run.session import TraceOptions
 
@@ -150,6 +151,8 @@ def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,
     naming a recipe field with no translation."""
     argv = _model_flags(recipe) + _parallel_flags(recipe, parallel) + _optimizer_flags(recipe)
     _refuse_untranslated_data(recipe, data_path)
+    if recipe.data.source == MEGATRON_INDEXED:  # the recipe's own indexed dataset
+        data_path = indexed_path(recipe)
     argv += _loop_flags(recipe, release, data_path)
     # megatron-core's TransformerConfig computes attention softmax in fp32 by default; Megatron-LM's
     # flag defaults to off: the recipe's (TransformerConfig's) value is passed on
@@ -222,6 +225,9 @@ def _optimizer_flags(recipe: Recipe) -> List[str]:
 
 def _refuse_untranslated_data(recipe: Recipe, data_path: Optional[str]) -> None:
     d, t = recipe.data, recipe.train
+    if data_path and d.source == MEGATRON_INDEXED:
+        raise RecipeError(f"{recipe.source}: --megatron-lm-data: data: source '{MEGATRON_INDEXED}' names its own "
+                          f"dataset (path); give one of them")
     if data_path and d.source == MEGATRON_MOCK:
         raise RecipeError(f"{recipe.source}: --megatron-lm-data: data: source '{MEGATRON_MOCK}' asks for the mock "
                           f"dataset; leave 'source' out to train on {data_path}")

@@ -294,28 +294,7 @@ def megatron_cannot_run(recipe: Recipe):
                "over the microbatches a rank has run so far (megatron/core/transformer/moe/router.py, "
                "_apply_global_aux_loss), so the loss depends on the DP size and no one-rank reference trains the same "
                "model; compare at DP 1 or with aux_loss / seq_aux_loss")
-    if model.get("runtime_gather_output"):
-        yield ("model", "runtime_gather_output",
-               "true in training gathers the logits before the loss as parallel_output false does: megatron-core "
-               "computes the vocab-parallel cross entropy on them as if they were one rank's vocabulary shard "
-               "(megatron/core/models/common/language_module/language_module.py:167) and its backward fails "
-               "(megatron/core/tensor_parallel/cross_entropy.py:196)")
-    if model.get("parallel_output", True) is False:
-        yield ("model", "parallel_output",
-               "false in training: the output layer gathers the logits over TP and megatron-core computes the "
-               "vocab-parallel cross entropy on them as if they were this rank's vocabulary shard "
-               "(megatron/core/models/common/language_module/language_module.py:167; at TP > 1 its forward counts "
-               "the other ranks' vocabulary twice), and its backward fails at any TP size, the gathered logits being "
-               "a view it changed in place (megatron/core/tensor_parallel/cross_entropy.py:196, measured on 0.16.1); "
-               "Megatron-LM trains with parallel_output true")
-    if (recipe.data.padded_share and model.get("num_moe_experts") and sizes["pp"] > 1
-            and recipe.parallel.get("sequence_parallel")):
-        yield ("data", "padded_share",
-               "a padding mask with MoE, pipeline and sequence parallelism: megatron-core scatters the mask along "
-               "the sequence on the first stage only (megatron/core/models/gpt/gpt_model.py:307-320, under "
-               "pre_process), so a later stage's routers get the whole microbatch's mask for their sequence shard "
-               "and fail (megatron/core/transformer/moe/moe_utils.py:795, a size mismatch); compare without "
-               "sequence_parallel or without pipeline parallelism")
+    yield from loss_path_cannot_run(recipe)
     if opt.get("use_distributed_optimizer") and opt.get("optimizer", "adam") != "adam":
         yield ("optimizer", "use_distributed_optimizer",
                "megatron-core's DistributedOptimizer supports only Adam (megatron/core/optimizer/distrib_optimizer.py "
@@ -379,6 +358,36 @@ PARALLEL_REFUSED = {
 
 # OptimizerConfig fields that set fp16's loss scale (megatron's defaults where a recipe leaves them out)
 LOSS_SCALE_FIELDS = {"loss_scale": None, "initial_loss_scale": 2.0 ** 32, "min_loss_scale": 1.0}
+
+
+
+def loss_path_cannot_run(recipe: Recipe):
+    """(section, field, why) for the data and loss paths megatron-core cannot train (issue #34):
+    gathered logits, a padding mask megatron scatters on the first stage only."""
+    model = recipe.model
+    sizes = parallel_sizes(recipe.parallel)
+    if model.get("runtime_gather_output"):
+        yield ("model", "runtime_gather_output",
+               "true in training gathers the logits before the loss as parallel_output false does: megatron-core "
+               "computes the vocab-parallel cross entropy on them as if they were one rank's vocabulary shard "
+               "(megatron/core/models/common/language_module/language_module.py:167) and its backward fails "
+               "(megatron/core/tensor_parallel/cross_entropy.py:196)")
+    if model.get("parallel_output", True) is False:
+        yield ("model", "parallel_output",
+               "false in training: the output layer gathers the logits over TP and megatron-core computes the "
+               "vocab-parallel cross entropy on them as if they were this rank's vocabulary shard "
+               "(megatron/core/models/common/language_module/language_module.py:167; at TP > 1 its forward counts "
+               "the other ranks' vocabulary twice), and its backward fails at any TP size, the gathered logits being "
+               "a view it changed in place (megatron/core/tensor_parallel/cross_entropy.py:196, measured on 0.16.1); "
+               "Megatron-LM trains with parallel_output true")
+    if (recipe.data.padded_share and model.get("num_moe_experts") and sizes["pp"] > 1
+            and recipe.parallel.get("sequence_parallel")):
+        yield ("data", "padded_share",
+               "a padding mask with MoE, pipeline and sequence parallelism: megatron-core scatters the mask along "
+               "the sequence on the first stage only (megatron/core/models/gpt/gpt_model.py:307-320, under "
+               "pre_process), so a later stage's routers get the whole microbatch's mask for their sequence shard "
+               "and fail (megatron/core/transformer/moe/moe_utils.py:795, a size mismatch); compare without "
+               "sequence_parallel or without pipeline parallelism")
 
 
 def loss_scale_multiplier(dp: int, per_token_loss: bool) -> int:

@@ -23,11 +23,13 @@ The runner applies the loss mask as Megatron-LM's ``pretrain_gpt.loss_func`` doe
 
 from __future__ import annotations
 
+import os
 from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
-from ...recipe import MEGATRON_MOCK, Recipe
+from ...errors import RecipeError
+from ...recipe import MEGATRON_INDEXED, MEGATRON_MOCK, SYNTHETIC, Recipe
 from . import compat
 
 
@@ -96,7 +98,64 @@ def _megatron_mock(recipe: Recipe) -> Callable[[int], Sample]:
                               create_attention_mask=d.reset_attention_mask)
     train = BlendedMegatronDatasetBuilder(MockGPTDataset, [recipe.train.iterations * d.global_batch_size, 0, 0],
                                           lambda: True, config).build()[0]
+    return _from_megatron(train)
 
+
+# real text as megatron's preprocessing writes it, with the smallest tokenizer that needs no training:
+# UTF-8 bytes, and the end-of-document token after them (NullTokenizer's last, as eod_token says)
+BYTE_VOCAB = 257
+
+
+def write_text_dataset(text_path: str, prefix: str) -> str:
+    """A megatron indexed dataset (``PREFIX.bin``/``.idx``, written with megatron-core's
+    IndexedDatasetBuilder, as ``tools/preprocess_data.py --append-eod`` writes one) of a text file:
+    each paragraph (blank-line separated) a document of its UTF-8 bytes and the end-of-document
+    token. Read with ``data: {source: megatron_indexed, path: PREFIX, vocab_size: 257}``."""
+    import numpy
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    with open(text_path, encoding="utf-8") as f:
+        paragraphs = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
+    for text in paragraphs:
+        ids = list(text.encode("utf-8")) + [eod_token(BYTE_VOCAB)]
+        builder.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
+    builder.finalize(prefix + ".idx")
+    return prefix
+
+
+def indexed_path(recipe: Recipe) -> str:
+    """The recipe's indexed dataset prefix, relative to the recipe's directory unless absolute."""
+    path = os.path.expanduser(recipe.data.path)
+    if os.path.isabs(path) or not os.path.isfile(recipe.source):
+        return os.path.abspath(path)
+    return os.path.join(os.path.dirname(os.path.abspath(recipe.source)), path)
+
+
+def _megatron_indexed(recipe: Recipe) -> Callable[[int], Sample]:
+    """megatron-core's GPTDataset over an indexed dataset, as Megatron-LM's pretrain_gpt.py builds it
+    for ``--data-path PREFIX --split 100,0,0``: the train split of ``iterations × global_batch_size``
+    samples, documents shuffled and packed by megatron's own indices (built once, cached beside the
+    data), masks and positions by the recipe's switches."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    d = recipe.data
+    prefix = indexed_path(recipe)
+    if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
+        raise RecipeError(f"{recipe.source}: data: 'path' {prefix} has no {prefix}.bin and {prefix}.idx (an "
+                          f"indexed dataset: ttrace_megatron.adapter.recipe.data.write_text_dataset writes one)")
+    config = GPTDatasetConfig(random_seed=d.seed, sequence_length=d.seq_length, blend=([prefix], None),
+                              split="100,0,0", tokenizer=compat.null_tokenizer(d.vocab_size),
+                              reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
+                              eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.reset_attention_mask)
+    train = BlendedMegatronDatasetBuilder(GPTDataset, [recipe.train.iterations * d.global_batch_size, 0, 0],
+                                          lambda: True, config).build()[0]
+    return _from_megatron(train)
+
+
+def _from_megatron(train) -> Callable[[int], Sample]:
     def sample(index: int) -> Sample:
         item = train[index]
         mask = item.get("attention_mask")
@@ -107,9 +166,22 @@ def _megatron_mock(recipe: Recipe) -> Callable[[int], Sample]:
     return sample
 
 
+def source_signature(recipe: Recipe) -> str:
+    """What the model signature says of the data: the source, and an indexed dataset's prefix as
+    Megatron-LM's arguments name it (``megatron_lm.api.training_signature``), so that a trace of
+    ttrace's runner and one of Megatron-LM's loop over the same files agree."""
+    if recipe.data.source == MEGATRON_INDEXED:
+        return "megatron_data:" + indexed_path(recipe)
+    return recipe.data.source or SYNTHETIC
+
+
 def sampler(recipe: Recipe) -> Callable[[int], Sample]:
     """Sample ``index`` of the run (the same on every rank)."""
-    return _megatron_mock(recipe) if recipe.data.source == MEGATRON_MOCK else _synthetic(recipe)
+    if recipe.data.source == MEGATRON_MOCK:
+        return _megatron_mock(recipe)
+    if recipe.data.source == MEGATRON_INDEXED:
+        return _megatron_indexed(recipe)
+    return _synthetic(recipe)
 
 
 def microbatches(recipe: Recipe, samples: Callable[[int], Sample], iteration: int, dp_rank: int,

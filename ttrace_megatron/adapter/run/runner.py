@@ -19,7 +19,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.distributed as dist
 
-from ...recipe import SYNTHETIC, Recipe, recipe_from_dict
+from ...recipe import Recipe, recipe_from_dict
 from ...trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
 from ..recipe import build
 from ..recipe import config as cfg
@@ -141,7 +141,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         "seed": recipe.data.seed, "seq_length": recipe.data.seq_length,
         "micro_batch_size": recipe.data.micro_batch_size, "global_batch_size": recipe.data.global_batch_size,
         "iterations": recipe.train.iterations, "lr_decay_style": recipe.train.lr_decay_style,
-        "data_source": recipe.data.source or SYNTHETIC, "eod_mask_loss": recipe.data.eod_mask_loss,
+        "data_source": data.source_signature(recipe), "eod_mask_loss": recipe.data.eod_mask_loss,
         "masked_share": recipe.data.masked_share, "reset_position_ids": recipe.data.reset_position_ids,
         "reset_attention_mask": recipe.data.reset_attention_mask, "document_length": recipe.data.document_length,
         "padded_share": recipe.data.padded_share,
