@@ -65,6 +65,28 @@ def test_gathered_logits_are_refused_naming_megatrons_lines(model, field):
         validate_recipe(recipe_from_dict(raw))
 
 
+@pytest.mark.parametrize("model,parallel,line", [
+    ({"moe_router_enable_expert_bias": True, "moe_router_score_function": "sigmoid"}, {}, "router.py:542"),
+    ({"num_layers": 4}, {"tensor_model_parallel_size": 2, "sequence_parallel": True, "expert_model_parallel_size": 1,
+                         "pipeline_model_parallel_size": 2}, "moe_utils.py:795"),
+])
+def test_padding_megatron_cannot_run_is_refused(model, parallel, line):
+    """A padding mask megatron-core fails on (measured on 0.16.1): with the router's expert bias (a
+    [tokens] mask against a [tokens, experts] map), and with MoE + PP + SP (the mask scattered on the
+    first stage only)."""
+    import yaml
+
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+
+    with open(os.path.join(RECIPES, "padded_moe_ep2_distopt.yaml")) as f:
+        raw = yaml.safe_load(f)
+    raw["model"].update(model)
+    raw["parallel"].update(parallel)
+    raw["world_size"] = 4 if parallel.get("pipeline_model_parallel_size") else raw["world_size"]
+    with pytest.raises(RecipeError, match=f"'padded_share' is not supported by ttrace: .*{line}"):
+        validate_recipe(recipe_from_dict(raw))
+
+
 def test_synthetic_masks_are_uneven_and_leave_a_token():
     """masked_share: each sample masks a prompt prefix of its own length; eod_mask_loss masks the
     tokenizer's last token where it is an input."""

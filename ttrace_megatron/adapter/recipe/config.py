@@ -380,6 +380,12 @@ def loss_path_cannot_run(recipe: Recipe):
                "the other ranks' vocabulary twice), and its backward fails at any TP size, the gathered logits being "
                "a view it changed in place (megatron/core/tensor_parallel/cross_entropy.py:196, measured on 0.16.1); "
                "Megatron-LM trains with parallel_output true")
+    if recipe.data.padded_share and model.get("num_moe_experts") and model.get("moe_router_enable_expert_bias"):
+        yield ("data", "padded_share",
+               "a padding mask with the router's expert bias: megatron-core masks the [tokens, experts] routing map "
+               "with the [tokens] padding mask without unsqueezing it (megatron/core/transformer/moe/router.py:542 "
+               "at 0.16.1, :738 at 0.19.0, _apply_expert_bias) and fails on any layout, a one-rank run included "
+               "(measured on 0.16.1); compare without the padding or without moe_router_enable_expert_bias")
     if (recipe.data.padded_share and model.get("num_moe_experts") and sizes["pp"] > 1
             and recipe.parallel.get("sequence_parallel")):
         yield ("data", "padded_share",
