@@ -37,6 +37,8 @@ PER_TOKEN_LOSS = "per_token_loss"
 LOSS_MASK = "loss_mask"
 # the padding mask the model was handed ([b, s], 1 on padding): what an MoE router leaves out
 PADDING_MASK = "padding_mask"
+# data the run is handed, not computed: two correct runs agree exactly (judged with no tolerance)
+EXACT_DATA = (LOSS_MASK, PADDING_MASK)
 GRAD_NORM = "grad_norm"
 # the same norm of the same grads over the same groups, computed in fp64 beside megatron's fp32 kernel:
 # what the grad norm would be without its own round-off (its difference from GRAD_NORM is that round-off)
@@ -268,6 +270,12 @@ def value_power(key: TensorKey) -> int:
     """The power of the reduced value a tensor accumulates: 2 for Adam's second moment (a running
     sum of squared grads), 1 otherwise."""
     return 2 if key.kind is TensorKind.OPTIMIZER_STATE and key.tensor.endswith("." + EXP_AVG_SQ) else 1
+
+
+def is_exact_data(key: TensorKey) -> bool:
+    """A mask the model was handed (loss or padding mask): data, equal in two correct runs to the
+    last bit, so any difference is a bug, whatever the dtype's round-off."""
+    return key.phase == FORWARD and key.tensor in EXACT_DATA
 
 
 def is_per_microbatch(key: TensorKey) -> bool:

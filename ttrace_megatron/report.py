@@ -288,6 +288,8 @@ def _ratio(t: dict) -> float:
     e, tol = t["error_eps"], t["tolerance_eps"]
     if tol == "inf" and isinstance(e, (int, float)):
         return 0.0  # a bound that admits anything (a top-k choice at an exact tie of its scores)
+    if tol == 0 and e == 0:
+        return 0.0  # data compared exactly, and equal
     return e / tol if isinstance(e, (int, float)) and isinstance(tol, (int, float)) and tol else math.inf
 
 
