@@ -167,11 +167,6 @@ def test_real_loop_and_ttrace_runner_read_real_text_alike(tmp_path):
     packed documents: the traces compare clean tensor by tensor, token ids and masks included."""
     from conftest import load
     from ttrace_megatron.adapter.recipe import data
-    from ttrace_megatron.adapter.run.launch import launch
-    from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
-    from ttrace_megatron.adapter.run.session import TraceOptions
-    from ttrace_megatron.adapter.run.side import check_tree
-    from ttrace_megatron.compare import compare_traces
 
     corpus = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "corpus.txt")
     prefix = data.write_text_dataset(corpus, str(tmp_path / "data" / "corpus"))
@@ -180,12 +175,7 @@ def test_real_loop_and_ttrace_runner_read_real_text_alike(tmp_path):
     recipe = load("gpt_dp2", data={"source": "megatron_indexed", "path": prefix, "vocab_size": data.BYTE_VOCAB,
                                    "seq_length": 64, "eod_mask_loss": True, "reset_position_ids": True,
                                    "reset_attention_mask": True})
-    seed = str(tmp_path / "seed.safetensors")
-    ours, real = str(tmp_path / "ttrace-runner"), str(tmp_path / "megatron-lm")
-    launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ours, seed),
-                   megatron=check_tree(CHECKOUT, "MEGATRON_LM_DIR")), timeout_s=600)
-    megatron_lm.run(CHECKOUT, recipe, REFERENCE, TraceOptions(enabled=True, dir=real, seed_checkpoint=seed))
-    c = compare_traces(ours, real)
+    c = _runner_and_real_loop(recipe, tmp_path)
     assert c.verdict == "pass", c.first_mismatch
     assert any(r.key.tensor == "loss_mask" for r in c.results)
     assert any(r.key.module == "embedding.word_embeddings" and r.key.tensor == "input" for r in c.results)
@@ -236,6 +226,23 @@ def test_ttrace_runner_trains_on_megatrons_mock_dataset(runs):
     assert run["model_config"]["training"]["data_source"] == "megatron_mock"
 
 
+def _runner_and_real_loop(recipe, tmp_path):
+    """ttrace's runner (on the checkout's megatron-core) and Megatron-LM's pretrain_gpt.py, both as
+    one-rank references of ``recipe`` from the same seed checkpoint: their comparison."""
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.adapter.run.session import TraceOptions
+    from ttrace_megatron.adapter.run.side import check_tree
+    from ttrace_megatron.compare import compare_traces
+
+    seed = str(tmp_path / "seed.safetensors")
+    ours, real = str(tmp_path / "ttrace-runner"), str(tmp_path / "megatron-lm")
+    launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ours, seed),
+                   megatron=check_tree(CHECKOUT, "MEGATRON_LM_DIR")), timeout_s=600)
+    megatron_lm.run(CHECKOUT, recipe, REFERENCE, TraceOptions(enabled=True, dir=real, seed_checkpoint=seed))
+    return compare_traces(ours, real)
+
+
 def test_synthetic_data_is_refused_for_the_real_loop():
     recipe = _recipe("gpt_tp2")
     recipe.data.source = "synthetic"
@@ -253,22 +260,12 @@ def test_real_loop_and_ttrace_runner_write_the_same_trace(tmp_path):
     megatron-core, megatron-core's MockGPTDataset) and Megatron-LM's pretrain_gpt.py (its --mock-data),
     both as one-rank references from the same seed checkpoint, compare clean tensor by tensor."""
     from conftest import load
-    from ttrace_megatron.adapter.run.session import TraceOptions
-    from ttrace_megatron.adapter.run.launch import launch
-    from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
-    from ttrace_megatron.adapter.run.side import check_tree
-    from ttrace_megatron.compare import compare_traces
 
     # with megatron's EOD loss mask (--eod-mask-loss), which both loops hand the model, and packed
     # documents' positions and attention mask (--reset-position-ids, --reset-attention-mask) (issue #34)
     recipe = load("gpt_tp2", data={"source": "megatron_mock", "eod_mask_loss": True, "reset_position_ids": True,
                                    "reset_attention_mask": True})
-    seed = str(tmp_path / "seed.safetensors")
-    ours, real = str(tmp_path / "ttrace-runner"), str(tmp_path / "megatron-lm")
-    launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ours, seed),
-                   megatron=check_tree(CHECKOUT, "MEGATRON_LM_DIR")), timeout_s=600)
-    megatron_lm.run(CHECKOUT, recipe, REFERENCE, TraceOptions(enabled=True, dir=real, seed_checkpoint=seed))
-    c = compare_traces(ours, real)
+    c = _runner_and_real_loop(recipe, tmp_path)
     assert c.verdict == "pass", c.first_mismatch
     assert any(r.key.module == "embedding.word_embeddings" and r.key.tensor == "input" for r in c.results)
     assert any(r.key.tensor == "loss_mask" for r in c.results)

@@ -156,53 +156,48 @@ def dp_grad_not_averaged(chunks) -> None:
         raise ValueError("bug injection: dp_grad_not_averaged needs data parallelism (DP > 1)")
 
 
-@bug()
-def loss_mask_dropped_on_dp_rank_1(chunks) -> None:
-    """The data pipeline hands DP rank 1 its microbatches without their loss mask (all ones: a
-    broadcast that forgets the mask, a collate function that rebuilds it on one rank): that rank
-    trains on the prompt and end-of-document tokens the others leave out. Silent: the loss stays
-    finite, only its value and the grads of DP rank 1's microbatches change. Acts on ttrace's
-    runner's data path (Megatron-LM's loop builds its batches in pretrain_gpt.get_batch)."""
+def _dp_rank_1_batches(name: str, change: Callable) -> None:
+    """Hand DP rank 1 each microbatch as ``change(batch)`` makes it: a data-path bug on one rank of
+    ttrace's runner (Megatron-LM's loop builds its batches in pretrain_gpt.get_batch)."""
     from megatron.core import parallel_state
 
     from ..recipe import data
 
     if parallel_state.get_data_parallel_world_size() < 2:
-        raise ValueError("bug injection: loss_mask_dropped_on_dp_rank_1 needs data parallelism (DP > 1)")
+        raise ValueError(f"bug injection: {name} needs data parallelism (DP > 1)")
     if parallel_state.get_data_parallel_rank() != 1:
         return
     original = data.microbatches
 
     def microbatches(*args, **kwargs):
         for j, batch in original(*args, **kwargs):
-            yield j, batch._replace(loss_mask=torch.ones_like(batch.loss_mask))
+            yield j, change(batch)
 
     data.microbatches = microbatches
+
+
+@bug()
+def loss_mask_dropped_on_dp_rank_1(chunks) -> None:
+    """The data pipeline hands DP rank 1 its microbatches without their loss mask (all ones: a
+    broadcast that forgets the mask, a collate function that rebuilds it on one rank): that rank
+    trains on the prompt and end-of-document tokens the others leave out. Silent: the loss stays
+    finite, only its value and the grads of DP rank 1's microbatches change."""
+    _dp_rank_1_batches("loss_mask_dropped_on_dp_rank_1",
+                       lambda batch: batch._replace(loss_mask=torch.ones_like(batch.loss_mask)))
 
 
 @bug()
 def document_mask_dropped_on_dp_rank_1(chunks) -> None:
     """Packed documents (reset_attention_mask): the data pipeline hands DP rank 1 its microbatches
     without their attention mask, so that rank's attention is only causal and each token attends to
-    the documents before its own. Silent: shapes, losses and grads stay finite. Acts on ttrace's
-    runner's data path."""
-    from megatron.core import parallel_state
+    the documents before its own. Silent: shapes, losses and grads stay finite."""
 
-    from ..recipe import data
+    def unmasked(batch):
+        if batch.attention_mask is None:
+            raise ValueError("bug injection: document_mask_dropped_on_dp_rank_1 needs reset_attention_mask")
+        return batch._replace(attention_mask=None)
 
-    if parallel_state.get_data_parallel_world_size() < 2:
-        raise ValueError("bug injection: document_mask_dropped_on_dp_rank_1 needs data parallelism (DP > 1)")
-    if parallel_state.get_data_parallel_rank() != 1:
-        return
-    original = data.microbatches
-
-    def microbatches(*args, **kwargs):
-        for j, batch in original(*args, **kwargs):
-            if batch.attention_mask is None:
-                raise ValueError("bug injection: document_mask_dropped_on_dp_rank_1 needs reset_attention_mask")
-            yield j, batch._replace(attention_mask=None)
-
-    data.microbatches = microbatches
+    _dp_rank_1_batches("document_mask_dropped_on_dp_rank_1", unmasked)
 
 
 @bug()
