@@ -25,7 +25,7 @@ from typing import Dict, List, Optional, Tuple
 from ...about import SOURCE_ROOT
 from ...errors import RecipeError
 from ...recipe import MEGATRON_INDEXED, MEGATRON_MOCK, SYNTHETIC, Recipe
-from ..recipe.data import indexed_path
+from ..recipe.data import indexed_path, write_documents
 from ..recipe import compat
 from ..run.session import TraceOptions
 
@@ -127,20 +127,18 @@ def patched(checkout: str) -> Tuple[bool, bool]:
 def write_indexed_dataset(prefix: str, *, vocab_size: int, documents: int, seed: int,
                           min_length: int = 8, max_length: int = 96) -> str:
     """A small token dataset in megatron's indexed format (``PREFIX.bin``/``.idx``, written with
-    megatron-core's IndexedDatasetBuilder): ``documents`` documents of random lengths and tokens
-    below ``vocab_size``. Returns the prefix for ``--megatron-lm-data``."""
-    import numpy
+    megatron-core's IndexedDatasetBuilder, :func:`..recipe.data.write_documents`): ``documents``
+    documents of random lengths and tokens below ``vocab_size``. Returns the prefix for
+    ``--megatron-lm-data``."""
     import torch
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     generator = torch.Generator().manual_seed(seed)
-    builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
-    for _ in range(documents):
+
+    def document():
         length = int(torch.randint(min_length, max_length + 1, (1,), generator=generator))
-        builder.add_document(torch.randint(0, vocab_size, (length,), generator=generator, dtype=torch.int32), [length])
-    builder.finalize(prefix + ".idx")
-    return prefix
+        return torch.randint(0, vocab_size, (length,), generator=generator, dtype=torch.int32)
+
+    return write_documents(prefix, (document() for _ in range(documents)))
 
 
 def training_args(recipe: Recipe, role: str, parallel: Dict, *, release: str,

@@ -24,7 +24,7 @@ The runner applies the loss mask as Megatron-LM's ``pretrain_gpt.loss_func`` doe
 from __future__ import annotations
 
 import os
-from typing import Callable, Iterator, NamedTuple, Optional, Tuple
+from typing import Callable, Iterable, Iterator, NamedTuple, Optional, Tuple
 
 import torch
 
@@ -88,17 +88,36 @@ def _megatron_mock(recipe: Recipe) -> Callable[[int], Sample]:
     and attention mask megatron's (``eod_mask_loss``, ``reset_position_ids``, ``reset_attention_mask``
     as the recipe says; the attention mask made only where it is reset, as the causal one megatron's
     attention makes itself otherwise)."""
+    from megatron.core.datasets.gpt_dataset import MockGPTDataset
+
+    return _megatron_dataset(recipe, MockGPTDataset, blend=None, blend_per_split=None)
+
+
+def _megatron_dataset(recipe: Recipe, dataset_class, **source) -> Callable[[int], Sample]:
+    """The train split of ``iterations × global_batch_size`` samples of a megatron GPT dataset class,
+    built by megatron's BlendedMegatronDatasetBuilder as Megatron-LM builds it, with the recipe's
+    seed, sequence, NullTokenizer and mask switches (``source``: where the tokens come from); the
+    attention mask made only where it is reset, as the causal one megatron's attention makes itself
+    otherwise."""
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig, MockGPTDataset
+    from megatron.core.datasets.gpt_dataset import GPTDatasetConfig
 
     d = recipe.data
-    config = GPTDatasetConfig(random_seed=d.seed, sequence_length=d.seq_length, blend=None, blend_per_split=None,
+    config = GPTDatasetConfig(random_seed=d.seed, sequence_length=d.seq_length,
                               tokenizer=compat.null_tokenizer(d.vocab_size), reset_position_ids=d.reset_position_ids,
                               reset_attention_mask=d.reset_attention_mask, eod_mask_loss=d.eod_mask_loss,
-                              create_attention_mask=d.reset_attention_mask)
-    train = BlendedMegatronDatasetBuilder(MockGPTDataset, [recipe.train.iterations * d.global_batch_size, 0, 0],
+                              create_attention_mask=d.reset_attention_mask, **source)
+    train = BlendedMegatronDatasetBuilder(dataset_class, [recipe.train.iterations * d.global_batch_size, 0, 0],
                                           lambda: True, config).build()[0]
-    return _from_megatron(train)
+
+    def sample(index: int) -> Sample:
+        item = train[index]
+        mask = item.get("attention_mask")
+        return Sample(torch.as_tensor(item["tokens"]).long(), torch.as_tensor(item["labels"]).long(),
+                      torch.as_tensor(item["loss_mask"]).float(), torch.as_tensor(item["position_ids"]).long(),
+                      None if mask is None else torch.as_tensor(mask))
+
+    return sample
 
 
 # real text as megatron's preprocessing writes it, with the smallest tokenizer that needs no training:
@@ -106,23 +125,28 @@ def _megatron_mock(recipe: Recipe) -> Callable[[int], Sample]:
 BYTE_VOCAB = 257
 
 
-def write_text_dataset(text_path: str, prefix: str) -> str:
-    """A megatron indexed dataset (``PREFIX.bin``/``.idx``, written with megatron-core's
-    IndexedDatasetBuilder, as ``tools/preprocess_data.py --append-eod`` writes one) of a text file:
-    each paragraph (blank-line separated) a document of its UTF-8 bytes and the end-of-document
-    token. Read with ``data: {source: megatron_indexed, path: PREFIX, vocab_size: 257}``."""
+def write_documents(prefix: str, documents: Iterable[torch.Tensor]) -> str:
+    """A megatron indexed dataset (``PREFIX.bin``/``.idx``) of ``documents`` (token ids, one tensor a
+    document), written with megatron-core's IndexedDatasetBuilder. Returns the prefix."""
     import numpy
     from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
 
-    with open(text_path, encoding="utf-8") as f:
-        paragraphs = [p.strip() for p in f.read().split("\n\n") if p.strip()]
     os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
     builder = IndexedDatasetBuilder(prefix + ".bin", dtype=numpy.int32)
-    for text in paragraphs:
-        ids = list(text.encode("utf-8")) + [eod_token(BYTE_VOCAB)]
-        builder.add_document(torch.tensor(ids, dtype=torch.int32), [len(ids)])
+    for ids in documents:
+        builder.add_document(ids.to(torch.int32), [ids.numel()])
     builder.finalize(prefix + ".idx")
     return prefix
+
+
+def write_text_dataset(text_path: str, prefix: str) -> str:
+    """An indexed dataset of a text file, as ``tools/preprocess_data.py --append-eod`` writes one:
+    each paragraph (blank-line separated) a document of its UTF-8 bytes and the end-of-document
+    token. Read with ``data: {source: megatron_indexed, path: PREFIX, vocab_size: 257}``."""
+    with open(text_path, encoding="utf-8") as f:
+        paragraphs = [p.strip() for p in f.read().split("\n\n") if p.strip()]
+    return write_documents(prefix, (torch.tensor(list(text.encode("utf-8")) + [eod_token(BYTE_VOCAB)])
+                                    for text in paragraphs))
 
 
 def indexed_path(recipe: Recipe) -> str:
@@ -138,32 +162,13 @@ def _megatron_indexed(recipe: Recipe) -> Callable[[int], Sample]:
     for ``--data-path PREFIX --split 100,0,0``: the train split of ``iterations × global_batch_size``
     samples, documents shuffled and packed by megatron's own indices (built once, cached beside the
     data), masks and positions by the recipe's switches."""
-    from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
-    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+    from megatron.core.datasets.gpt_dataset import GPTDataset
 
-    d = recipe.data
     prefix = indexed_path(recipe)
     if not (os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")):
         raise RecipeError(f"{recipe.source}: data: 'path' {prefix} has no {prefix}.bin and {prefix}.idx (an "
                           f"indexed dataset: ttrace_megatron.adapter.recipe.data.write_text_dataset writes one)")
-    config = GPTDatasetConfig(random_seed=d.seed, sequence_length=d.seq_length, blend=([prefix], None),
-                              split="100,0,0", tokenizer=compat.null_tokenizer(d.vocab_size),
-                              reset_position_ids=d.reset_position_ids, reset_attention_mask=d.reset_attention_mask,
-                              eod_mask_loss=d.eod_mask_loss, create_attention_mask=d.reset_attention_mask)
-    train = BlendedMegatronDatasetBuilder(GPTDataset, [recipe.train.iterations * d.global_batch_size, 0, 0],
-                                          lambda: True, config).build()[0]
-    return _from_megatron(train)
-
-
-def _from_megatron(train) -> Callable[[int], Sample]:
-    def sample(index: int) -> Sample:
-        item = train[index]
-        mask = item.get("attention_mask")
-        return Sample(torch.as_tensor(item["tokens"]).long(), torch.as_tensor(item["labels"]).long(),
-                      torch.as_tensor(item["loss_mask"]).float(), torch.as_tensor(item["position_ids"]).long(),
-                      None if mask is None else torch.as_tensor(mask))
-
-    return sample
+    return _megatron_dataset(recipe, GPTDataset, blend=([prefix], None), split="100,0,0")
 
 
 def source_signature(recipe: Recipe) -> str:

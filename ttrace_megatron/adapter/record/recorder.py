@@ -459,23 +459,24 @@ class _GradNormTwin:
         for g in grads:
             dp_group = get_data_parallel_group_if_dtensor(g, dp_group)
         device = grads[0].device if grads else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        total = torch.zeros(1, dtype=torch.float64, device=device)
         owners = self.attribute() if self.attribute is not None else {}
         axes = layouts.counted_axes(grad_stats_parallel_group) if owners else ()
+        squares = torch.zeros(len(grads) + 1, dtype=torch.float64, device=device)  # per grad; the last: 0
+        for i, g in enumerate(grads):
+            local = to_local_if_dtensor(g).detach().reshape(-1)
+            for start in range(0, local.numel(), 1 << 22):  # fp64 in pieces: never a whole fp64 copy
+                squares[i] += torch.linalg.vector_norm(local[start:start + (1 << 22)].to(torch.float64)) ** 2
+        total = squares.sum().reshape(1)
         experts = False
         terms: Dict[torch.nn.Parameter, float] = {}
-        for g in grads:
-            local = to_local_if_dtensor(g).detach().reshape(-1)
-            square = torch.zeros(1, dtype=torch.float64, device=device)
-            for start in range(0, local.numel(), 1 << 22):  # fp64 in pieces: never a whole fp64 copy
-                square += torch.linalg.vector_norm(local[start:start + (1 << 22)].to(torch.float64)) ** 2
-            total += square
-            owner = owners.get(_identity(g)) if owners else None
+        # one copy to the host for the whole call, not one per grad (each would sync a GPU)
+        for g, square in zip(grads, squares.tolist() if owners else ()):
+            owner = owners.get(_identity(g))
             if owner is None:
-                self.unattributed += local.numel() if owners else 0
+                self.unattributed += g.numel()
                 continue
             param, expert = owner
-            terms[param] = terms.get(param, 0.0) + float(square.item())
+            terms[param] = terms.get(param, 0.0) + square
             experts = experts or expert
         self.call_terms.append((terms, axes, experts))
         if dp_group:
