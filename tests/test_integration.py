@@ -166,6 +166,23 @@ def test_unsupported_modes_are_named():
     _refuse_unsupported(plain, dict(sizes, cp=1), [torch.nn.Linear(1, 1)], TraceOptions(enabled=True))
 
 
+def test_fp32_check_with_tf32_gemms_is_refused_on_the_gpu_only(monkeypatch):
+    """TF32 GEMMs amplify fp32 round-off 20-65× per GEMM (measured on an H200): an fp32 check refuses
+    them, naming the switch; a bf16 run, a CPU run and NVIDIA_TF32_OVERRIDE=0 are not refused."""
+    from ttrace_megatron.adapter.run import session
+
+    fp32, bf16 = types.SimpleNamespace(bf16=False, fp16=False), types.SimpleNamespace(bf16=True, fp16=False)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True, raising=False)
+    assert "TF32" in session.tf32_refusal(fp32, "cuda", environ={})
+    assert "NVIDIA_TF32_OVERRIDE=0" in session.tf32_refusal(fp32, "cuda", environ={})
+    assert session.tf32_refusal(fp32, "cuda", environ={"NVIDIA_TF32_OVERRIDE": "0"}) == ""
+    assert session.tf32_refusal(bf16, "cuda", environ={}) == ""
+    assert session.tf32_refusal(fp32, "cpu", environ={}) == ""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False, raising=False)
+    if getattr(torch.backends.cuda.matmul, "fp32_precision", None) != "tf32":
+        assert session.tf32_refusal(fp32, "cuda", environ={}) == ""
+
+
 @pytest.mark.multiprocess
 def test_megatron_lm_replay_localizes_nothing_on_a_clean_run(megatron_lm_runs, tmp_path):
     from ttrace_megatron.compare import localize

@@ -16,6 +16,8 @@ import dataclasses
 import os
 from typing import Any, Dict, List, Optional, Sequence
 
+import torch
+
 from ...about import __version__
 from ...errors import RecipeError
 from ...trace_store import CANDIDATE, REFERENCE, REPLAY
@@ -115,6 +117,9 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
                                   getattr(config, "recompute_modules", None))
     if recompute:
         problems.append(recompute)
+    tf32 = tf32_refusal(config, _parameter_device_type(chunks))
+    if tf32:
+        problems.append(tf32)
     te = sorted({type(m).__name__ for c in chunks for m in c.modules() if type(m).__name__.startswith("TE")})
     if te:
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
@@ -127,6 +132,45 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
                           + ". Supported: TP, SP, PP (with virtual stages), DP, the distributed optimizer and MoE "
                           "(EP, expert TP), with the local layer spec.")
+
+
+def _parameter_device_type(chunks: List) -> str:
+    for chunk in chunks:
+        for p in chunk.parameters():
+            return p.device.type
+    return "cpu"
+
+
+def tf32_matmul_enabled(environ=None) -> bool:
+    """Whether cuBLAS runs this process's fp32 GEMMs with TF32 inputs (10 mantissa bits).
+
+    torch's flag (``torch.backends.cuda.matmul.allow_tf32``, or ``fp32_precision == "tf32"`` in the
+    newer API) already counts ``TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1``, which NGC's PyTorch containers
+    set; ``NVIDIA_TF32_OVERRIDE=0`` turns TF32 off inside cuBLAS whatever torch asks for."""
+    env = os.environ if environ is None else environ
+    if env.get("NVIDIA_TF32_OVERRIDE") == "0":
+        return False
+    matmul = torch.backends.cuda.matmul
+    precision = getattr(matmul, "fp32_precision", None)
+    return bool(matmul.allow_tf32) or precision == "tf32"
+
+
+def tf32_refusal(config, device_type: str, environ=None) -> str:
+    """The refusal of an fp32 check whose GEMMs run in TF32 on the GPU, or "".
+
+    ttrace judges an fp32 run's tensors with fp32 bounds. A TF32 GEMM rounds its inputs to 10
+    mantissa bits, so inputs that differ by fp32 round-off round apart: measured on an H200, one TF32
+    GEMM (K = 4096) turned an input difference of 1 ε₃₂ into 65 ε₃₂, and 10 ε₃₂ into 218 ε₃₂
+    (BENCHMARKS.md, "On a GPU at the real shapes"). Nothing in the fp32 bound's per-layer growth
+    (C = 1.03) covers that: a clean check would false-alarm. Turning TF32 off for the user would
+    change the numerics of the run observed, so the check is refused and says how to run it."""
+    if device_type != "cuda" or getattr(config, "bf16", False) or getattr(config, "fp16", False):
+        return ""
+    if not tf32_matmul_enabled(environ):
+        return ""
+    return ("an fp32 run whose GEMMs use TF32 (torch.backends.cuda.matmul.allow_tf32 is on; NGC containers set "
+            "TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1): fp32 bounds cannot judge TF32 round-off. Run both sides with "
+            "NVIDIA_TF32_OVERRIDE=0, or with allow_tf32 off and TORCH_ALLOW_TF32_CUBLAS_OVERRIDE unset")
 
 
 def start(model, optimizer, config, options: TraceOptions, facts, signature: Optional[Dict[str, Any]],
