@@ -18,6 +18,8 @@ setup(
         "safetensors>=0.4",
         "rich>=13",
         "pyyaml>=6",
+        # data files' checksums at memory speed (trace format 3)
+        "xxhash>=3",
     ],
     extras_require={
         "test": ["pytest>=7", "hypothesis>=6"],

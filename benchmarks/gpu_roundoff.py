@@ -232,7 +232,7 @@ def record_section(device: str, small: bool, emit, workdir: str) -> None:
     for _ in range(count):
         zlib.crc32(view)
     crc = nbytes / (time.perf_counter() - t)
-    row = dict(section="record", device=device, tensors=count, mib=mib, bytes=nbytes, d2h_GBps=d2h / 1e9,
+    row = dict(section="record", device=device, commit=os.environ.get("TTRACE_COMMIT", ""), tensors=count, mib=mib, bytes=nbytes, d2h_GBps=d2h / 1e9,
                crc32_GBps=crc / 1e9, **{f"disk_{k.replace(' ', '_')}_GBps": v / 1e9 for k, v in rates.items()})
     try:
         import xxhash
@@ -302,14 +302,14 @@ def table(path: str) -> None:
         for r in by("norm"):
             print(f"| {r['elements']:,} | {r['torch_norm_eps']:.3g} | {r['tp2_halves_eps']:.3g} |")
     if by("record"):
-        print("\n| device | bytes | D2H into pinned (GB/s) | CRC32 (GB/s) | xxh3 (GB/s) | disk (GB/s) | recorded "
+        print("\n| commit | device | bytes | D2H into pinned (GB/s) | CRC32 (GB/s) | xxh3 (GB/s) | disk (GB/s) | recorded "
               "(s) | of which add() (s) | write alone (s) | recorded / write |")
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|")
         for r in by("record"):
             disk = ", ".join(f"{k[5:-5].replace('_', ' ')} {v:.2f}" for k, v in r.items()
                              if k.startswith("disk_"))
             xxh = f"{r['xxh3_GBps']:.1f}" if r.get("xxh3_GBps") else "–"
-            print(f"| {r['device']} | {r['bytes'] / 1e9:.2f} GB | {r['d2h_GBps']:.1f} | {r['crc32_GBps']:.2f} | {xxh} "
+            print(f"| {r.get('commit', '')} | {r['device']} | {r['bytes'] / 1e9:.2f} GB | {r['d2h_GBps']:.1f} | {r['crc32_GBps']:.2f} | {xxh} "
                   f"| {disk} | {r['record_s']:.2f} | {r['add_s']:.2f} | {r['write_s']:.2f} "
                   f"| {r['record_over_write']:.2f} |")
 
@@ -324,6 +324,7 @@ def main() -> None:
     ap.add_argument("--sections", nargs="+", default=list(SECTIONS) + ["record"])
     ap.add_argument("--jsonl", help="append one JSON line per measurement here")
     ap.add_argument("--workdir", default=tempfile.gettempdir(), help="where the record section writes")
+    ap.add_argument("--repeats", type=int, default=1, help="the record section this many times")
     ap.add_argument("--table", metavar="JSONL", help="print the markdown tables of a results file and exit")
     args = ap.parse_args()
     if args.table:
@@ -346,7 +347,8 @@ def main() -> None:
         t = time.perf_counter()
         try:
             if name == "record":
-                record_section(args.device, args.small, emit, args.workdir)
+                for _ in range(args.repeats):
+                    record_section(args.device, args.small, emit, args.workdir)
             else:
                 SECTIONS[name](args.device, args.small, emit)
         except Exception as e:  # one section's failure must not lose the others' figures

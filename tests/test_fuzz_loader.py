@@ -75,15 +75,16 @@ def test_damaged_data_file_gives_named_error(pristine, tmp_path_factory, cut, fl
 
 
 def _rewrite_with_valid_checksum(cand_dir, raw: bytes):
-    """Replace rank 1's data file and make the manifest's size and CRC32 agree with it, so the
+    """Replace rank 1's data file and make the manifest's size and checksum agree with it, so the
     loader's own safetensors header parsing is what meets the damage."""
-    import zlib
+    from ttrace_megatron.stream_writer import CHECKSUM, checksum_entry
 
     data_file = cand_dir / "rank-00001" / "iter-000001.safetensors"
     data_file.write_bytes(raw)
     manifest = cand_dir / "rank-00001" / "manifest.json"
     m = json.loads(manifest.read_text())
-    m["files"]["iter-000001.safetensors"] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    head_bytes = m["files"]["iter-000001.safetensors"][CHECKSUM]["head_bytes"]
+    m["files"]["iter-000001.safetensors"] = {"bytes": len(raw), **checksum_entry(raw, head_bytes)}
     manifest.write_text(json.dumps(m))
 
 

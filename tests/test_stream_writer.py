@@ -1,4 +1,4 @@
-"""Trace data files written in the background: byte-exact safetensors, CRC32 of the whole file,
+"""Trace data files written in the background: byte-exact safetensors, xxh3 checksums of header and data,
 header parts, O_DIRECT and its fallbacks, and a disk that fills up mid-write."""
 
 import json
@@ -20,12 +20,6 @@ from ttrace_megatron.trace_store import TensorKey, TraceReader, TraceWriter, wri
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@settings(max_examples=200, deadline=None)
-@given(st.binary(max_size=300), st.binary(max_size=300))
-def test_crc32_combine_equals_the_crc_of_the_concatenation(a, b):
-    assert stream_writer.crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-
-
 def _tensors():
     g = torch.Generator().manual_seed(0)
     return [torch.randn(3, 1000, generator=g), torch.randn(40, 1024, generator=g),
@@ -45,7 +39,7 @@ def _record(path, tensors, **writer_kw):
 
 
 def _check_round_trip(path, tensors):
-    reader = TraceReader(str(path))  # verifies every listed file's size and CRC32 on first load
+    reader = TraceReader(str(path))  # verifies every listed file's size and checksum on first load
     seen = 0
     for rank_trace, rec in reader.records():
         assert torch.equal(reader.load(rank_trace, rec), tensors[int(rec.key.module[1:])])
@@ -53,7 +47,10 @@ def _check_round_trip(path, tensors):
     assert seen == len(tensors)
     files = sorted((path / "rank-00000").glob("*.safetensors"))
     for f in files:  # the safetensors library reads them too
-        assert zlib.crc32(f.read_bytes()) == reader.ranks[0].files[f.name]["crc32"]
+        entry = reader.ranks[0].files[f.name]
+        head_bytes = entry[stream_writer.CHECKSUM]["head_bytes"]
+        assert stream_writer.checksum_entry(f.read_bytes(), head_bytes) == {stream_writer.CHECKSUM: entry[
+            stream_writer.CHECKSUM]}
         with safe_open(str(f), "pt") as st_file:
             for name in st_file.keys():
                 rec = next(r for r in reader.ranks[0].records if r.name == name)
@@ -149,3 +146,53 @@ def test_a_disk_that_fills_up_mid_write_stops_recording_not_training(tmp_path):
     reader = TraceReader(str(tmp_path), allow_incomplete=True)
     rank_trace, rec = next(reader.records())
     assert torch.equal(reader.load(rank_trace, rec), torch.zeros(1 << 18))
+
+
+def test_format_2_traces_with_crc32_still_read_and_their_damage_is_named(tmp_path):
+    """Traces written before format 3 list a CRC32 of the whole file: they still read, and a
+    flipped byte in them is still a named error."""
+    from ttrace_megatron.errors import TraceError
+
+    tensors = _tensors()
+    _record(tmp_path, tensors)
+    run = json.loads((tmp_path / "run.json").read_text())
+    (tmp_path / "run.json").write_text(json.dumps(dict(run, format_version=2)))
+    manifest = tmp_path / "rank-00000" / "manifest.json"
+    m = json.loads(manifest.read_text())
+    for name in m["files"]:
+        raw = (tmp_path / "rank-00000" / name).read_bytes()
+        m["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
+    manifest.write_text(json.dumps(dict(m, format_version=2)))
+    files = _check_round_trip_v2(tmp_path, tensors)
+    raw = bytearray(files[0].read_bytes())
+    raw[-3] ^= 0x01
+    files[0].write_bytes(bytes(raw))
+    reader = TraceReader(str(tmp_path))
+    with pytest.raises(TraceError, match="CRC32 mismatch") as e:
+        for rank_trace, rec in reader.records():
+            reader.load(rank_trace, rec)
+    assert e.value.rank == 0
+
+
+def _check_round_trip_v2(path, tensors):
+    reader = TraceReader(str(path))
+    for rank_trace, rec in reader.records():
+        assert torch.equal(reader.load(rank_trace, rec), tensors[int(rec.key.module[1:])])
+    return sorted((path / "rank-00000").glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("where", ["header region", "data"])
+def test_a_flipped_bit_in_either_checksummed_part_is_named(tmp_path, where):
+    from ttrace_megatron.errors import TraceError
+
+    _record(tmp_path, _tensors())
+    f = sorted((tmp_path / "rank-00000").glob("*.safetensors"))[0]
+    raw = bytearray(f.read_bytes())
+    at = stream_writer.HEADER_REGION - 2 if where == "header region" else len(raw) - 5  # header padding / data
+    raw[at] ^= 0x10
+    f.write_bytes(bytes(raw))
+    reader = TraceReader(str(tmp_path))
+    with pytest.raises(TraceError, match="xxh3 mismatch") as e:
+        for rank_trace, rec in reader.records():
+            reader.load(rank_trace, rec)
+    assert e.value.rank == 0 and f.name in e.value.path

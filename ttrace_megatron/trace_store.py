@@ -8,7 +8,7 @@ Layout of a trace directory::
 
 Data files are written in the background while the run goes on (:mod:`.stream_writer`). A rank's
 manifest is rewritten atomically (write, fsync, rename) once each data file is whole, and says
-``"complete": true`` only once the rank has closed its writer. Each data file's size and CRC32
+``"complete": true`` only once the rank has closed its writer. Each data file's size and checksum
 are in the manifest, so a rank killed mid-write, a truncated file or flipped bits are detected
 and reported with the file, the rank and the tensor.
 """
@@ -25,15 +25,17 @@ import zlib
 from typing import Dict, Iterator, List, Optional, Tuple
 
 import torch
+import xxhash
 
 from .errors import TraceError
 from .keys import PHASES, TensorKey  # noqa: F401  (re-exported: the key of every record)
 from .placement import Layout
-from .stream_writer import SAFETENSORS_DTYPES, BackgroundWriter, StreamingFile
+from .stream_writer import CHECKSUM, SAFETENSORS_DTYPES, BackgroundWriter, StreamingFile
 
+# 3: a data file's checksum is xxh3-64 of its header region and of its data (2 and 1: CRC32 of the file)
 # 2: a per-rank value scale is part of the layout (1 kept it in the record as ``scale``)
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"
 # run.json "role": what a trace is
@@ -221,7 +223,7 @@ class TraceWriter:
 
     def _finish_file(self) -> None:
         fname, records = self._file_name, self._file_records
-        self._file.finish(lambda _, size, crc: self._listed(fname, records, size, crc),
+        self._file.finish(lambda _, size, checksum: self._listed(fname, records, size, checksum),
                           lambda _, error: self._fail(error))
         self._file, self._file_records = None, []
 
@@ -230,13 +232,13 @@ class TraceWriter:
             self._file.abandon()
             self._file, self._file_records = None, []
 
-    def _listed(self, fname: str, records: List[Record], size: int, crc: int) -> None:
+    def _listed(self, fname: str, records: List[Record], size: int, checksum: dict) -> None:
         """On the writer thread: a data file is whole and fsync'd; the manifest now lists it."""
         with self._lock:
             if not self.active:
                 return
             self.records.extend(records)
-            self.files[fname] = {"bytes": size, "crc32": crc}
+            self.files[fname] = {"bytes": size, CHECKSUM: checksum}
             try:
                 self._write_manifest(complete=False)
             except OSError as e:
@@ -316,7 +318,7 @@ class TraceReader:
             for fname, info in files.items():
                 if not isinstance(fname, str) or not _DATA_FILE_RE.match(fname):
                     raise TraceError(f"data file name {fname!r} is not allowed", path=path, rank=rank)
-                if not isinstance(info.get("bytes"), int) or not isinstance(info.get("crc32"), int):
+                if not isinstance(info.get("bytes"), int) or not _checksum_listed(info):
                     raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
             records = [Record.from_json(r) for r in m["records"]]
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
@@ -375,21 +377,13 @@ class TraceReader:
         return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def _open_file(self, rank_trace: RankTrace, fname: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]]:
-        """Verify a data file's size and CRC32 (streamed through one reused buffer), then index
+        """Verify a data file's size and checksum (streamed through one reused buffer), then index
         its safetensors header: name -> (dtype, shape, absolute offset, byte count)."""
         path = os.path.join(rank_trace.dir, fname)
         info = rank_trace.files[fname]
-        crc, size = 0, 0
-        chunk = bytearray(1 << 20)  # 1 MiB: as fast for CRC32 as larger reads, and no large peak
-        view = memoryview(chunk)
         try:
             with open(path, "rb") as f:
-                while True:
-                    n = f.readinto(chunk)
-                    if not n:
-                        break
-                    crc = zlib.crc32(view[:n], crc)
-                    size += n
+                size, intact = _verify(f, info)
                 f.seek(0)
                 head = f.read(8)
                 header_len = struct.unpack("<Q", head)[0] if len(head) == 8 else -1
@@ -402,11 +396,48 @@ class TraceReader:
         if size != info["bytes"]:
             raise TraceError(f"data file has {size} bytes, the manifest says {info['bytes']} (truncated?)",
                              path=path, rank=rank_trace.rank)
-        if crc != info["crc32"]:
-            raise TraceError("data file is corrupt (CRC32 mismatch)", path=path, rank=rank_trace.rank)
+        if not intact:
+            what = "xxh3" if CHECKSUM in info else "CRC32"
+            raise TraceError(f"data file is corrupt ({what} mismatch)", path=path, rank=rank_trace.rank)
         if header is None:
             raise TraceError("data file is not valid safetensors (bad header length)", path=path, rank=rank_trace.rank)
         return _index_header(header, 8 + header_len, size, path, rank_trace.rank)
+
+
+def _checksum_listed(info: dict) -> bool:
+    """A manifest's file entry carries a checksum this reader can check."""
+    entry = info.get(CHECKSUM)
+    if entry is None:
+        return isinstance(info.get("crc32"), int)  # formats 1 and 2
+    return (isinstance(entry, dict) and isinstance(entry.get("head_bytes"), int) and entry["head_bytes"] >= 0
+            and all(isinstance(entry.get(k), str) for k in ("head", "data")))
+
+
+def _verify(f, info: dict) -> Tuple[int, bool]:
+    """Read a data file once: its size, and whether its bytes match the manifest's checksum."""
+    chunk = bytearray(1 << 20)  # 1 MiB: as fast as larger reads, and no large peak
+    view = memoryview(chunk)
+    size = 0
+    entry = info.get(CHECKSUM)
+    if entry is None:
+        crc = 0
+        while True:
+            n = f.readinto(chunk)
+            if not n:
+                return size, crc == info["crc32"]
+            crc = zlib.crc32(view[:n], crc)
+            size += n
+    head, data = xxhash.xxh3_64(), xxhash.xxh3_64()
+    while True:
+        n = f.readinto(chunk)
+        if not n:
+            return size, head.hexdigest() == entry["head"] and data.hexdigest() == entry["data"]
+        cut = min(max(entry["head_bytes"] - size, 0), n)
+        if cut:
+            head.update(view[:cut])
+        if n > cut:
+            data.update(view[cut:n])
+        size += n
 
 
 _DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
