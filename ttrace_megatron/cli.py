@@ -24,13 +24,14 @@ EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
 def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None,
-             perturbed: Optional[str] = None):
+             perturbed: Optional[str] = None, workers: Optional[int] = None):
     """Compare with a progress bar, print the report, write JSON; returns the report (JSON form).
 
     A candidate that compared online (``--ttrace-reference``) holds verdict sums, not tensors:
     they are combined instead (without the perturbation estimate, which needs the tensors).
     """
     from .compare import compare_traces
+    from .compare_workers import available_cores
     from .online import combine_online, has_online_results
     from .report import render, to_json, write_json
 
@@ -41,7 +42,7 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
                       transient=True) as progress:
             task = progress.add_task("compare", total=None)
             comparison = compare_traces(
-                ref_dir, cand_dir, perturbed=perturbed,
+                ref_dir, cand_dir, perturbed=perturbed, workers=workers or available_cores(),
                 progress=lambda done, total: progress.update(task, completed=done, total=total))
     report = to_json(comparison)
     render(report, console, num_layers=int(comparison.reference_run.get("num_layers", 0)))
@@ -93,7 +94,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side) -> dict
         # routing, as the candidate is judged (free-running, MoE routing flips and Adam's drift
         # would be measured as round-off)
         run_side(REFERENCE, perturbed_dir, perturb=1, **lockstep)
-    report = _compare(ref_dir, cand_dir, console, None, perturbed_dir)
+    report = _compare(ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None))
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
         replay_dir = os.path.join(out, "replay")
@@ -280,7 +281,8 @@ def write_junit(rows, path: str) -> None:
 
 
 def cmd_compare(args, console: Console) -> int:
-    report = _compare(args.reference, args.candidate, console, args.json, getattr(args, "perturbed", None))
+    report = _compare(args.reference, args.candidate, console, args.json, getattr(args, "perturbed", None),
+                      getattr(args, "workers", None))
     if getattr(args, "html", None):
         from .report import write_html
 
@@ -375,6 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--modules", action="append", metavar="PATTERN",
                      help="record only modules matching this fnmatch pattern (repeatable), e.g. 'decoder.layers.1.*'")
     run.add_argument("--microbatches", type=_int_list, help="record only these global microbatch ids, e.g. 0")
+    run.add_argument("--workers", type=int, metavar="N",
+                     help="compare on this many processes (default: the cores this process may use); the verdict is the same "
+                          "bit for bit")
 
     cmp_ = sub.add_parser("compare", help="compare a candidate trace against a reference trace")
     cmp_.add_argument("reference")
@@ -384,6 +389,9 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--perturbed", metavar="DIR",
                       help="a perturbation run of the reference (--ttrace-perturb): each tolerance is at least "
                            "k_p times how far it moved each tensor")
+    cmp_.add_argument("--workers", type=int, metavar="N",
+                      help="compare on this many processes (default: the cores this process may use); the verdict is the same "
+                          "bit for bit")
 
     loc = sub.add_parser("localize", help="judge a replay trace (--ttrace-replay) module by module under local bounds")
     loc.add_argument("reference")

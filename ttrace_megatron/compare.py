@@ -528,11 +528,9 @@ def statistic_observed(perturbed: TraceReader, pert_groups, reference: TraceRead
     return observed if observed is not None and math.isfinite(observed) else 0.0
 
 
-def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig(),
-                   progress: Optional[Callable[[int, int], None]] = None,
-                   perturbed: Optional[str] = None) -> Comparison:
-    """``perturbed``: the trace of a perturbation-estimate run of the reference (``adapter.run.perturb``):
-    each tensor's tolerance is then at least k_p times how far that run moved it."""
+def open_judge(reference_dir: str, candidate_dir: str, perturbed: Optional[str],
+               tol_config: ToleranceConfig) -> "_TraceJudge":
+    """Both traces (and the perturbation run's) read, checked to be comparable, and grouped."""
     ref = TraceReader(reference_dir)
     cand = TraceReader(candidate_dir)
     check_compatible(ref.run, cand.run, cand.dir)
@@ -542,10 +540,22 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
         if not pert.run.get("perturbation_seed"):
             raise ConfigMismatchError("this trace is not a perturbation run (run.json has no perturbation_seed)",
                                       path=pert.dir)
-    judge = _TraceJudge(ref, cand, pert, tol_config)
+    return _TraceJudge(ref, cand, pert, tol_config)
+
+
+def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig(),
+                   progress: Optional[Callable[[int, int], None]] = None,
+                   perturbed: Optional[str] = None, workers: int = 1) -> Comparison:
+    """``perturbed``: the trace of a perturbation-estimate run of the reference (``adapter.run.perturb``):
+    each tensor's tolerance is then at least k_p times how far that run moved it. ``workers``: judge
+    on this many processes (:mod:`.compare_workers`); the verdict is the same, bit for bit."""
+    from .compare_workers import judged_in_order
+
+    judge = open_judge(reference_dir, candidate_dir, perturbed, tol_config)
+    ref, cand = judge.ref, judge.cand
     results: List[TensorResult] = []
-    for i, key in enumerate(judge.common):
-        results.append(judge.tensor(key))
+    for i, result in enumerate(judged_in_order(judge, (reference_dir, candidate_dir, perturbed), workers)):
+        results.append(result)
         if progress:
             progress(i + 1, len(judge.common))
     absent = sorted((k for k in set(judge.ref_groups) - set(judge.cand_groups) if recorded_by_choice(cand.run, k)),
@@ -578,6 +588,7 @@ class _TraceJudge:
         self.step_bounds = StepBounds(ref.run, self.num_layers, tol_config, has_reference=lambda k: k in ref_groups)
         self.reclip = Reclip(ref, ref_groups)
         self.overflowed = overflowed_iterations(ref, ref_groups)
+        self.partial_magnitudes: Dict[TensorKey, float] = {}  # what note_partial was told, for compare_workers
 
     def tensor(self, key: TensorKey) -> TensorResult:
         """One key's verdict: the reference merged, the candidate merged or shard by shard."""
@@ -611,6 +622,7 @@ class _TraceJudge:
             if any(isinstance(p, Partial) for p in layout.placements):
                 magnitude = sum(piece_norm(cand.load(rt, r), r.layout) for rt, r in distinct_pieces(pieces))
                 cancellation = self.cancellations.note_partial(key, magnitude, cand_merged.tensor)
+                self.partial_magnitudes[key] = magnitude
             entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, judged_against))]
         else:
             entries, replica_max_abs_diff = self._shard_by_shard(key, pieces, judged_against)

@@ -18,9 +18,18 @@ class TraceError(Exception):
         if tensor is not None:
             parts.append(f"tensor: {tensor}")
         super().__init__("; ".join(parts))
+        self.message = message
         self.path = path
         self.rank = rank
         self.tensor = tensor
+
+    def __reduce__(self):
+        """Whole across processes (compare's workers raise it in the parent): file, rank and tensor kept."""
+        return _rebuild, (type(self), self.message, self.path, self.rank, self.tensor)
+
+
+def _rebuild(cls, message, path, rank, tensor):
+    return cls(message, path=path, rank=rank, tensor=tensor)
 
 
 class RecipeError(ValueError):

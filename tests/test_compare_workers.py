@@ -1,0 +1,73 @@
+"""Compare on several processes gives the serial verdict bit for bit (issue #35)."""
+
+import json
+import pickle
+import shutil
+
+import pytest
+
+from conftest import load
+from ttrace_megatron import compare_workers
+from ttrace_megatron.compare import compare_traces
+from ttrace_megatron.errors import ConfigMismatchError, TraceError
+from ttrace_megatron.report import to_json
+
+
+def _both(monkeypatch, ref, cand, **kw):
+    serial = compare_traces(ref, cand, workers=1, **kw)
+    monkeypatch.setattr(compare_workers, "MIN_PARALLEL_BYTES", 0)  # these traces are small: use the pool anyway
+    pooled = compare_traces(ref, cand, workers=2, **kw)
+    return serial, pooled
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name,inject,dtype", [
+    # SP's layernorm grads are partial sums (the main grad's cancellation factor adds up the workers'
+    # magnitudes in the parent); the bug makes verdicts fail; 3 iterations carry the moments' state
+    ("gpt_tp2_sp", ["row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2"], "fp32"),
+    ("gpt_tp2_sp", [], "bf16"),
+    ("moe_tp2_sp_ep2", [], "fp32"),  # routing choices judged by their scores, aux losses
+])
+def test_workers_give_the_serial_verdict_bit_for_bit(runs, monkeypatch, name, inject, dtype):
+    ref, cand = runs.candidate(load(name, dtype=dtype), inject=inject)
+    serial, pooled = _both(monkeypatch, ref, cand)
+    a, b = to_json(serial), to_json(pooled)
+    assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
+    assert [(r.key, r.error, r.tolerance_eps, r.tolerance_source) for r in serial.results] == \
+        [(r.key, r.error, r.tolerance_eps, r.tolerance_source) for r in pooled.results]
+    assert any(r.key.microbatch >= 0 for r in serial.results) and any(r.key.microbatch < 0 for r in serial.results)
+    assert serial.verdict == ("fail" if inject else "pass")
+
+
+@pytest.mark.multiprocess
+def test_a_damaged_file_is_named_alike_with_workers(runs, monkeypatch, tmp_path):
+    ref, cand = runs.candidate(load("gpt_tp2_sp"))
+    damaged = tmp_path / "cand"
+    shutil.copytree(cand, damaged)
+    data = damaged / "rank-00001" / "iter-000002.safetensors"
+    raw = bytearray(data.read_bytes())
+    raw[len(raw) // 2] ^= 0x04
+    data.write_bytes(bytes(raw))
+    errors = []
+    for workers in (1, 3):
+        monkeypatch.setattr(compare_workers, "MIN_PARALLEL_BYTES", 0)
+        with pytest.raises(TraceError) as e:
+            compare_traces(ref, str(damaged), workers=workers)
+        errors.append((str(e.value), e.value.rank, e.value.path))
+    assert errors[0] == errors[1] and errors[0][1] == 1 and errors[0][2].endswith("iter-000002.safetensors")
+
+
+def test_trace_errors_cross_processes_whole():
+    for cls in (TraceError, ConfigMismatchError):
+        e = pickle.loads(pickle.dumps(cls("bad", path="/x/rank-00001/f", rank=1, tensor="it1 m [forward] output")))
+        assert type(e) is cls and (e.message, e.path, e.rank, e.tensor) == ("bad", "/x/rank-00001/f", 1,
+                                                                             "it1 m [forward] output")
+        assert str(e) == str(cls("bad", path="/x/rank-00001/f", rank=1, tensor="it1 m [forward] output"))
+
+
+def test_only_microbatch_keys_go_to_the_pool():
+    from ttrace_megatron.keys import TensorKey
+
+    assert compare_workers.per_microbatch(TensorKey(1, 0, "decoder.layers.0.mlp", "forward", "output"))
+    assert not compare_workers.per_microbatch(TensorKey(1, -1, "decoder.layers.0.mlp.linear_fc1", "main_grad",
+                                                        "weight.main_grad"))

@@ -1,0 +1,131 @@
+"""Offline compare on several processes, with the serial verdict bit for bit.
+
+A comparison walks the keys in the reference's order, and some verdicts depend on earlier ones
+(:class:`~ttrace_megatron.step_bounds.StepBounds` learns from main grads, the clip coefficient and
+the previous iteration's moments; :class:`~ttrace_megatron.compare.Cancellation` from each
+microbatch's partial weight grads). What a key of one microbatch (forward, backward, a
+microbatch's weight grad, the loss) is judged by depends on nothing judged before it: those keys,
+most of a trace's bytes, are judged by a pool of worker processes. The parent walks the keys in
+order as the serial comparison does: it takes each microbatch key's verdict from the pool, in
+order, and tells its own :class:`Cancellation` the partial-sum magnitude the worker measured (the
+sums then add up in the serial order); it judges every per-iteration key (main grads, the
+optimizer's states, scalars and updates) itself, with the state they need. Every float a verdict
+holds is computed by the same code on the same inputs in either mode.
+
+Before any tensor is loaded, every data file's checksum is checked once, on threads (hashing and
+reads release the GIL), and the workers are told which files are verified. A damaged file is the
+same named :class:`~ttrace_megatron.errors.TraceError` as in a serial comparison.
+
+Memory: each worker holds one key at a time, as the serial comparison does, so the peak is per
+worker (BENCHMARKS.md, issue #35, measures it). Knows nothing about megatron.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
+from typing import TYPE_CHECKING, Iterator, List, Optional, Set, Tuple
+
+import torch
+
+from .keys import TensorKey
+from .trace_store import verify_files
+
+if TYPE_CHECKING:
+    from .compare import TensorResult, _TraceJudge
+
+# below this many candidate bytes in microbatch keys, starting processes costs more than it saves
+MIN_PARALLEL_BYTES = 256 << 20
+
+Dirs = Tuple[str, str, Optional[str]]  # reference, candidate, perturbation run (or None)
+
+_JUDGE: Optional["_TraceJudge"] = None  # a worker process's own
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def per_microbatch(key: TensorKey) -> bool:
+    """Judged by what it is alone: no verdict of an earlier key enters its bound."""
+    return key.microbatch >= 0
+
+
+def _candidate_bytes(judge: "_TraceJudge", keys: List[TensorKey]) -> int:
+    total = 0
+    for key in keys:
+        for _, rec in judge.cand_groups[key]:
+            itemsize = getattr(torch, rec.dtype, torch.float32).itemsize  # record dtypes are torch's names
+            total += itemsize * int(torch.Size(rec.shape).numel())
+    return total
+
+
+def judged_in_order(judge: "_TraceJudge", dirs: Dirs, workers: int) -> Iterator["TensorResult"]:
+    """Each of ``judge.common``'s verdicts, in order."""
+    readers = [r for r in (judge.ref, judge.cand, judge.pert) if r is not None]
+    verified = verify_files(readers, threads=max(1, workers))
+    parallel = [k for k in judge.common if per_microbatch(k)]
+    small = not parallel or _candidate_bytes(judge, parallel) < MIN_PARALLEL_BYTES
+    if workers <= 1 or small or not _main_importable():
+        for key in judge.common:
+            yield judge.tensor(key)
+        return
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["ttrace_megatron.compare"])
+    chunk = max(1, min(64, len(parallel) // (8 * workers)))
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
+                               initargs=(dirs, judge.tol_config, verified))
+    try:
+        from_pool = pool.map(_judge_key, parallel, chunksize=chunk)
+        for key in judge.common:
+            if not per_microbatch(key):
+                yield judge.tensor(key)
+                continue
+            if from_pool is not None:
+                try:
+                    result, magnitude = next(from_pool)
+                except BrokenProcessPool as e:
+                    # a worker could not start (a __main__ a new process cannot import, such as a
+                    # script read from stdin) or died: this key and the rest are judged here, which
+                    # gives the same verdicts
+                    print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
+                    from_pool = None
+            if from_pool is None:
+                yield judge.tensor(key)  # which tells its own Cancellation
+                continue
+            if magnitude is not None:
+                judge.cancellations.note_partial(key, magnitude)
+            yield result
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _main_importable() -> bool:
+    """A new process re-imports the parent's ``__main__`` from its file: not possible for a script
+    read from stdin (or ``-c``); such a caller compares in its own process."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path)
+
+
+def _start_worker(dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -> None:
+    global _JUDGE
+    from .compare import open_judge
+
+    torch.set_num_threads(1)  # the pool is the parallelism
+    _JUDGE = open_judge(*dirs, tol_config)
+    for reader in (_JUDGE.ref, _JUDGE.cand, _JUDGE.pert):
+        if reader is not None:
+            reader.verified |= verified
+
+
+def _judge_key(key: TensorKey):
+    result = _JUDGE.tensor(key)
+    return result, _JUDGE.partial_magnitudes.pop(key, None)
