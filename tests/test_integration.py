@@ -233,3 +233,22 @@ def test_megatron_lm_and_ttrace_run_write_one_model_signature(megatron_lm_runs, 
     assert _flat_keys(mlm) == _flat_keys(ours)
     assert mlm["model"]["bf16"] is True and ours["model"]["bf16"] is True
     assert {"seed", "seq_length", "micro_batch_size", "global_batch_size", "iterations"} <= set(mlm["training"])
+
+
+@pytest.mark.multiprocess
+def test_a_rank_past_its_timeout_is_shown_where_it_was(tmp_path):
+    """A run that outlives its timeout names each rank still running and the innermost frames of
+    its threads (each rank dumps them on SIGUSR1 before it is killed), not just "did not finish"."""
+    from conftest import load
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.errors import RunFailed
+
+    spec = RunSpec(recipe=load("gpt_tp2", train={"iterations": 1000}).to_json(), role=REFERENCE,
+                   trace=trace_options(str(tmp_path / "ref"), str(tmp_path / "seed.safetensors")))
+    with pytest.raises(RunFailed) as e:
+        launch(spec, timeout_s=3.0)
+    message = str(e.value)
+    assert "did not finish within 3 s; where its ranks were" in message
+    assert "--- reference rank 0, innermost frame first ---" in message
+    assert 'File "' in message and "line" in message

@@ -242,26 +242,35 @@ def ddp_config(recipe: Recipe):
 
 # selective recomputation's modules (recompute_modules): the ones checked on CPU, and why the others
 # are refused
-RECOMPUTE_MODULES_CHECKED = ("core_attn", "moe")
+RECOMPUTE_MODULES_CHECKED = ("core_attn", "moe", "mlp", "shared_experts")
+RECOMPUTE_MLP_WITH_BIAS = (
+    "recompute_modules 'mlp' with add_bias_linear: megatron-core's recomputed MLP hangs. The layer "
+    "checkpoints the MLP with tensor_parallel.checkpoint (megatron/core/transformer/transformer_layer.py:733 "
+    "in 0.16.1, unchanged on main of 2026-08-22), and the MLP returns linear_fc2's bias Parameter itself "
+    "(skip_bias_add). A Parameter returned from an autograd Function's forward becomes a non-leaf whose grad_fn "
+    "is that Function's backward, so CheckpointFunction.backward (tensor_parallel/random.py:566) backpropagates "
+    "into itself without end: measured, a TP2 candidate stuck with 100 re-entrant backward threads per rank. "
+    "Biasless MLPs (add_bias_linear false, as Llama-like models have) are traced")
 RECOMPUTE_MODULES_REFUSED = {
     "layernorm": "megatron-core recomputes the norms through CheckpointWithoutOutputFunction, which reads "
                  "TransformerEngine's FP8GlobalStateManager (megatron/core/tensor_parallel/random.py:589): needs "
                  "TransformerEngine",
-    "mlp": "megatron-core's recomputed MLP (megatron/core/transformer/transformer_layer.py, tensor_parallel.checkpoint "
-           "of self.mlp) did not finish on CPU within 120 s for a 2-layer, hidden-64 model: not verified by ttrace yet",
-    "moe_act": "recomputation of the experts' activations only: not verified by ttrace yet",
-    "shared_experts": "recomputation of the shared experts only: not verified by ttrace yet",
+    "moe_act": "megatron-core accepts it only with moe_grouped_gemm (megatron/core/transformer/transformer_config.py:1215), "
+               "whose grouped experts need TransformerEngine or the CUDA grouped_gemm package",
     "mla_up_proj": "multi-latent attention is not supported by ttrace yet",
 }
 
 
-def recompute_refused(granularity: Optional[str], modules) -> Optional[str]:
+def recompute_refused(granularity: Optional[str], modules, add_bias_linear: bool = True) -> Optional[str]:
     """Why ttrace cannot trace this activation recomputation (None: it can), from the fields of a
-    recipe or of a TransformerConfig alike (``ttrace run`` and ``--ttrace`` refuse by one rule)."""
+    recipe or of a TransformerConfig alike (``ttrace run`` and ``--ttrace`` refuse by one rule).
+    ``modules`` None: megatron's default, core attention."""
     if not granularity:
         return None
     if granularity == "selective":
-        for module in modules or RECOMPUTE_MODULES_CHECKED:
+        for module in modules or ("core_attn",):
+            if module == "mlp" and add_bias_linear:
+                return RECOMPUTE_MLP_WITH_BIAS
             if module not in RECOMPUTE_MODULES_CHECKED:
                 return f"recompute_modules {module!r}: " + RECOMPUTE_MODULES_REFUSED.get(module, "not verified by "
                                                                                          "ttrace yet")
@@ -276,7 +285,8 @@ def megatron_cannot_run(recipe: Recipe):
     model, opt = recipe.model, recipe.optimizer
     sizes = parallel_sizes(recipe.parallel)
     dp = recipe.world_size // (sizes["tp"] * sizes["pp"] * sizes["cp"])
-    recompute = recompute_refused(model.get("recompute_granularity"), model.get("recompute_modules"))
+    recompute = recompute_refused(model.get("recompute_granularity"), model.get("recompute_modules"),
+                                  model.get("add_bias_linear", True))
     if recompute:
         yield ("model", "recompute_granularity", recompute)
     if (model.get("num_moe_experts") and model.get("moe_expert_capacity_factor") is not None

@@ -10,8 +10,10 @@ its traceback is raised in the parent with the rank named.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import socket
 import tempfile
 import time
@@ -41,6 +43,9 @@ def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
     from . import worker_env
 
     worker_env.quiet_warnings()
+    # where each thread is, on SIGUSR1: what launch reports of a rank that outlived its timeout
+    stacks = open(os.path.join(error_dir, f"rank{rank}.stack"), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         if spec.cpu:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
@@ -57,6 +62,20 @@ def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
         with open(os.path.join(error_dir, f"rank{rank}.txt"), "w") as f:
             f.write(_where(e) + traceback.format_exc())
         os._exit(1)
+
+
+def _stack_tail(error_dir: str, rank: int, role: str, frames: int = 12) -> str:
+    """The innermost ``frames`` frames of each thread of a rank that was stopped at its timeout."""
+    try:
+        with open(os.path.join(error_dir, f"rank{rank}.stack")) as f:
+            text = f.read()
+    except OSError:
+        text = ""
+    if not text.strip():
+        return f"--- {role} rank {rank}: no stack (it did not answer SIGUSR1) ---"
+    threads = [t for t in text.split("\n\n") if t.strip()]
+    shown = ["\n".join(t.splitlines()[:frames + 1]) for t in threads]
+    return f"--- {role} rank {rank}, innermost frame first ---\n" + "\n".join(shown)
 
 
 def _where(error: BaseException) -> str:
@@ -105,6 +124,11 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
             if failed is not None or (deadline is not None and time.monotonic() > deadline):
                 break
             time.sleep(0.05)
+        hung = [r for r, p in enumerate(procs) if p.is_alive()] if failed is None else []
+        for r in hung:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+        if hung:
+            time.sleep(1.0)  # the dumps are written by each rank's own signal handler
         for p in procs:
             if p.is_alive():
                 p.kill()
@@ -131,6 +155,7 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
             elif p.exitcode not in (0, None) and failed is None:
                 errors.append(f"--- {spec.role} rank {r} exited with status {p.exitcode} ---")
         if failed is None and deadline is not None and time.monotonic() > deadline:
-            raise RunFailed(f"the {spec.role} run did not finish within {timeout_s:.0f} s")
+            raise RunFailed(f"the {spec.role} run did not finish within {timeout_s:.0f} s; where its ranks were:\n"
+                            + "\n".join(_stack_tail(error_dir, r, spec.role) for r in hung))
         if errors:
             raise RunFailed(f"the {spec.role} run failed:\n" + "\n".join(errors))

@@ -114,7 +114,7 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
     from ..recipe.config import recompute_refused
 
     recompute = recompute_refused(getattr(config, "recompute_granularity", None),
-                                  getattr(config, "recompute_modules", None))
+                                  getattr(config, "recompute_modules", None), getattr(config, "add_bias_linear", True))
     if recompute:
         problems.append(recompute)
     tf32 = tf32_refusal(config, _parameter_device_type(chunks))
