@@ -10,7 +10,7 @@ import fnmatch
 import itertools
 import math
 import os
-from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -498,6 +498,22 @@ def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
     return first.layout
 
 
+def with_recomputed_aliases(ref_groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]],
+                            candidate_keys: Iterable[TensorKey]) -> None:
+    """A candidate that recomputes activations records each recomputed module's output again
+    (``keys.RECOMPUTED_OUTPUT``): it is judged against the reference's output of the same call, so
+    that a recomputation which computes something else is named as such (BENCHMARKS.md, issue #33)."""
+    for key in candidate_keys:
+        base = keys.reference_key(key)
+        if base != key and base in ref_groups:
+            ref_groups[key] = ref_groups[base]
+
+
+def in_order(keys_: Iterable[TensorKey], order: Dict[TensorKey, int]) -> List[TensorKey]:
+    """Keys in execution order; a recomputed output right after the output it recomputes."""
+    return sorted(keys_, key=lambda k: (order[k], k.tensor == keys.RECOMPUTED_OUTPUT))
+
+
 def reference_order(groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]) -> Dict[TensorKey, int]:
     """Execution order of each key: the reference's recording order."""
     return {key: min(rec.seq + rt.rank * 10**9 for rt, rec in pieces) for key, pieces in groups.items()}
@@ -578,12 +594,14 @@ class _TraceJudge:
         self.num_layers = int(ref.run.get("num_layers", 0))
         self.ref_groups = ref_groups = group_records(ref)
         self.cand_groups = group_records(cand)
+        with_recomputed_aliases(ref_groups, self.cand_groups)
+        with_recomputed_aliases(self.pert_groups, self.cand_groups)
         self.update_check = UpdateCheck.for_runs(ref, ref_groups, cand, self.cand_groups, tol_config)
         self.order = order = reference_order(ref_groups)
         unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand.run)}
         both = set(ref_groups) & set(self.cand_groups)
-        self.unjudged = sorted((k for k in both if coverage.param_of(k) in unjudged_params), key=lambda k: order[k])
-        self.common = sorted(both - set(self.unjudged), key=lambda k: order[k])
+        self.unjudged = in_order((k for k in both if coverage.param_of(k) in unjudged_params), order)
+        self.common = in_order(both - set(self.unjudged), order)
         self.cancellations = Cancellation(ref, ref_groups)
         self.step_bounds = StepBounds(ref.run, self.num_layers, tol_config, has_reference=lambda k: k in ref_groups)
         self.reclip = Reclip(ref, ref_groups)

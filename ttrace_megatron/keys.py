@@ -29,6 +29,9 @@ OPTIMIZER_MODULE = "optimizer"
 # ---- tensor names
 INPUT = "input"  # a module's first input (forward)
 OUTPUT = "output"  # a module's first output (forward)
+# the same output as activation recomputation computed it again inside the backward (the candidate's
+# alone: the reference keeps its activations), judged against the reference's output
+RECOMPUTED_OUTPUT = "recomputed_output"
 GRAD_INPUT = "grad_input"  # the grad w.r.t. a module's input: its dgrad (backward)
 GRAD_OUTPUT = "grad_output"  # the grad arriving at a module's output (backward)
 PER_TOKEN_LOSS = "per_token_loss"
@@ -110,6 +113,7 @@ class TensorKind(enum.Enum):
 
 
 _ACTIVATIONS = {(FORWARD, INPUT): TensorKind.INPUT, (FORWARD, OUTPUT): TensorKind.OUTPUT,
+                (FORWARD, RECOMPUTED_OUTPUT): TensorKind.OUTPUT,
                 (BACKWARD, GRAD_INPUT): TensorKind.GRAD_INPUT, (BACKWARD, GRAD_OUTPUT): TensorKind.GRAD_OUTPUT}
 
 # the kind of a GEMM operand an amax summarizes (fp8 emulation: input, weight, grad_output)
@@ -276,6 +280,14 @@ def is_exact_data(key: TensorKey) -> bool:
     """A mask the model was handed (loss or padding mask): data, equal in two correct runs to the
     last bit, so any difference is a bug, whatever the dtype's round-off."""
     return key.phase == FORWARD and key.tensor in EXACT_DATA
+
+
+def reference_key(key: TensorKey) -> TensorKey:
+    """The key the reference records a candidate's tensor under: a recomputed output is the output
+    of the same call (the reference does not recompute)."""
+    if key.phase == FORWARD and key.tensor == RECOMPUTED_OUTPUT:
+        return dataclasses.replace(key, tensor=OUTPUT)
+    return key
 
 
 def is_per_microbatch(key: TensorKey) -> bool:

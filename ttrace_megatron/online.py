@@ -31,8 +31,9 @@ import torch
 
 from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, blank_shard_sums,
                       check_compatible,
-                      combine_shards, decide, group_records, logical_tensor, missing_reference, piece_norm,
-                      reference_order, replica_note, shard_sums, OVERFLOW_PHASES, overflowed_iterations)
+                      combine_shards, decide, group_records, in_order, logical_tensor, missing_reference, piece_norm,
+                      reference_order, replica_note, shard_sums, with_recomputed_aliases, OVERFLOW_PHASES,
+                      overflowed_iterations)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
@@ -82,7 +83,7 @@ class OnlineComparer:
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
 
     def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout) -> ShardSums:
-        pieces = self._reference_groups.get(key)
+        pieces = self._reference_groups.get(keys.reference_key(key))
         if pieces is None:
             return missing_reference(key, cand, layout, self.coords)
         if any(isinstance(p, Partial) for p in layout.placements):
@@ -229,24 +230,23 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     check_compatible(ref.run, cand_run, candidate_dir)
     num_layers = int(ref.run.get("num_layers", 0))
     ref_groups = group_records(ref)
-    order = reference_order(ref_groups)
-
     by_key: Dict[TensorKey, List[Tuple[int, ShardSums]]] = {}
     for rank in range(cand_run["world_size"]):
         for entry in _read_rank(candidate_dir, rank):
             by_key.setdefault(entry.key, []).append((rank, entry))
+    with_recomputed_aliases(ref_groups, by_key)
+    order = reference_order(ref_groups)
 
     results: List[TensorResult] = []
     skipped: List[TensorKey] = []
     unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand_run)}
-    unjudged = sorted((k for k in by_key if k in ref_groups and coverage.param_of(k) in unjudged_params),
-                      key=lambda k: order[k])
+    unjudged = in_order((k for k in by_key if k in ref_groups and coverage.param_of(k) in unjudged_params), order)
     judged = set(by_key) - set(unjudged)
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
     cancellations = Cancellation(ref, ref_groups)  # as compare_traces keeps them
     step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
     overflowed = overflowed_iterations(ref, ref_groups)
-    for key in sorted((k for k in judged if k in ref_groups), key=lambda k: order[k]):
+    for key in in_order((k for k in judged if k in ref_groups), order):
         entries = by_key[key]
         if entries and all(e.status == "partial" and e.partial_value is not None for _, e in entries):
             scalar, notes = _scalar_partial(key, entries, logical_tensor(ref, ref_groups[key]).tensor, candidate_dir)

@@ -113,8 +113,10 @@ class Recorder(Feature):
     def wants(self, call: Call, event: str) -> bool:
         if event == INPUT_ARRIVES and layouts.is_router(call.site.module):
             return True  # the recorder notes which router runs, recorded or not (_AuxLossTap)
-        if call.recompute and event in (INPUT_ARRIVES, OUTPUT_LEAVES):
-            return False  # a recomputed forward: its values were recorded when it first ran
+        if call.recompute and event == INPUT_ARRIVES:
+            return False  # a recomputed forward: its input was recorded when it first ran
+        # a recomputed forward's output is recorded again (keys.RECOMPUTED_OUTPUT) and judged against
+        # the reference's output: a recomputation that computes something else is named as such
         return self._wants(call.name, call.microbatch)
 
     def tracks_backward(self) -> bool:
@@ -133,8 +135,8 @@ class Recorder(Feature):
         return x
 
     def output_leaves(self, call: Call, out: torch.Tensor) -> torch.Tensor:
-        self._add(TensorKey(call.iteration, call.microbatch, call.name, keys.FORWARD, keys.OUTPUT),
-                  out, call.site)
+        tensor = keys.RECOMPUTED_OUTPUT if call.recompute else keys.OUTPUT
+        self._add(TensorKey(call.iteration, call.microbatch, call.name, keys.FORWARD, tensor), out, call.site)
         return out
 
     def grad_arrives(self, call: Call, grad: torch.Tensor) -> torch.Tensor:
