@@ -71,3 +71,4 @@ def test_only_microbatch_keys_go_to_the_pool():
     assert compare_workers.per_microbatch(TensorKey(1, 0, "decoder.layers.0.mlp", "forward", "output"))
     assert not compare_workers.per_microbatch(TensorKey(1, -1, "decoder.layers.0.mlp.linear_fc1", "main_grad",
                                                         "weight.main_grad"))
+

@@ -721,8 +721,7 @@ class UpdateCheck:
     def for_runs(ref: TraceReader, ref_groups, cand: TraceReader, cand_groups,
                  tol_config: ToleranceConfig) -> Optional["UpdateCheck"]:
         rule = AdamRule.from_run(ref.run)
-        lockstep = cand.run.get("lockstep_reference")
-        if rule is None or not lockstep or not _same_dir(lockstep, ref.dir):
+        if rule is None or not in_lockstep(ref.run, cand.run, ref.dir):
             return None
         return UpdateCheck(rule, ref, ref_groups, cand, cand_groups, tol_config)
 
@@ -789,6 +788,28 @@ def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor
     return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
                                reason=result.reason or v.problem,
                                tolerance_source=f"top-k choice judged by its scores: {selection.describe(v, row)}")
+
+
+def in_lockstep(reference_run: dict, candidate_run: dict, reference_dir: str) -> bool:
+    """Whether the candidate ran in lock-step with this reference: by the reference's ``run_id``,
+    wherever the two directories lie now; traces from before run ids, by the path recorded."""
+    wanted = candidate_run.get("lockstep_reference_id")
+    if wanted or reference_run.get("run_id"):
+        return bool(wanted) and wanted == reference_run.get("run_id")
+    lockstep = candidate_run.get("lockstep_reference")
+    return bool(lockstep) and _same_dir(lockstep, reference_dir)
+
+
+def lockstep_note(reference_run: dict, candidate_run: dict, reference_dir: str) -> Optional[str]:
+    """What the report says of the optimizer's updates when the candidate stepped in lock-step with
+    another reference than this one (None: in lock-step with this one, or never in lock-step)."""
+    if not (candidate_run.get("lockstep_reference_id") or candidate_run.get("lockstep_reference")):
+        return None
+    if in_lockstep(reference_run, candidate_run, reference_dir):
+        return None
+    return ("not in lock-step with this reference (the candidate stepped with run "
+            f"{candidate_run.get('lockstep_reference_id') or candidate_run.get('lockstep_reference')}): "
+            "updates judged under the free-running bound")
 
 
 def _same_dir(a: str, b: str) -> bool:

@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from . import coverage
-from .compare import FAIL, PASS, Comparison, TensorResult
+from .compare import FAIL, PASS, Comparison, TensorResult, lockstep_note
 from .keys import PHASES, TensorKind
 
 
@@ -58,6 +58,7 @@ def to_json(c: Comparison) -> dict:
         "unjudged": [str(k) for k in c.unjudged],
         "coverage": c.coverage,
         "resolution": resolution(c.results),
+        "lockstep": lockstep_note(c.reference_run, c.candidate_run, c.reference_dir),
         "tensors": [dict(_mismatch_json(r), verdict=r.verdict, error=_num(r.error), eps=r.eps, depth=r.depth,
                          order=r.order, shape=list(r.shape))
                     for r in c.results],
@@ -204,6 +205,8 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
     if report.get("versions_differ"):
         console.print("the two sides ran different library versions: " + "; ".join(report["versions_differ"]))
     render_coverage(report.get("coverage"), console, max_rows)
+    if report.get("lockstep"):
+        console.print(f"[yellow]{report['lockstep']}[/]")
     res = report.get("resolution")
     if res and res.get("warn"):
         console.print(f"[yellow]resolution: a tolerance of {res['loosest_relative']:.2g} relative error "

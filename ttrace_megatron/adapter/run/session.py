@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import uuid
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -224,6 +225,9 @@ def _write_run_info(options: TraceOptions, chunks: List, optimizer, config, fact
             "replay_reference": os.path.abspath(options.replay) if options.replay else None,
             "perturbation_seed": options.perturb or None,
             "lockstep_reference": os.path.abspath(options.lockstep) if options.lockstep else None,
+            # identity by content, not by path: a moved or copied pair is still a lock-step pair
+            "run_id": uuid.uuid4().hex,
+            "lockstep_reference_id": run_id_of(options.lockstep) if options.lockstep else None,
             "record_filter": {"iterations": options.iterations, "modules": list(options.modules),
                               "microbatches": options.microbatches, "ranks": options.ranks}}
     opt_config = getattr(optimizer, "config", None)
@@ -235,6 +239,14 @@ def _write_run_info(options: TraceOptions, chunks: List, optimizer, config, fact
     info.update(_unobserved(chunks, config, facts, sizes))
     info.update(run_info or {})
     write_run_info(options.dir, info)
+
+
+def run_id_of(trace_dir: str) -> Optional[str]:
+    """The ``run_id`` a trace's ``run.json`` holds (None: a trace of a ttrace before run ids)."""
+    from ...trace_store import RUN_FILE, read_json
+
+    run = read_json(os.path.join(trace_dir, RUN_FILE), rank=None)
+    return run.get("run_id") if isinstance(run, dict) else None
 
 
 def _unobserved(chunks: List, config, facts, sizes: Dict[str, int]) -> Dict[str, Any]:

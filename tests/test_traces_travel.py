@@ -1,0 +1,53 @@
+"""Traces that travel (issue #38): a moved, copied or archived pair gives the same verdict."""
+
+import json
+import os
+import shutil
+import tarfile
+
+import pytest
+
+from conftest import load
+from ttrace_megatron.compare import compare_traces
+from ttrace_megatron.report import to_json
+
+WHERE = ("reference", "candidate")  # the report names the directories it read
+
+
+def _without_paths(report):
+    return json.dumps({k: v for k, v in report.items() if k not in WHERE}, sort_keys=True)
+
+
+@pytest.mark.multiprocess
+def test_a_moved_copied_or_archived_pair_gives_the_same_report(runs, tmp_path):
+    """The candidate names its lock-step reference by the reference's run_id, not its path: a pair
+    copied or archived elsewhere is judged as before, its Adam updates element by element."""
+    ref, cand = runs.candidate(load("gpt_tp2"))
+    before = to_json(compare_traces(ref, cand))
+    assert before["lockstep"] is None and before["verdict"] == "pass"
+    assert any(t["tolerance_source"].startswith("Adam update") for t in before["tensors"])
+    copied = tmp_path / "copied"
+    shutil.copytree(os.path.dirname(ref), copied)
+    with tarfile.open(tmp_path / "pair.tar", "w") as tar:
+        tar.add(copied, arcname="pair")
+    with tarfile.open(tmp_path / "pair.tar") as tar:
+        tar.extractall(tmp_path / "untarred", filter="data")
+    moved = tmp_path / "moved"
+    shutil.move(str(tmp_path / "untarred" / "pair"), moved)
+    for root in (copied, moved):
+        after = to_json(compare_traces(str(root / "reference"), str(root / os.path.basename(cand))))
+        assert _without_paths(after) == _without_paths(before)
+
+
+@pytest.mark.multiprocess
+def test_a_reference_that_is_not_the_lockstep_partner_is_said_so(runs, tmp_path):
+    """A reference run again (same recipe, another run_id) is not the run the candidate stepped with:
+    the report says its updates were judged under the free-running bound."""
+    ref, cand = runs.candidate(load("gpt_tp2"))
+    again = tmp_path / "reference"
+    shutil.copytree(ref, again)
+    run = json.loads((again / "run.json").read_text())
+    (again / "run.json").write_text(json.dumps(dict(run, run_id="another-run")))
+    report = to_json(compare_traces(str(again), cand))
+    assert report["lockstep"] and "not in lock-step with this reference" in report["lockstep"]
+    assert not any(t["tolerance_source"].startswith("Adam update") for t in report["tensors"])
