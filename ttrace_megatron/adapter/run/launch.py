@@ -45,6 +45,9 @@ def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
     worker_env.quiet_warnings()
     # where each thread is, on SIGUSR1: what launch reports of a rank that outlived its timeout
     stacks = open(os.path.join(error_dir, f"rank{rank}.stack"), "w")
+    # which process a rank is, and whose trace it writes, for whoever watches the run
+    stacks.write(f"pid {os.getpid()} trace {getattr(spec.trace, 'dir', '')}\n")
+    stacks.flush()
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     try:
         if spec.cpu:
@@ -64,6 +67,33 @@ def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
         os._exit(1)
 
 
+def rank_ended(role: str, rank: int, exitcode: int, trace_dir: Optional[str]) -> str:
+    """A rank that ended with no Python error of its own: its side, rank, exit status or signal,
+    and how far its trace got (the last whole iteration its manifest lists, and its last tensor)."""
+    if exitcode < 0:
+        try:
+            name = signal.Signals(-exitcode).name
+        except ValueError:
+            name = f"signal {-exitcode}"
+        how = f"was killed by {name}"
+        if name == "SIGKILL":
+            how += " (the kernel's OOM killer sends SIGKILL too: see dmesg)"
+    else:
+        how = f"exited with status {exitcode}"
+    where = "its trace holds no whole iteration"
+    manifest = os.path.join(trace_dir, f"rank-{rank:05d}", "manifest.json") if trace_dir else None
+    try:
+        with open(manifest) as f:
+            records = json.load(f).get("records") or []
+        if records:
+            last = records[-1]["key"]
+            where = (f"its trace reached iteration {last['iteration']} (the last whole one; its last tensor "
+                     f"{last['module']} [{last['phase']}] {last['tensor']})")
+    except (OSError, TypeError, ValueError, KeyError):
+        pass
+    return f"--- {role} rank {rank} {how}; {where} ---"
+
+
 def _stack_tail(error_dir: str, rank: int, role: str, frames: int = 12) -> str:
     """The innermost ``frames`` frames of each thread of a rank that was stopped at its timeout."""
     try:
@@ -71,6 +101,8 @@ def _stack_tail(error_dir: str, rank: int, role: str, frames: int = 12) -> str:
             text = f.read()
     except OSError:
         text = ""
+    if text.startswith("pid "):
+        text = text.split("\n", 1)[1] if "\n" in text else ""
     if not text.strip():
         return f"--- {role} rank {rank}: no stack (it did not answer SIGUSR1) ---"
     threads = [t for t in text.split("\n\n") if t.strip()]
@@ -125,6 +157,7 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
                 break
             time.sleep(0.05)
         hung = [r for r, p in enumerate(procs) if p.is_alive()] if failed is None else []
+        stopped = [r for r, p in enumerate(procs) if p.is_alive()]  # ended by this function, not by a fault
         for r in hung:
             os.kill(procs[r].pid, signal.SIGUSR1)
         if hung:
@@ -147,13 +180,15 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
                 with open(path) as f:
                     raise BuiltOtherwise(json.load(f), side=spec.role, rank=r)
         errors = []
-        for r, p in enumerate(procs):
+        for r in sorted(range(len(procs)), key=lambda r: r != failed):  # the rank that failed first
             path = os.path.join(error_dir, f"rank{r}.txt")
             if os.path.exists(path):
                 with open(path) as f:
                     errors.append(f"--- {spec.role} rank {r} ---\n{f.read()}")
-            elif p.exitcode not in (0, None) and failed is None:
-                errors.append(f"--- {spec.role} rank {r} exited with status {p.exitcode} ---")
+            elif procs[r].exitcode not in (0, None) and r not in stopped:
+                errors.append(rank_ended(spec.role, r, procs[r].exitcode, getattr(spec.trace, "dir", None)))
+        if errors and stopped:
+            errors.append(f"(ranks {', '.join(map(str, stopped))} were stopped by ttrace once rank {failed} had failed)")
         if failed is None and deadline is not None and time.monotonic() > deadline:
             raise RunFailed(f"the {spec.role} run did not finish within {timeout_s:.0f} s; where its ranks were:\n"
                             + "\n".join(_stack_tail(error_dir, r, spec.role) for r in hung))
