@@ -67,6 +67,9 @@ class Comparison:
     skipped: List[TensorKey] = dataclasses.field(default_factory=list)  # not judgeable (online partial sums)
     # tensors of parameters a run declares it does not judge (run.json unjudged_params), with why
     unjudged: List[TensorKey] = dataclasses.field(default_factory=list)
+    # not judged: computed after the first step by two sides that, not in lock-step, train different
+    # weights (FREE_RUNNING says why); their updated parameters are judged element by element
+    diverged: List[TensorKey] = dataclasses.field(default_factory=list)
 
     @property
     def coverage(self) -> dict:
@@ -580,7 +583,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     missing_in_candidate = [k for k in absent if not not_recorded_by(cand.run, k)]
     missing_in_reference = sorted(set(judge.cand_groups) - set(judge.ref_groups), key=str)
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
-                      ref.run, cand.run, skipped=skipped, unjudged=judge.unjudged)
+                      ref.run, cand.run, skipped=skipped, unjudged=judge.unjudged, diverged=judge.diverged)
 
 
 class _TraceJudge:
@@ -601,7 +604,15 @@ class _TraceJudge:
         unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand.run)}
         both = set(ref_groups) & set(self.cand_groups)
         self.unjudged = in_order((k for k in both if coverage.param_of(k) in unjudged_params), order)
-        self.common = in_order(both - set(self.unjudged), order)
+        first = min((k.iteration for k in ref_groups), default=1)
+        free = self.update_check is not None and not self.update_check.lockstep
+        # a candidate lock-stepped with another reference started each step from that reference's
+        # parameters, which this comparison does not have: its updates after the first step cannot
+        # be judged either
+        elsewhere = bool(cand.run.get("lockstep_reference_id") or cand.run.get("lockstep_reference"))
+        self.diverged = in_order((k for k in both if free and k.iteration > first and k not in self.unjudged
+                                  and (elsewhere or not keys.is_updated_value(k))), order)
+        self.common = in_order(both - set(self.unjudged) - set(self.diverged), order)
         self.cancellations = Cancellation(ref, ref_groups)
         self.step_bounds = StepBounds(ref.run, self.num_layers, tol_config, has_reference=lambda k: k in ref_groups)
         self.reclip = Reclip(ref, ref_groups)
@@ -706,13 +717,17 @@ class Reclip:
 
 
 class UpdateCheck:
-    """Updated parameters judged element by element by the update rule (``update_rules``): for
-    Adam, when the candidate ran in lock-step with this reference, so both steps started from the
-    same parameters and state."""
+    """Updated parameters judged element by element by the update rule (``update_rules``), for Adam.
+    In lock-step with this reference both steps started from the same parameters. Otherwise each
+    side stepped from its own: its previous parameter (the iteration before's, as recorded; at the
+    first iteration the seed checkpoint both started from) enters the expected difference, so a
+    free-running pair is judged by each step's own round-off too (issue #38)."""
 
     def __init__(self, rule: AdamRule, ref: TraceReader, ref_groups, cand: TraceReader, cand_groups,
-                 tol_config: ToleranceConfig):
+                 tol_config: ToleranceConfig, lockstep: bool = True):
         self.rule, self.ref, self.ref_groups, self.cand, self.cand_groups = rule, ref, ref_groups, cand, cand_groups
+        self.lockstep = lockstep
+        self.first_iteration = min((k.iteration for k in ref_groups), default=1)
         self.k = tol_config.k
         self.param_groups = ref.run.get("param_groups") or {}
         self._scalars: Dict[TensorKey, Optional[float]] = {}  # the reference's lr and step, read once
@@ -721,9 +736,10 @@ class UpdateCheck:
     def for_runs(ref: TraceReader, ref_groups, cand: TraceReader, cand_groups,
                  tol_config: ToleranceConfig) -> Optional["UpdateCheck"]:
         rule = AdamRule.from_run(ref.run)
-        if rule is None or not in_lockstep(ref.run, cand.run, ref.dir):
+        if rule is None:
             return None
-        return UpdateCheck(rule, ref, ref_groups, cand, cand_groups, tol_config)
+        return UpdateCheck(rule, ref, ref_groups, cand, cand_groups, tol_config,
+                           lockstep=in_lockstep(ref.run, cand.run, ref.dir))
 
     def _scalar(self, key: TensorKey) -> Optional[float]:
         if key not in self._scalars:
@@ -751,15 +767,27 @@ class UpdateCheck:
                                  for s in (keys.EXP_AVG, keys.EXP_AVG_SQ)))
         missing = [n for n, v in scalars.items() if v is None] + (
             ["moments"] if any(m is None for pair in moments for m in pair) else [])
+        previous, decay, how = None, 0.0, "lock-step"
+        if not self.lockstep and key.iteration > self.first_iteration:
+            before = dataclasses.replace(key, iteration=key.iteration - 1)
+            previous = tuple(self._value(reader, groups, before)
+                             for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups)))
+            decay = self._scalar(TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER,
+                                           keys.step_setting(group, keys.WEIGHT_DECAY))) if group else None
+            if any(p is None for p in previous) or decay is None:
+                missing.append("previous parameters or weight decay")
+            how = "not in lock-step: each side from its own previous parameter"
+        elif not self.lockstep:
+            how = "not in lock-step, first iteration: both from the seed checkpoint"
         if missing:
             result.tolerance_source += f"; element-wise Adam check not possible: no {', '.join(missing)} recorded"
             return result
         v = judge_adam_update(self.rule, scalars["lr"], scalars["step"], param_dtype, cand_param, ref_param,
-                              moments[0], moments[1], k=self.k)
+                              moments[0], moments[1], k=self.k, previous=previous, weight_decay=decay or 0.0)
         ok = v.worst_ratio <= 1.0 and not result.reason
         tolerance_eps = result.error_eps / v.worst_ratio if v.worst_ratio > 0 and result.error_eps > 0 else \
             result.tolerance_eps
-        source = (f"Adam update, element-wise (lock-step): worst element {v.worst_ratio:.3g}× its round-off slack "
+        source = (f"Adam update, element-wise ({how}): worst element {v.worst_ratio:.3g}× its round-off slack "
                   f"(flat index {v.worst_index}: residual {v.residual:.3g}, slack {v.slack:.3g}; lr={scalars['lr']:g}, "
                   f"step {scalars['step']:g})")
         return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
@@ -790,6 +818,13 @@ def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor
                                tolerance_source=f"top-k choice judged by its scores: {selection.describe(v, row)}")
 
 
+FREE_RUNNING = ("not in lock-step with this reference: after the first step the two sides train different "
+                "weights, since Adam moves each element by about ±lr whatever its grad, so an element whose grad "
+                "is round-off moves either way; what the diverged weights compute has no round-off bound (nor do "
+                "the updates of a candidate that stepped from another reference's weights). Run the candidate in "
+                "lock-step with this reference to judge it")
+
+
 def in_lockstep(reference_run: dict, candidate_run: dict, reference_dir: str) -> bool:
     """Whether the candidate ran in lock-step with this reference: by the reference's ``run_id``,
     wherever the two directories lie now; traces from before run ids, by the path recorded."""
@@ -809,7 +844,7 @@ def lockstep_note(reference_run: dict, candidate_run: dict, reference_dir: str) 
         return None
     return ("not in lock-step with this reference (the candidate stepped with run "
             f"{candidate_run.get('lockstep_reference_id') or candidate_run.get('lockstep_reference')}): "
-            "updates judged under the free-running bound")
+            "updates judged element by element from each side's own previous parameters")
 
 
 def _same_dir(a: str, b: str) -> bool:

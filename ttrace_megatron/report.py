@@ -12,7 +12,7 @@ from rich.panel import Panel
 from rich.table import Table
 
 from . import coverage
-from .compare import FAIL, PASS, Comparison, TensorResult, lockstep_note
+from .compare import FAIL, FREE_RUNNING, PASS, Comparison, TensorResult, lockstep_note
 from .keys import PHASES, TensorKind
 
 
@@ -56,6 +56,7 @@ def to_json(c: Comparison) -> dict:
         "missing_in_reference": [str(k) for k in c.missing_in_reference],
         "skipped": [str(k) for k in c.skipped],
         "unjudged": [str(k) for k in c.unjudged],
+        "diverged": {"why": FREE_RUNNING, "tensors": [str(k) for k in c.diverged]} if c.diverged else None,
         "coverage": c.coverage,
         "resolution": resolution(c.results),
         "lockstep": lockstep_note(c.reference_run, c.candidate_run, c.reference_dir),
@@ -207,6 +208,9 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
     render_coverage(report.get("coverage"), console, max_rows)
     if report.get("lockstep"):
         console.print(f"[yellow]{report['lockstep']}[/]")
+    if report.get("diverged"):
+        console.print(f"[yellow]{len(report['diverged']['tensors'])} tensors not judged: "
+                      f"{report['diverged']['why']}[/]")
     res = report.get("resolution")
     if res and res.get("warn"):
         console.print(f"[yellow]resolution: a tolerance of {res['loosest_relative']:.2g} relative error "

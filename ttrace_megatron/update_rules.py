@@ -83,10 +83,17 @@ class UpdateVerdict:
 
 def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
                       cand_param: torch.Tensor, ref_param: torch.Tensor,
-                      cand_moments, ref_moments, k: float = 4.0) -> UpdateVerdict:
+                      cand_moments, ref_moments, k: float = 4.0,
+                      previous=None, weight_decay: float = 0.0) -> UpdateVerdict:
     """Element by element: is the candidate's updated parameter the reference's moved by the
     difference of the two runs' own Adam directions? (``*_moments``: (exp_avg, exp_avg_sq)
-    after the step; all logical tensors of one shape.)"""
+    after the step; all logical tensors of one shape.)
+
+    ``previous``: (candidate's, reference's) parameter before the step, when the two runs did not
+    start it from the same one (no lock-step: each side steps from its own). Their difference,
+    decayed as the step decays it, is then part of the expected difference, and each side's own
+    rounding of ``p·(1 − lr·wd)`` part of the slack: the step's own round-off is judged at every
+    iteration, not what earlier steps left behind."""
     u_c = rule.direction(*cand_moments, step)
     u_r = rule.direction(*ref_moments, step)
     pc = cand_param.to(torch.float64)
@@ -96,6 +103,10 @@ def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
     # each stored parameter is rounded once: by u_fmt of its size, or by half the subnormal gap
     # below the smallest normal number (fp16's: weights under 6e-5 round to multiples of 2^-24)
     stored = fmt.unit_roundoff * (pc.abs() + pr.abs()) + fmt.smallest_subnormal
+    if previous is not None:
+        prev_c, prev_r = (t.to(torch.float64).reshape(pc.shape) for t in previous)
+        residual = residual - (1.0 - lr * weight_decay) * (prev_c - prev_r)
+        stored = stored + U_32 * (prev_c.abs() + prev_r.abs())
     slack = k * (stored + 4.0 * U_32 * lr * (u_c.abs() + u_r.abs()))
     slack = torch.clamp(slack, min=torch.finfo(torch.float64).tiny)
     ratio = (residual.abs() / slack).reshape(-1)
