@@ -37,6 +37,9 @@ def _mismatch_json(r: TensorResult) -> dict:
             "reason": r.reason, "tolerance_source": r.tolerance_source}
 
 
+WIDE_REPORT = 150  # columns from which the report's tables show errors and tolerances side by side
+
+
 def to_json(c: Comparison) -> dict:
     first = c.first_mismatch
     return {
@@ -227,10 +230,13 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
         cell = worst.setdefault(t["depth"], {}).get(t["phase"])
         if cell is None or ratio > cell["ratio"]:
             worst[t["depth"]][t["phase"]] = dict(t, ratio=ratio)
-    table = Table(title="worst error / tolerance per layer (ε units)", show_lines=False)
-    table.add_column("layer")
+    narrow = console.width < WIDE_REPORT  # an 80-column terminal: ratios, and one mismatch a record
+    title = ("worst error ÷ tolerance per layer (> 1 fails)" if narrow
+             else "worst error / tolerance per layer (ε units)")
+    table = Table(title=title, show_lines=False)
+    table.add_column("layer", no_wrap=True)
     for phase in PHASES:
-        table.add_column(phase, justify="right")
+        table.add_column(phase, justify="right", no_wrap=True)
     for depth in sorted(worst):
         row = [_layer_label(depth, num_layers)]
         for phase in PHASES:
@@ -241,11 +247,20 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
             e = t["error_eps"]
             e_s = f"{e:.3g}" if isinstance(e, (int, float)) else str(e)
             style = "red" if t["verdict"] == FAIL else "green"
-            row.append(f"[{style}]{e_s} / {_g(t['tolerance_eps'])}[/]")
+            row.append(f"[{style}]{_g(t['ratio'])}[/]" if narrow else f"[{style}]{e_s} / {_g(t['tolerance_eps'])}[/]")
         table.add_row(*row)
     console.print(table)
     fails = [t for t in tensors if t["verdict"] == FAIL]
-    if fails:
+    if fails and narrow:
+        console.print(f"first mismatches in execution order ({len(fails)} in all):")
+        for n, t in enumerate(sorted(fails, key=lambda t: t["order"])[:max_rows], 1):
+            e = t["error_eps"]
+            mb = "" if t["microbatch"] < 0 else f" mb{t['microbatch']}"
+            console.print(f"{n:2d}. it{t['iteration']}{mb} {t['module']}", overflow="fold")
+            console.print(f"    {t['phase']} {t['tensor']}: {_g(e) if isinstance(e, (int, float)) else e} ε, "
+                          f"tolerance {_g(t['tolerance_eps'])} ε" + (f"; {t['reason']}" if t.get("reason") else ""),
+                          overflow="fold")
+    elif fails:
         ft = Table(title=f"first mismatches in execution order ({len(fails)} in all)")
         for col in ("iter", "mb", "module", "phase", "tensor", "error ε", "tol ε"):
             ft.add_column(col, no_wrap=col in ("module", "tensor"))
