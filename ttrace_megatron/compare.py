@@ -398,11 +398,16 @@ def piece_norm(piece: torch.Tensor, layout: Layout) -> float:
     return float(torch.linalg.vector_norm(piece.detach().to(torch.float64))) / layout.scale
 
 
-def cancellation_factor(magnitude: float, total: torch.Tensor) -> float:
+def fp64_norm(t: torch.Tensor) -> float:
+    return float(torch.linalg.vector_norm(t.to(torch.float64)))
+
+
+def cancellation_factor(magnitude: float, total) -> float:
     """Σᵢ‖partialᵢ‖ / ‖Σᵢ partialᵢ‖ (≥ 1): how much larger than the sum its round-off may be, each
     partial having been rounded relative to its own magnitude. Σ‖pᵢ‖ bounds ‖Σ|pᵢ|‖ from above and
-    is what online compare can add up from per-rank norms, so both modes use it."""
-    norm = float(torch.linalg.vector_norm(total.to(torch.float64)))
+    is what online compare can add up from per-rank norms, so both modes use it. ``total``: the sum,
+    or its fp64 norm already taken."""
+    norm = total if isinstance(total, float) else fp64_norm(total)
     return max(1.0, magnitude / norm) if norm > 0 else 1.0
 
 
@@ -449,8 +454,12 @@ class BiasTerms:
             return 1.0
         factor = cancellation_factor(float(torch.linalg.vector_norm(sum(magnitudes))), reference)
         if key.kind is TensorKind.MAIN_GRAD:
-            self._main_factor[(key.iteration, key.module)] = factor
+            self.set_main_factor(key, factor)
         return factor
+
+    def set_main_factor(self, key: TensorKey, factor: float) -> None:
+        """A bias's main-grad factor, which its moments take (measured here or by a compare worker)."""
+        self._main_factor[(key.iteration, key.module)] = factor
 
 
 class Cancellation:
@@ -479,13 +488,24 @@ class Cancellation:
             and (key.iteration, coverage.param_of(key)) in self._grad_magnitude)
 
     def factor(self, key: TensorKey, reference: torch.Tensor) -> float:
+        return self.factor_measured(key, fp64_norm(reference) if self._reduced(key) else 0.0,
+                                    self.bias_terms.factor(key, reference))
+
+    def _reduced(self, key: TensorKey) -> bool:
+        return key.kind is TensorKind.MAIN_GRAD and (key.iteration, coverage.param_of(key)) in self._grad_magnitude
+
+    def factor_measured(self, key: TensorKey, reference_norm: float, bias: float) -> float:
+        """:meth:`factor` from what a worker measured of the reference (compare_workers): its fp64
+        norm and its bias-terms factor (which a moment of the same bias takes later)."""
         at = (key.iteration, coverage.param_of(key))
         reduced = 1.0
-        if key.kind is TensorKind.MAIN_GRAD and at in self._grad_magnitude:
-            reduced = self._main_grad[at] = cancellation_factor(self._grad_magnitude[at], reference)
+        if self._reduced(key):
+            reduced = self._main_grad[at] = cancellation_factor(self._grad_magnitude[at], reference_norm)
         elif key.kind is TensorKind.OPTIMIZER_STATE:
             reduced = self._main_grad.get(at, 1.0)
-        return max(reduced, self.bias_terms.factor(key, reference))
+        if key.kind is TensorKind.MAIN_GRAD and keys.param_name_of(key.tensor) == "bias":
+            self.bias_terms.set_main_factor(key, bias)
+        return max(reduced, bias)
 
 
 def _common_layout(pieces: List[Tuple[RankTrace, Record]]) -> Layout:
@@ -586,6 +606,19 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
                       ref.run, cand.run, skipped=skipped, unjudged=judge.unjudged, diverged=judge.diverged)
 
 
+@dataclasses.dataclass
+class MainGradMeasured:
+    """A main grad's measurements (:meth:`_TraceJudge.main_grad_measured`): small, sent between processes."""
+
+    entries: list
+    notes: list
+    observed: Optional[float]
+    cancellation: float  # its own, as a merged partial sum
+    reference_norm: float  # ‖ref‖ in fp64, for the cancellation factor of its microbatches' partials
+    bias_factor: float  # a bias's token-terms factor (1 otherwise)
+    replicas_split: bool  # judged shard by shard: replicas' differences can be measured if asked
+
+
 class _TraceJudge:
     """One offline comparison's state: both traces' records grouped by key, the keys to judge in the
     reference's order (and the ones no comparison can judge), and what judging a key needs beside
@@ -619,8 +652,40 @@ class _TraceJudge:
         self.overflowed = overflowed_iterations(ref, ref_groups)
         self.partial_magnitudes: Dict[TensorKey, float] = {}  # what note_partial was told, for compare_workers
 
-    def tensor(self, key: TensorKey) -> TensorResult:
-        """One key's verdict: the reference merged, the candidate merged or shard by shard."""
+    def main_grad_measured(self, key: TensorKey) -> "MainGradMeasured":
+        """What a main grad's verdict needs from the tensors, none of it from the judge's state: a
+        compare worker measures it, the parent decides it in order (:meth:`main_grad_decided`)."""
+        self._measured = {}
+        self.tensor(key, stop_before_state=True)
+        return self._measured.pop("main_grad")
+
+    def main_grad_decided(self, key: TensorKey, m: "MainGradMeasured") -> TensorResult:
+        cancellation = max(m.cancellation, self.cancellations.factor_measured(key, m.reference_norm, m.bias_factor))
+        return self._combine(key, m.entries, m.notes, m.observed, cancellation,
+                             self._replica_diff(key) if m.replicas_split else None)
+
+    def _replica_diff(self, key: TensorKey):
+        by_rank = {rt.rank: (rt, r) for rt, r in self.cand_groups[key]}
+
+        def replica_max_abs_diff(ranks):
+            loaded = [self.cand.load(*by_rank[r]) for r in ranks]
+            return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
+
+        return replica_max_abs_diff
+
+    def _combine(self, key, entries, notes, observed, cancellation, replica_max_abs_diff):
+        rec = self.ref_groups[key][0][1]
+        pieces = self.cand_groups[key]
+        roundoff = max((r.roundoff for _, r in pieces), key=abs)
+        if roundoff:
+            entries = [(rank, dataclasses.replace(e, roundoff=roundoff)) for rank, e in entries]
+        return combine_shards(key, entries, rec, self.num_layers, self.order[key], self.tol_config, self.cand.dir,
+                              notes, replica_max_abs_diff, observed, cancellation, step=self.step_bounds,
+                              overflowed=key.phase in OVERFLOW_PHASES and key.iteration in self.overflowed)
+
+    def tensor(self, key: TensorKey, stop_before_state: bool = False) -> TensorResult:
+        """One key's verdict: the reference merged, the candidate merged or shard by shard.
+        ``stop_before_state``: a main grad's measurements only (:meth:`main_grad_measured`)."""
         ref, cand, pert = self.ref, self.cand, self.pert
         rec = self.ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, self.ref_groups[key])
@@ -655,13 +720,13 @@ class _TraceJudge:
             entries = [(pieces[0][0].rank, shard_sums(key, cand_merged.tensor, whole, {}, judged_against))]
         else:
             entries, replica_max_abs_diff = self._shard_by_shard(key, pieces, judged_against)
+        if stop_before_state:
+            self._measured["main_grad"] = MainGradMeasured(
+                entries, notes, observed, cancellation, fp64_norm(ref_merged.tensor),
+                self.cancellations.bias_terms.factor(key, ref_merged.tensor), replica_max_abs_diff is not None)
+            return None
         cancellation = max(cancellation, self.cancellations.factor(key, ref_merged.tensor))
-        roundoff = max((r.roundoff for _, r in pieces), key=abs)
-        if roundoff:
-            entries = [(rank, dataclasses.replace(e, roundoff=roundoff)) for rank, e in entries]
-        result = combine_shards(key, entries, rec, self.num_layers, self.order[key], self.tol_config, cand.dir, notes,
-                                replica_max_abs_diff, observed, cancellation, step=self.step_bounds,
-                                overflowed=key.phase in OVERFLOW_PHASES and key.iteration in self.overflowed)
+        result = self._combine(key, entries, notes, observed, cancellation, replica_max_abs_diff)
         if element_wise:
             result = self.update_check.judge(result, key, cand_merged.tensor, ref_merged.tensor, pieces[0][1].dtype)
         if choice:

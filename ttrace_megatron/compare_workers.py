@@ -5,12 +5,14 @@ A comparison walks the keys in the reference's order, and some verdicts depend o
 the previous iteration's moments; :class:`~ttrace_megatron.compare.Cancellation` from each
 microbatch's partial weight grads). What a key of one microbatch (forward, backward, a
 microbatch's weight grad, the loss) is judged by depends on nothing judged before it: those keys,
-most of a trace's bytes, are judged by a pool of worker processes. The parent walks the keys in
-order as the serial comparison does: it takes each microbatch key's verdict from the pool, in
-order, and tells its own :class:`Cancellation` the partial-sum magnitude the worker measured (the
-sums then add up in the serial order); it judges every per-iteration key (main grads, the
-optimizer's states, scalars and updates) itself, with the state they need. Every float a verdict
-holds is computed by the same code on the same inputs in either mode.
+most of a trace's bytes, are judged by a pool of worker processes. So are the main grads'
+measurements (their shard sums, the reference's norm, a bias's token terms), whose verdict the
+parent then decides in order from its own state. The parent walks the keys in order as the serial
+comparison does: it takes each microbatch key's verdict from the pool, in order, and tells its own
+:class:`Cancellation` the partial-sum magnitude the worker measured (the sums then add up in the
+serial order); it judges the optimizer's states, scalars and updates itself, with the state they
+need (moments are re-clipped by the clip coefficient just judged). Every float a verdict holds is
+computed by the same code on the same inputs in either mode.
 
 Before any tensor is loaded, every data file's checksum is checked once, on threads (hashing and
 reads release the GIL), and the workers are told which files are verified. A damaged file is the
@@ -30,7 +32,7 @@ from typing import TYPE_CHECKING, Iterator, List, Optional, Set, Tuple
 
 import torch
 
-from .keys import TensorKey
+from .keys import TensorKey, TensorKind
 from .trace_store import verify_files
 
 if TYPE_CHECKING:
@@ -56,6 +58,13 @@ def per_microbatch(key: TensorKey) -> bool:
     return key.microbatch >= 0
 
 
+def measured_in_pool(key: TensorKey) -> bool:
+    """A key whose tensors a worker reads and measures: a microbatch's, judged there whole, or a main
+    grad, whose measurements the parent turns into a verdict in order (its cancellation factor
+    depends on the microbatches before it; its verdict feeds the step's bounds)."""
+    return per_microbatch(key) or key.kind is TensorKind.MAIN_GRAD
+
+
 def _candidate_bytes(judge: "_TraceJudge", keys: List[TensorKey]) -> int:
     total = 0
     for key in keys:
@@ -69,7 +78,7 @@ def judged_in_order(judge: "_TraceJudge", dirs: Dirs, workers: int) -> Iterator[
     """Each of ``judge.common``'s verdicts, in order."""
     readers = [r for r in (judge.ref, judge.cand, judge.pert) if r is not None]
     verified = verify_files(readers, threads=max(1, workers))
-    parallel = [k for k in judge.common if per_microbatch(k)]
+    parallel = [k for k in judge.common if measured_in_pool(k)]
     small = not parallel or _candidate_bytes(judge, parallel) < MIN_PARALLEL_BYTES
     if workers <= 1 or small or not _main_importable():
         for key in judge.common:
@@ -81,14 +90,14 @@ def judged_in_order(judge: "_TraceJudge", dirs: Dirs, workers: int) -> Iterator[
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
                                initargs=(dirs, judge.tol_config, verified))
     try:
-        from_pool = pool.map(_judge_key, parallel, chunksize=chunk)
+        from_pool = pool.map(_in_worker, parallel, chunksize=chunk)
         for key in judge.common:
-            if not per_microbatch(key):
+            if not measured_in_pool(key):
                 yield judge.tensor(key)
                 continue
             if from_pool is not None:
                 try:
-                    result, magnitude = next(from_pool)
+                    out = next(from_pool)
                 except BrokenProcessPool as e:
                     # a worker could not start (a __main__ a new process cannot import, such as a
                     # script read from stdin) or died: this key and the rest are judged here, which
@@ -96,8 +105,12 @@ def judged_in_order(judge: "_TraceJudge", dirs: Dirs, workers: int) -> Iterator[
                     print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
                     from_pool = None
             if from_pool is None:
-                yield judge.tensor(key)  # which tells its own Cancellation
+                yield judge.tensor(key)  # which tells its own Cancellation and StepBounds
                 continue
+            if not per_microbatch(key):
+                yield judge.main_grad_decided(key, out)
+                continue
+            result, magnitude = out
             if magnitude is not None:
                 judge.cancellations.note_partial(key, magnitude)
             yield result
@@ -126,6 +139,10 @@ def _start_worker(dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -
             reader.verified |= verified
 
 
-def _judge_key(key: TensorKey):
+def _in_worker(key: TensorKey):
+    if not per_microbatch(key):
+        measured = _JUDGE.main_grad_measured(key)
+        _JUDGE.partial_magnitudes.pop(key, None)
+        return measured
     result = _JUDGE.tensor(key)
     return result, _JUDGE.partial_magnitudes.pop(key, None)
