@@ -593,7 +593,7 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     judge = open_judge(reference_dir, candidate_dir, perturbed, tol_config)
     ref, cand = judge.ref, judge.cand
     results: List[TensorResult] = []
-    for i, result in enumerate(judged_in_order(judge, (reference_dir, candidate_dir, perturbed), workers)):
+    for i, result in enumerate(judged_in_order(judge, (reference_dir, candidate_dir, perturbed), workers, open_judge)):
         results.append(result)
         if progress:
             progress(i + 1, len(judge.common))

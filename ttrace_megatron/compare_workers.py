@@ -28,22 +28,21 @@ import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
-from typing import TYPE_CHECKING, Iterator, List, Optional, Set, Tuple
+from typing import Callable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
 from .keys import TensorKey, TensorKind
 from .trace_store import verify_files
 
-if TYPE_CHECKING:
-    from .compare import TensorResult, _TraceJudge
-
+# the judge and its verdicts are compare's (``_TraceJudge``, ``TensorResult``): compare imports this
+# module, not the other way round; a worker is handed compare's ``open_judge`` to build its own
 # below this many candidate bytes in microbatch keys, starting processes costs more than it saves
 MIN_PARALLEL_BYTES = 256 << 20
 
 Dirs = Tuple[str, str, Optional[str]]  # reference, candidate, perturbation run (or None)
 
-_JUDGE: Optional["_TraceJudge"] = None  # a worker process's own
+_JUDGE = None  # a worker process's own judge (compare._TraceJudge)
 
 
 def available_cores() -> int:
@@ -65,7 +64,7 @@ def measured_in_pool(key: TensorKey) -> bool:
     return per_microbatch(key) or key.kind is TensorKind.MAIN_GRAD
 
 
-def _candidate_bytes(judge: "_TraceJudge", keys: List[TensorKey]) -> int:
+def _candidate_bytes(judge, keys: List[TensorKey]) -> int:
     total = 0
     for key in keys:
         for _, rec in judge.cand_groups[key]:
@@ -74,8 +73,8 @@ def _candidate_bytes(judge: "_TraceJudge", keys: List[TensorKey]) -> int:
     return total
 
 
-def judged_in_order(judge: "_TraceJudge", dirs: Dirs, workers: int) -> Iterator["TensorResult"]:
-    """Each of ``judge.common``'s verdicts, in order."""
+def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> Iterator:
+    """Each of ``judge.common``'s verdicts, in order (``open_judge``: how a worker builds its own judge)."""
     readers = [r for r in (judge.ref, judge.cand, judge.pert) if r is not None]
     verified = verify_files(readers, threads=max(1, workers))
     parallel = [k for k in judge.common if measured_in_pool(k)]
@@ -88,7 +87,7 @@ def judged_in_order(judge: "_TraceJudge", dirs: Dirs, workers: int) -> Iterator[
     ctx.set_forkserver_preload(["ttrace_megatron.compare"])
     chunk = max(1, min(64, len(parallel) // (8 * workers)))
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
-                               initargs=(dirs, judge.tol_config, verified))
+                               initargs=(open_judge, dirs, judge.tol_config, verified))
     try:
         from_pool = pool.map(_in_worker, parallel, chunksize=chunk)
         for key in judge.common:
@@ -128,10 +127,8 @@ def _main_importable() -> bool:
     return path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path)
 
 
-def _start_worker(dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -> None:
+def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -> None:
     global _JUDGE
-    from .compare import open_judge
-
     torch.set_num_threads(1)  # the pool is the parallelism
     _JUDGE = open_judge(*dirs, tol_config)
     for reader in (_JUDGE.ref, _JUDGE.cand, _JUDGE.pert):
