@@ -104,9 +104,12 @@ def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
     # below the smallest normal number (fp16's: weights under 6e-5 round to multiples of 2^-24)
     stored = fmt.unit_roundoff * (pc.abs() + pr.abs()) + fmt.smallest_subnormal
     if previous is not None:
+        # as recorded, each previous parameter is its step's stored value: a bf16 model parameter is
+        # the rounding of the fp32 main parameter the optimizer stepped from, so their difference is
+        # known to u_fmt of each (and each side rounds its own p·(1 − lr·wd), u_32, below that)
         prev_c, prev_r = (t.to(torch.float64).reshape(pc.shape) for t in previous)
         residual = residual - (1.0 - lr * weight_decay) * (prev_c - prev_r)
-        stored = stored + U_32 * (prev_c.abs() + prev_r.abs())
+        stored = stored + max(fmt.unit_roundoff, U_32) * (prev_c.abs() + prev_r.abs())
     slack = k * (stored + 4.0 * U_32 * lr * (u_c.abs() + u_r.abs()))
     slack = torch.clamp(slack, min=torch.finfo(torch.float64).tiny)
     ratio = (residual.abs() / slack).reshape(-1)
