@@ -45,3 +45,24 @@ def test_the_report_fits_the_terminal(width):
         assert "worst error ÷ tolerance per layer" in text and " 1. it1 mb0 " + LONG in text
     else:
         assert "worst error / tolerance per layer" in text and "first mismatches" in text
+
+
+@pytest.mark.parametrize("width", [80, 120, 200])
+def test_the_recipes_summary_and_the_culprit_panel_fit_the_terminal(width):
+    from ttrace_megatron.cli import _print_summary
+    from ttrace_megatron.report import render_culprits
+
+    rows = [{"recipe": "deepseek_mtp_tp2_sp", "verdict": "pass", "seconds": 41.5},
+            {"recipe": "padded_moe_tp2_sp_ep2", "verdict": "fail", "seconds": 63.0, "message": "",
+             "first_mismatch": {"module": LONG, "phase": "forward", "tensor": "output"}},
+            {"recipe": "gpt_pp2", "verdict": "error", "seconds": 2.0, "message": NOTE}]
+    culprits = [{"module": LONG, "phase": "forward", "tensor": "output", "iteration": 1, "microbatch": 0,
+                 "error_eps": 1.2e7, "tolerance_eps": 37.1, "explanation": NOTE}] * 2
+    out = io.StringIO()
+    console = Console(file=out, width=width, color_system=None)
+    _print_summary(rows, console)
+    render_culprits(culprits, console)
+    text = out.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= width
+    assert "…" not in text
+    assert "padded_moe_tp2_sp_ep2" in text and "deepseek_mtp_tp2_sp" in text  # recipe names whole

@@ -251,10 +251,22 @@ def _overall(rows) -> str:
 
 
 def _print_summary(rows, console: Console) -> None:
+    from .report import WIDE_REPORT
+
+    colors = {"pass": "green", "fail": "red", "error": "yellow"}
+    if console.width < WIDE_REPORT:  # one record a recipe: names are never folded or cut
+        console.print("recipes:")
+        for r in rows:
+            fm = r.get("first_mismatch")
+            console.print(f"[{colors[r['verdict']]}]{r['verdict']:5}[/] {r['recipe']} ({r['seconds']:.1f} s)")
+            if fm:
+                console.print(f"      first mismatch: {fm['module']} {fm['phase']} {fm['tensor']}", overflow="fold")
+            elif r["verdict"] != "pass":
+                console.print(f"      {r['message']}", overflow="fold")
+        return
     table = Table(title="recipes")
     for col in ("recipe", "verdict", "seconds", "first mismatch / error"):
         table.add_column(col, overflow="fold")
-    colors = {"pass": "green", "fail": "red", "error": "yellow"}
     for r in rows:
         fm = r.get("first_mismatch")
         where = f"{fm['module']} {fm['phase']} {fm['tensor']}" if fm else ("" if r["verdict"] == "pass" else r["message"])

@@ -296,7 +296,13 @@ def render_culprits(culprits: list, console: Optional[Console] = None, max_rows:
     console.print(Panel(f"{c['module']}, {c['phase']}, {c['tensor']} (iteration {c['iteration']}) fails on its own: "
                         f"{_g(c['error_eps'])} ε against a local tolerance of {_g(c['tolerance_eps'])} ε — "
                         f"{c['explanation']}", title="[bold red]culprit[/]", border_style="red"))
-    if len(culprits) > 1:
+    if len(culprits) > 1 and console.width < WIDE_REPORT:
+        console.print(f"every module failing on its own ({len(culprits)}), in execution order:")
+        for n, c in enumerate(culprits[:max_rows], 1):
+            console.print(f"{n:2d}. {c['module']}", overflow="fold")
+            console.print(f"    {c['phase']} {c['tensor']}: {_g(c['error_eps'])} ε, local tolerance "
+                          f"{_g(c['tolerance_eps'])} ε", overflow="fold")
+    elif len(culprits) > 1:
         table = Table(title=f"every module failing on its own ({len(culprits)}), in execution order")
         for col in ("module", "phase", "tensor", "error ε", "local tol ε"):
             table.add_column(col)
