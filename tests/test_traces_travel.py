@@ -72,3 +72,16 @@ def test_a_free_running_candidate_never_false_alarms(runs, name):
     assert report["diverged"] and report["lockstep"] is None
     updates = {t["iteration"] for t in report["tensors"] if t["tolerance_source"].startswith("Adam update")}
     assert updates == {1, 2, 3}  # each step judged from each side's own previous parameter
+
+
+@pytest.mark.multiprocess
+def test_a_free_running_candidate_recorded_from_its_second_iteration_never_false_alarms(runs):
+    """Recording only iterations 2 and 3 of a free-running candidate: no judged step starts from the
+    seed checkpoint, and an update whose previous parameter was not recorded is listed as not
+    judged, not judged by a bound that cannot hold for it."""
+    ref, cand = runs.candidate(load("gpt_tp2"), lockstep=False, name="from-it2", iterations=[2, 3])
+    report = to_json(compare_traces(ref, cand))
+    assert report["verdict"] == "pass", report["first_mismatch"]
+    updates = {(t["iteration"], t["tensor"]) for t in report["tensors"] if t["tolerance_source"].startswith("Adam")}
+    assert updates and {i for i, _ in updates} == {3}  # from iteration 2's recorded parameters
+    assert any(t.startswith("it2 ") and "[optimizer] " in t for t in report["diverged"]["tensors"])

@@ -637,14 +637,15 @@ class _TraceJudge:
         unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand.run)}
         both = set(ref_groups) & set(self.cand_groups)
         self.unjudged = in_order((k for k in both if coverage.param_of(k) in unjudged_params), order)
-        first = min((k.iteration for k in ref_groups), default=1)
         free = self.update_check is not None and not self.update_check.lockstep
         # a candidate lock-stepped with another reference started each step from that reference's
         # parameters, which this comparison does not have: its updates after the first step cannot
         # be judged either
-        elsewhere = bool(cand.run.get("lockstep_reference_id") or cand.run.get("lockstep_reference"))
-        self.diverged = in_order((k for k in both if free and k.iteration > first and k not in self.unjudged
-                                  and (elsewhere or not keys.is_updated_value(k))), order)
+        elsewhere = stepped_with(cand.run) is not None
+        # an update after the first step is judged from the previous step's parameters, where recorded
+        self.diverged = in_order((k for k in both if free and k.iteration > FIRST_STEP and k not in self.unjudged
+                                  and (elsewhere or not keys.is_updated_value(k)
+                                       or dataclasses.replace(k, iteration=k.iteration - 1) not in both)), order)
         self.common = in_order(both - set(self.unjudged) - set(self.diverged), order)
         self.cancellations = Cancellation(ref, ref_groups)
         self.step_bounds = StepBounds(ref.run, self.num_layers, tol_config, has_reference=lambda k: k in ref_groups)
@@ -655,9 +656,7 @@ class _TraceJudge:
     def main_grad_measured(self, key: TensorKey) -> "MainGradMeasured":
         """What a main grad's verdict needs from the tensors, none of it from the judge's state: a
         compare worker measures it, the parent decides it in order (:meth:`main_grad_decided`)."""
-        self._measured = {}
-        self.tensor(key, stop_before_state=True)
-        return self._measured.pop("main_grad")
+        return self.tensor(key, stop_before_state=True)
 
     def main_grad_decided(self, key: TensorKey, m: "MainGradMeasured") -> TensorResult:
         cancellation = max(m.cancellation, self.cancellations.factor_measured(key, m.reference_norm, m.bias_factor))
@@ -665,6 +664,7 @@ class _TraceJudge:
                              self._replica_diff(key) if m.replicas_split else None)
 
     def _replica_diff(self, key: TensorKey):
+        """How far the candidate's replicas of a piece differ, measured only when asked."""
         by_rank = {rt.rank: (rt, r) for rt, r in self.cand_groups[key]}
 
         def replica_max_abs_diff(ranks):
@@ -683,7 +683,7 @@ class _TraceJudge:
                               notes, replica_max_abs_diff, observed, cancellation, step=self.step_bounds,
                               overflowed=key.phase in OVERFLOW_PHASES and key.iteration in self.overflowed)
 
-    def tensor(self, key: TensorKey, stop_before_state: bool = False) -> TensorResult:
+    def tensor(self, key: TensorKey, stop_before_state: bool = False) -> "TensorResult | MainGradMeasured":
         """One key's verdict: the reference merged, the candidate merged or shard by shard.
         ``stop_before_state``: a main grad's measurements only (:meth:`main_grad_measured`)."""
         ref, cand, pert = self.ref, self.cand, self.pert
@@ -721,10 +721,9 @@ class _TraceJudge:
         else:
             entries, replica_max_abs_diff = self._shard_by_shard(key, pieces, judged_against)
         if stop_before_state:
-            self._measured["main_grad"] = MainGradMeasured(
-                entries, notes, observed, cancellation, fp64_norm(ref_merged.tensor),
-                self.cancellations.bias_terms.factor(key, ref_merged.tensor), replica_max_abs_diff is not None)
-            return None
+            return MainGradMeasured(entries, notes, observed, cancellation, fp64_norm(ref_merged.tensor),
+                                    self.cancellations.bias_terms.factor(key, ref_merged.tensor),
+                                    replica_max_abs_diff is not None)
         cancellation = max(cancellation, self.cancellations.factor(key, ref_merged.tensor))
         result = self._combine(key, entries, notes, observed, cancellation, replica_max_abs_diff)
         if element_wise:
@@ -746,13 +745,7 @@ class _TraceJudge:
                 raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
         entries = [(rt.rank, shard_sums(key, cand.load(rt, r), r.layout, rt.coords, judged_against))
                    for rt, r in pieces]
-        by_rank = {rt.rank: (rt, r) for rt, r in pieces}
-
-        def replica_max_abs_diff(ranks):
-            loaded = [cand.load(*by_rank[r]) for r in ranks]
-            return max(float((t.double() - loaded[0].double()).abs().max()) for t in loaded[1:])
-
-        return entries, replica_max_abs_diff
+        return entries, self._replica_diff(key)
 
 
 class Reclip:
@@ -792,7 +785,6 @@ class UpdateCheck:
                  tol_config: ToleranceConfig, lockstep: bool = True):
         self.rule, self.ref, self.ref_groups, self.cand, self.cand_groups = rule, ref, ref_groups, cand, cand_groups
         self.lockstep = lockstep
-        self.first_iteration = min((k.iteration for k in ref_groups), default=1)
         self.k = tol_config.k
         self.param_groups = ref.run.get("param_groups") or {}
         self._scalars: Dict[TensorKey, Optional[float]] = {}  # the reference's lr and step, read once
@@ -833,7 +825,7 @@ class UpdateCheck:
         missing = [n for n, v in scalars.items() if v is None] + (
             ["moments"] if any(m is None for pair in moments for m in pair) else [])
         previous, decay, how = None, 0.0, "lock-step"
-        if not self.lockstep and key.iteration > self.first_iteration:
+        if not self.lockstep and key.iteration > FIRST_STEP:
             before = dataclasses.replace(key, iteration=key.iteration - 1)
             previous = tuple(self._value(reader, groups, before)
                              for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups)))
@@ -883,6 +875,10 @@ def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor
                                tolerance_source=f"top-k choice judged by its scores: {selection.describe(v, row)}")
 
 
+# the iteration whose step both sides take from the seed checkpoint they both start from (iterations
+# count from 1); a later one, even the first a selective recording kept, starts from diverged weights
+FIRST_STEP = 1
+
 FREE_RUNNING = ("not in lock-step with this reference: after the first step the two sides train different "
                 "weights, since Adam moves each element by about ±lr whatever its grad, so an element whose grad "
                 "is round-off moves either way; what the diverged weights compute has no round-off bound (nor do "
@@ -900,16 +896,19 @@ def in_lockstep(reference_run: dict, candidate_run: dict, reference_dir: str) ->
     return bool(lockstep) and _same_dir(lockstep, reference_dir)
 
 
+def stepped_with(candidate_run: dict) -> Optional[str]:
+    """The reference a candidate ran in lock-step with (its run id, or for older traces its path)."""
+    return candidate_run.get("lockstep_reference_id") or candidate_run.get("lockstep_reference") or None
+
+
 def lockstep_note(reference_run: dict, candidate_run: dict, reference_dir: str) -> Optional[str]:
-    """What the report says of the optimizer's updates when the candidate stepped in lock-step with
-    another reference than this one (None: in lock-step with this one, or never in lock-step)."""
-    if not (candidate_run.get("lockstep_reference_id") or candidate_run.get("lockstep_reference")):
+    """What the report says when the candidate stepped in lock-step with another reference than this
+    one (None: in lock-step with this one, or never in lock-step)."""
+    partner = stepped_with(candidate_run)
+    if partner is None or in_lockstep(reference_run, candidate_run, reference_dir):
         return None
-    if in_lockstep(reference_run, candidate_run, reference_dir):
-        return None
-    return ("not in lock-step with this reference (the candidate stepped with run "
-            f"{candidate_run.get('lockstep_reference_id') or candidate_run.get('lockstep_reference')}): "
-            "updates judged element by element from each side's own previous parameters")
+    return (f"not in lock-step with this reference (the candidate stepped with run {partner}): its first step "
+            "is judged, what came after it is listed as not judged")
 
 
 def _same_dir(a: str, b: str) -> bool:
