@@ -66,6 +66,9 @@ BUGS = [  # (recipe, bug spec, expected module (a glob), expected phase of the e
     ("moe_ep2", "expert_grads_scaled_by_edp", "decoder.layers.0.mlp.experts.local_experts.0.linear_fc1", "main_grad"),
     ("moe_etp2", "expert_tp_partials_not_reduced", "decoder.layers.0.mlp", "forward"),
     ("moe_tp2_sp_ep2", "router_topk_skips_best", "decoder.layers.0.mlp.router", "forward"),
+    # core attention's softmax scale from the partition's head dimension (issue #36): √2 at TP2, below
+    # bf16's round-off at megatron's near-uniform initial attention; its fp32 twin sees it
+    ("gpt_tp2_sp", "softmax_scale_from_partition_head_dim", "decoder.layers.0.self_attention.linear_proj", "forward"),
     ("qwen3_tp2", "qk_layernorm_grads_not_reduced", "decoder.layers.0.self_attention.q_layernorm", "main_grad"),
     ("gpt_tp2_sp", "fp8_amax_wrong_group:decoder.layers.0.self_attention.linear_qkv",
      "decoder.layers.0.self_attention.linear_qkv", "forward", ("fp8",)),
@@ -165,7 +168,7 @@ def recipe(name: str, dtype: str, seed: int, wide: Union[bool, dict] = False):
     return recipe_from_dict(raw, source=path)
 
 
-def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
+def pair(r, tmp, inject=(), calibrate=False, lockstep=True, seed=None):
     """End-to-end comparison as the recipe ships (with the perturbation estimate where it asks
     for it), then the localization replay of the first mismatch's iteration (1 for a clean run), as
     ``ttrace run`` replays it, the candidate in lock-step with the
@@ -175,7 +178,7 @@ def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
     from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces, localize
 
-    seed = os.path.join(tmp, "seed.safetensors")
+    seed = seed or os.path.join(tmp, "seed.safetensors")  # the fp32 twin's: its recipe's
     ref, cand, pert = (os.path.join(tmp, d) for d in ("ref", "cand", "pert"))
 
     def spec(role, trace_dir, bugs=(), **trace):
@@ -201,6 +204,7 @@ def pair(r, tmp, inject=(), calibrate=False, lockstep=True):
 def main():
     warnings.filterwarnings("ignore")
     from ttrace_megatron.compare import phase_label
+    from ttrace_megatron.recipe import fp32_twin
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=5)
@@ -214,6 +218,9 @@ def main():
     parser.add_argument("--size", nargs=3, type=int, metavar=("LAYERS", "HIDDEN", "VOCAB"),
                         help="widened to this size instead of --wide's (how a bug's margin dilutes with width)")
     parser.add_argument("--bugs", nargs="*", help="only these bugs (names, without a module pattern)")
+    parser.add_argument("--twin", action="store_true", help="bug table: a bf16/fp16/fp8 entry also runs its fp32 "
+                        "twin (the same recipe in fp32 from the same seed checkpoint, as `ttrace run` does) and "
+                        "reports the twin's verdict, margin and culprit beside the recipe's own")
     parser.add_argument("--families", action="store_true", help="the model-family recipes, as they ship (no "
                         "calibration runs: the last two columns are left empty)")
     args = parser.parse_args()
@@ -254,17 +261,34 @@ def main():
                   f"({worst.key.module} {worst.key.phase} {worst.key.tensor}) | {worst.ratio:.2f} | {false_culprits} "
                   f"| {worst_local:.2f} | " + (f"{analytic_fps} | {over_observed:.2f} |" if calibrate else "— | — |"))
     print()
+    twin_cols = (" fp32 twin: detected | twin: first mismatch | twin: error / tolerance | twin: replay culprit "
+                 "| twin: culprit error / local tolerance |") if args.twin else ""
     print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance "
-          "| replay culprit | culprit is the injected module | culprit error / local tolerance |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| replay culprit | culprit is the injected module | culprit error / local tolerance |" + twin_cols)
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 5 if args.twin else ""))
     chosen = (lambda bug: bug.split(":")[0] in args.bugs) if args.bugs else (lambda bug: True)
     for name, bug, module, phase, *dtypes in (b for b in BUGS if wanted(b[0]) and chosen(b[1]) and not args.families):
         for dtype in (d for d in (dtypes[0] if dtypes else BUG_DTYPES) if d in args.dtypes):
             r = recipe(name, dtype, 1, args.wide)
             if bug in EXPECTED_AT:
                 module = EXPECTED_AT[bug](r)
+            twin_cells = ""
             with tempfile.TemporaryDirectory() as tmp:
                 c, loc, _ = pair(r, tmp, [bug], lockstep=not args.no_lockstep)
+                twin = fp32_twin(r) if args.twin else None
+                if twin is not None:
+                    tdir = os.path.join(tmp, "fp32_twin")
+                    os.makedirs(tdir)
+                    tc, tloc, _ = pair(twin, tdir, [bug], lockstep=not args.no_lockstep,
+                                       seed=os.path.join(tmp, "seed.safetensors"))
+                    tfm, tcu = tc.first_mismatch, tloc.culprit
+                    twin_cells = (f" {'yes' if tc.verdict == 'fail' else 'NO'} | "
+                                  f"{f'{tfm.key.module} {tfm.key.phase} {tfm.key.tensor}' if tfm else '—'} | "
+                                  f"{f'{tfm.ratio:.3g}' if tfm else '—'} | "
+                                  f"{f'{tcu.key.module}, {phase_label(tcu.key)}, {tcu.key.tensor}' if tcu else '—'} | "
+                                  f"{f'{tcu.ratio:.3g}' if tcu else '—'} |")
+                elif args.twin:
+                    twin_cells = " — | — | — | — | — |"
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"
@@ -275,7 +299,7 @@ def main():
             right = bool(cu) and fnmatch.fnmatchcase(cu.key.module, module)
             print(f"| {name} | {dtype} | `{bug}` | {'yes' if detected else 'NO'} | {where} | "
                   f"{'yes' if localized else 'NO'} | {ratio} | {culprit} | {'yes' if right else 'NO'} | "
-                  f"{f'{cu.ratio:.3g}' if cu else '—'} |")
+                  f"{f'{cu.ratio:.3g}' if cu else '—'} |" + twin_cells, flush=True)
 
 
 if __name__ == "__main__":

@@ -24,8 +24,9 @@ EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
 def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None,
-             perturbed: Optional[str] = None, workers: Optional[int] = None):
-    """Compare with a progress bar, print the report, write JSON; returns the report (JSON form).
+             perturbed: Optional[str] = None, workers: Optional[int] = None, quiet: bool = False):
+    """Compare with a progress bar, print the report (unless ``quiet``), write JSON; returns the
+    report (JSON form).
 
     A candidate that compared online (``--ttrace-reference``) holds verdict sums, not tensors:
     they are combined instead (without the perturbation estimate, which needs the tensors).
@@ -45,31 +46,60 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
                 ref_dir, cand_dir, perturbed=perturbed, workers=workers or available_cores(),
                 progress=lambda done, total: progress.update(task, completed=done, total=total))
     report = to_json(comparison)
-    render(report, console, num_layers=int(comparison.reference_run.get("num_layers", 0)))
+    report["num_layers"] = int(comparison.reference_run.get("num_layers", 0))
+    if not quiet:
+        render(report, console, num_layers=report["num_layers"])
     if json_path:
         write_json(comparison, json_path)
     return report
 
 
 def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[str]) -> dict:
-    """Reference run, candidate run, compare. Returns the report (JSON form). A valid recipe that
-    megatron builds as another model is a FAIL localized to the build (no tensor is compared)."""
+    """Reference run, candidate run, compare; then, for a bf16, fp16 or FP8 recipe, the same again
+    in fp32 (its twin, from the same seed checkpoint) unless ``--no-fp32-twin``. Returns the report
+    (JSON form): the recipe's own pair, with the twin's report under ``fp32_twin`` and the verdict
+    of both. A valid recipe that megatron builds as another model is a FAIL localized to the build
+    (no tensor is compared, and no twin runs)."""
     from .errors import BuiltOtherwise
-    from .report import build_failure, render
+    from .recipe import FP32_TWIN, fp32_twin
+    from .report import build_failure, combine_twin, render, render_twin
 
+    twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
     run_side = _side_runner(recipe, out, args, console)
+    twin_out = os.path.join(out, FP32_TWIN)
+    # refused before anything runs, like the recipe itself; the twin starts from the recipe's seed checkpoint
+    run_twin = _side_runner(twin, twin_out, args, console, seed=_seed_path(out)) if twin else None
+    start = time.monotonic()
     try:
         report = _run_and_compare(recipe, out, args, console, run_side)
     except BuiltOtherwise as e:
         report = build_failure(e.side, e.rank, e.module, e.problems, recipe.name)
         render(report, console)
+        run_twin = None
+    report["seconds"] = round(time.monotonic() - start, 2)  # every run, compare and replay of the pair
+    if run_twin is not None:
+        console.print(f"[bold]fp32 twin[/]: {recipe.name} again in fp32, same layout and seed checkpoint, judged under "
+                      f"fp32 bounds (the layout's logic; --no-fp32-twin leaves it out) → {twin_out}")
+        start = time.monotonic()
+        try:
+            twin_report = _run_and_compare(twin, twin_out, args, console, run_twin, quiet=True)
+        except BuiltOtherwise as e:
+            twin_report = build_failure(e.side, e.rank, e.module, e.problems, twin.name)
+        twin_report["seconds"] = round(time.monotonic() - start, 2)
+        report = combine_twin(report, twin_report, recipe.dtype)
+        render_twin(report, console)
     _write_reports(report, out, json_path, getattr(args, "html", None))
     return report
 
 
-def _run_and_compare(recipe, out: str, args, console: Console, run_side) -> dict:
+def _seed_path(out: str) -> str:
+    return os.path.join(out, "seed_checkpoint.safetensors")
+
+
+def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: bool = False) -> dict:
     """The reference, the candidate (in lock-step unless asked otherwise), the perturbation run the
-    recipe asks for, the comparison, and on a mismatch the replay that localizes it."""
+    recipe asks for, the comparison, and on a mismatch the replay that localizes it. ``quiet``: the
+    report is not printed (the fp32 twin's is summarized after the recipe's own)."""
     from .adapter.run.runner import CANDIDATE, REFERENCE
 
     ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
@@ -94,7 +124,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side) -> dict
         # routing, as the candidate is judged (free-running, MoE routing flips and Adam's drift
         # would be measured as round-off)
         run_side(REFERENCE, perturbed_dir, perturb=1, **lockstep)
-    report = _compare(ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None))
+    report = _compare(ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None), quiet=quiet)
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
         replay_dir = os.path.join(out, "replay")
@@ -102,15 +132,16 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side) -> dict
         console.print(f"localizing: the candidate again, every module on the reference's inputs "
                       f"(iteration {first['iteration']}) → {replay_dir}")
         run_side(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]], **lockstep)
-        report["culprits"] = _localize(ref_dir, replay_dir, console)
+        report["culprits"] = _localize(ref_dir, replay_dir, console, quiet=quiet)
     return report
 
 
-def _side_runner(recipe, out: str, args, console: Console):
+def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] = None):
     """``run_side(role, trace_dir, inject=(), **trace)``: one side of the check, on the installed
     megatron-core, a source tree of its own, or a Megatron-LM checkout's ``pretrain_gpt.py``.
-    Everything a side could refuse is refused here, before any side runs; the reference's last
-    seed checkpoint and traces under ``out`` are removed."""
+    Everything a side could refuse is refused here, before any side runs; the last traces under
+    ``out`` are removed, and the seed checkpoint too unless ``seed`` names another check's (the fp32
+    twin starts from its recipe's)."""
     from .adapter.recipe.config import validate_recipe
     from .adapter.run.launch import launch
     from .adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
@@ -128,12 +159,13 @@ def _side_runner(recipe, out: str, args, console: Console):
     trees = {role: check_tree(path, flag) if path else None for role, flag, path in (
         (REFERENCE, "--reference-megatron", getattr(args, "reference_megatron", None)),
         (CANDIDATE, "--candidate-megatron", getattr(args, "candidate_megatron", None)))}
-    seed = os.path.join(out, "seed_checkpoint.safetensors")
     for d in ("reference", "candidate"):
         shutil.rmtree(os.path.join(out, d), ignore_errors=True)
-    if os.path.exists(seed):
-        os.remove(seed)  # the reference writes it anew: a kept --out may hold another recipe's weights
-    console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
+    if seed is None:
+        seed = _seed_path(out)
+        if os.path.exists(seed):
+            os.remove(seed)  # the reference writes it anew: a kept --out may hold another recipe's weights
+        console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
     selective = dict(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
 
     def spec(role, trace_dir, inject=(), **trace):
@@ -179,12 +211,13 @@ def _write_reports(report: dict, out: str, json_path: Optional[str], html_path: 
         write_html(report, html_path)
 
 
-def _localize(ref_dir: str, replay_dir: str, console: Console) -> list:
+def _localize(ref_dir: str, replay_dir: str, console: Console, quiet: bool = False) -> list:
     from .compare import localize
     from .report import culprits_json, render_culprits
 
     culprits = culprits_json(localize(ref_dir, replay_dir))
-    render_culprits(culprits, console)
+    if not quiet:
+        render_culprits(culprits, console)
     return culprits
 
 
@@ -208,7 +241,7 @@ def _recipe_paths(target: str) -> List[str]:
 def cmd_run(args, console: Console) -> int:
     """One recipe (or the embedded default), or every recipe of a directory with a summary."""
     from .recipe import default_recipe, load_recipe
-    from .report import headline
+    from .report import first_mismatch_of, headline
 
     targets = _recipe_paths(args.recipe) if args.recipe else [None]
     many = len(targets) > 1 or (args.recipe and os.path.isdir(args.recipe))
@@ -223,7 +256,7 @@ def cmd_run(args, console: Console) -> int:
                 recipe = load_recipe(target) if target else default_recipe()
                 out = os.path.join(out_root, recipe.name) if many else out_root
                 report = _run_recipe(recipe, out, args, console, None if many else args.json)
-                row.update(verdict=report["verdict"], first_mismatch=report["first_mismatch"],
+                row.update(verdict=report["verdict"], first_mismatch=first_mismatch_of(report),
                            message=headline(report))
             except (TraceError, RecipeError, RunFailed, ValueError) as e:
                 if not many:
@@ -382,6 +415,11 @@ def build_parser() -> argparse.ArgumentParser:
                           "optimizer step it takes the reference's parameters and optimizer state, so every "
                           "iteration is judged given identical weights and state (and the reference records every "
                           "iteration)")
+    run.add_argument("--no-fp32-twin", action="store_true",
+                     help="a bf16, fp16 or FP8 recipe without its fp32 twin. By default the check also runs the "
+                          "recipe in fp32 (same layout and seed checkpoint) and judges it under fp32 bounds, where a "
+                          "bug of the layout's logic stands 10^3-10^5x above round-off; the recipe's own pair then "
+                          "judges what is specific to its dtype")
     run.add_argument("--perturb", action="store_true",
                      help="the perturbation estimate: run the reference a second time with round-off-sized noise "
                           "and bound each tensor by what it moved, too (a recipe's tolerance.perturbation)")

@@ -190,6 +190,27 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
                   ddp=dict(raw.get("ddp") or {}))
 
 
+# where a check keeps its fp32 twin's traces, beside the recipe's own (``--out``)
+FP32_TWIN = "fp32_twin"
+
+
+def fp32_twin(recipe: Recipe) -> Optional[Recipe]:
+    """The recipe's fp32 twin: the same model, layout, data, optimizer and schedule in fp32 (no
+    Float16Module, no FP8, no loss scaling), or None for an fp32 recipe.
+
+    Most bugs of a parallel layout are in its logic (a wrong group, scale, offset or stride), not in
+    its dtype, and fp32 separates them from round-off by 10³–10⁵× where bf16 may not separate them
+    at all (issue #36: a √2 error in attention's softmax scale moves a near-uniform attention by less
+    than bf16's round-off). The twin is judged under fp32 bounds; the recipe's own pair then covers
+    only what is dtype-specific. Its tolerance options are fp32's defaults (the perturbation estimate
+    only for a key norm with a bias), not the low-precision recipe's."""
+    if recipe.dtype == "fp32":
+        return None
+    raw = recipe.to_json()
+    raw.update(dtype="fp32", tolerance={})
+    return recipe_from_dict(raw, source=f"{recipe.source} (fp32 twin)")
+
+
 def load_recipe(path: str) -> Recipe:
     try:
         with open(path) as f:

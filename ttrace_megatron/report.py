@@ -127,7 +127,47 @@ def write_json(c: Comparison, path: str) -> None:
         json.dump(to_json(c), f, indent=1)
 
 
+# the fp32 twin's report inside a bf16, fp16 or FP8 check's (``ttrace run``; recipe.fp32_twin)
+FP32_TWIN = "fp32_twin"
+# what only the recipe's own low-precision pair can judge, the twin having none of it
+DTYPE_SPECIFIC = ("Float16Module's casts, low-precision reductions and main parameters, loss scaling, FP8 scaling")
+
+
+def combine_twin(report: dict, twin: dict, dtype: str) -> dict:
+    """One check's report from its recipe's pair (``report``) and its fp32 twin's: the pair's
+    report with ``dtype``, its own verdict as ``pair_verdict``, the twin's report under
+    ``fp32_twin``, and as ``verdict`` a FAIL if either fails. Each keeps its own first mismatch
+    and culprits: the pair's is at the top, as in a check without a twin."""
+    out = dict(report, dtype=dtype, pair_verdict=report["verdict"])
+    out[FP32_TWIN] = dict(twin, dtype="fp32")
+    out["verdict"] = FAIL if FAIL in (report["verdict"], twin["verdict"]) else PASS
+    return out
+
+
+def first_mismatch_of(report: dict) -> Optional[dict]:
+    """The first mismatch a summary line names: the recipe's own pair's, else its fp32 twin's."""
+    twin = report.get(FP32_TWIN) or {}
+    return report.get("first_mismatch") or twin.get("first_mismatch")
+
+
 def headline(report: dict) -> str:
+    twin = report.get(FP32_TWIN)
+    if twin is None:
+        return _pair_headline(report)
+    dtype, own = report.get("dtype", "the recipe's dtype"), report.get("pair_verdict", report["verdict"])
+    pair = _pair_headline(dict(report, verdict=own))
+    if own == PASS and twin["verdict"] == PASS:
+        return (f"{dtype}: {pair}; its fp32 twin (the same layout and seed checkpoint, judged under fp32 bounds): "
+                f"{_pair_headline(twin)}")
+    if own == PASS:
+        return (f"the fp32 twin (the same layout and seed checkpoint in fp32) is not equivalent: "
+                f"{_pair_headline(twin)}. The {dtype} pair passed: there the error hides in {dtype}'s round-off")
+    if twin["verdict"] == PASS:
+        return (f"{dtype}: {pair}. Its fp32 twin passes: the error is specific to {dtype} ({DTYPE_SPECIFIC})")
+    return f"{dtype}: {pair}. Its fp32 twin fails too: {_pair_headline(twin)}"
+
+
+def _pair_headline(report: dict) -> str:
     if report["verdict"] == PASS:
         skipped = report["summary"].get("skipped", 0)
         return (f"equivalent within floating-point round-off: {report['summary']['compared']} logical tensors "
@@ -201,7 +241,17 @@ def _layer_label(depth: int, num_layers: int) -> str:
 
 def render(report: dict, console: Optional[Console] = None, num_layers: Optional[int] = None,
            max_rows: int = 10) -> None:
+    """The report in the terminal; a check with an fp32 twin: the recipe's own pair (with its
+    culprits), then the twin's part."""
     console = console or Console()
+    _render_pair(report, console, num_layers, max_rows)
+    if report.get(FP32_TWIN):
+        if report.get("culprits"):
+            render_culprits(report["culprits"], console)
+        render_twin(report, console, max_rows)
+
+
+def _render_pair(report: dict, console: Console, num_layers: Optional[int], max_rows: int) -> None:
     ok = report["verdict"] == PASS
     color = "green" if ok else "red"
     title = "PASS" if ok else "FAIL"
@@ -275,6 +325,24 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
         if report.get(side):
             console.print(f"[yellow]{len(report[side])} tensor(s) {side.replace('_', ' ')}:[/] "
                           + ", ".join(report[side][:max_rows]) + (" …" if len(report[side]) > max_rows else ""))
+
+
+def render_twin(report: dict, console: Optional[Console] = None, max_rows: int = 10) -> None:
+    """The fp32 twin's part of a check: its report (in full where it fails, with its culprits),
+    then one line with both verdicts."""
+    console = console or Console()
+    twin = report[FP32_TWIN]
+    if twin["verdict"] == FAIL:
+        console.print("[bold]the fp32 twin[/] (the same layout and seed checkpoint in fp32, under fp32 bounds):")
+        render(twin, console, num_layers=twin.get("num_layers"), max_rows=max_rows)
+        if twin.get("culprits") is not None:
+            render_culprits(twin["culprits"], console)
+    else:
+        console.print(Panel(_pair_headline(twin), title="[bold green]fp32 twin: PASS[/]", border_style="green"))
+    own = report.get("pair_verdict", report["verdict"])
+    color = "green" if report["verdict"] == PASS else "red"
+    console.print(f"[bold {color}]ttrace: {report['verdict'].upper()}[/] — {report.get('dtype')}: {own.upper()}, "
+                  f"fp32 twin: {twin['verdict'].upper()}")
 
 
 def culprits_json(localization) -> list:
@@ -388,7 +456,16 @@ def to_html(report: dict) -> str:
                     f'</td><td>{html.escape(t["module"])}</td><td>{html.escape(t["phase"])}</td>'
                     f'<td>{html.escape(t["tensor"])}</td><td>{e if isinstance(e, str) else f"{e:.3g}"}</td>'
                     f'<td>{t["tolerance_eps"]:.3g}</td><td>{html.escape(t.get("reason", ""))}</td></tr>')
-    culprit_html = ""
+    culprit_html, twin_html = "", ""
+    twin = report.get(FP32_TWIN)
+    if twin:
+        twin_culprits = "".join(
+            f'<p>culprit: <b>{html.escape(c["module"])}</b>, {html.escape(c["phase"])}, {html.escape(c["tensor"])} '
+            f'(iteration {c["iteration"]}): {_g(c["error_eps"])} ε against a local tolerance of '
+            f'{_g(c["tolerance_eps"])} ε — {html.escape(c["explanation"])}</p>' for c in (twin.get("culprits") or [])[:1])
+        twin_html = (f'<div class="{"culprit" if twin["verdict"] == FAIL else "verdict"}"><h2>fp32 twin: '
+                         f'{twin["verdict"].upper()}</h2><p>{html.escape(_pair_headline(twin))}</p>'
+                         f'{twin_culprits}</div>')
     versions_html = "".join(f"<p>the two sides ran different library versions: {html.escape(line)}</p>"
                             for line in report.get("versions_differ") or [])
     if culprits:
@@ -417,6 +494,7 @@ tr.fail td {{ background: #fdd; }}
 <div class="verdict">{html.escape(headline(report))}</div>
 {versions_html}
 {culprit_html}
+{twin_html}
 {_coverage_html(report.get("coverage"))}
 <h2>{html.escape(plot_title)}</h2>{plots}
 <h2>Every tensor ({len(tensors)}), in execution order</h2>

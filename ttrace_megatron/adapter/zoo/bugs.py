@@ -310,6 +310,23 @@ def attention_layer_number_stage_local(chunks) -> None:
             attention.layer_number = attention.layer_number - first + 1
 
 
+@bug(default_pattern="*core_attention")
+def softmax_scale_from_partition_head_dim(chunks, pattern: str) -> None:
+    """Core attention's softmax scale is computed from the head dimension of this rank's partition
+    (the partition's projection size over all heads: head_dim / TP) instead of the whole head's, so
+    at TP > 1 every attention score is √TP too large (issue #36). At megatron's initialization the
+    scores are near zero and the attention nearly uniform: the error moves its output by less than
+    bf16's round-off."""
+    import math
+
+    from megatron.core import parallel_state
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    for _, module in _modules(chunks, pattern, DotProductAttention):
+        module.softmax_scale *= math.sqrt(tp)
+
+
 @bug()
 def softmax_offsets_on_the_wrong_heads(chunks) -> None:
     """Attention sinks (``softmax_type: learnable``): each rank's per-head softmax offsets are applied
