@@ -148,6 +148,9 @@ def chunk_boundary_module(r) -> str:
 EXPECTED_AT = {"vpp_batched_p2p_at_pp2": chunk_boundary_module}
 
 
+SEED_INIT = None  # --seed-init: every recipe's train.seed_init (None: as it ships)
+
+
 def recipe(name: str, dtype: str, seed: int, wide: Union[bool, dict] = False):
     """A shipped recipe in ``dtype`` with data/initialization seed ``seed`` (``wide``: :func:`widen`, to
     ``WIDE`` or to the size it gives)."""
@@ -165,6 +168,8 @@ def recipe(name: str, dtype: str, seed: int, wide: Union[bool, dict] = False):
     if dtype == "fp16":  # megatron's default initial scale 2**32 would skip every step of a 3-iteration run
         raw.setdefault("optimizer", {}).setdefault("initial_loss_scale", 4096)
     raw["data"]["seed"] = seed
+    if SEED_INIT:
+        raw.setdefault("train", {})["seed_init"] = SEED_INIT
     return recipe_from_dict(raw, source=path)
 
 
@@ -221,9 +226,13 @@ def main():
     parser.add_argument("--twin", action="store_true", help="bug table: a bf16/fp16/fp8 entry also runs its fp32 "
                         "twin (the same recipe in fp32 from the same seed checkpoint, as `ttrace run` does) and "
                         "reports the twin's verdict, margin and culprit beside the recipe's own")
+    parser.add_argument("--seed-init", choices=("megatron", "sensitized"),
+                        help="every recipe's train.seed_init (default: as each ships, megatron's)")
     parser.add_argument("--families", action="store_true", help="the model-family recipes, as they ship (no "
                         "calibration runs: the last two columns are left empty)")
     args = parser.parse_args()
+    global SEED_INIT
+    SEED_INIT = args.seed_init
     if args.size:
         args.wide = dict(zip(("num_layers", "hidden_size", "vocab_size"), args.size))
     wanted = (lambda name: name in args.recipes) if args.recipes else (lambda name: True)
@@ -231,7 +240,8 @@ def main():
     commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
                             text=True).stdout.strip()
     size = args.wide if isinstance(args.wide, dict) else WIDE if args.wide else None
-    print(f"commit {commit}; {f'widened to {size}; ' if size else ''}machine: {os.cpu_count()} CPU cores, gloo, torch "
+    print(f"commit {commit}; {f'widened to {size}; ' if size else ''}"
+          f"{f'seed_init {SEED_INIT}; ' if SEED_INIT else ''}machine: {os.cpu_count()} CPU cores, gloo, torch "
           f"{__import__('torch').__version__}, megatron-core {__import__('megatron.core').core.__version__}\n")
     print("| recipe | dtype | seeds | tensors per run | false positives | worst clean error / tolerance (ε) | worst ratio "
           "| replay: false culprits | replay: worst local ratio | analytic bound only: false positives "

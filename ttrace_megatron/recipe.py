@@ -18,6 +18,10 @@ import yaml
 from .errors import RecipeError
 
 DTYPES = ("fp32", "bf16", "fp16", "fp8")
+# where the seed checkpoint's weights come from: megatron's initialization, or redrawn so that a
+# layout's bugs show (adapter.run.sensitize: O(1) activations, peaked attention, non-zero biases)
+SEED_INIT_MEGATRON, SEED_INIT_SENSITIZED = "megatron", "sensitized"
+SEED_INITS = (SEED_INIT_MEGATRON, SEED_INIT_SENSITIZED)
 TOP_LEVEL_KEYS = ("name", "description", "model", "parallel", "world_size", "optimizer", "ddp", "data", "train",
                   "dtype", "tolerance")
 
@@ -74,6 +78,8 @@ class TrainConfig:
     weight_decay_incr_style: str = "constant"
     start_weight_decay: Optional[float] = None  # None: the optimizer's weight_decay
     end_weight_decay: Optional[float] = None
+    # the starting point every side loads from the reference's seed checkpoint (SEED_INITS)
+    seed_init: str = SEED_INIT_MEGATRON
 
 
 @dataclasses.dataclass
@@ -155,6 +161,8 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
         tolerance.perturbation = dtype in ("bf16", "fp16", "fp8") or key_norm_bias
     if not isinstance(tolerance.perturbation, bool):
         raise RecipeError(f"{source}: tolerance: 'perturbation' must be true or false")
+    if train.seed_init not in SEED_INITS:
+        raise RecipeError(f"{source}: train: 'seed_init' must be one of {SEED_INITS}, got {train.seed_init!r}")
     if train.iterations < 1:
         raise RecipeError(f"{source}: train: 'iterations' must be at least 1")
     if not isinstance(train.frozen, list) or not all(isinstance(p, str) for p in train.frozen):

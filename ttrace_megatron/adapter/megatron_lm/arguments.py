@@ -44,6 +44,10 @@ FLAGS = (
     ("--ttrace-seed-checkpoint", dict(
         metavar="FILE", help="start from the same logical weights: the reference writes FILE (if absent), every "
                              "other run loads its shard of each weight from it, whatever its parallel layout")),
+    ("--ttrace-seed-init", dict(
+        choices=("megatron", "sensitized"), default="megatron",
+        help="with --ttrace-seed-checkpoint, what the reference writes to it: megatron's initialization, or weights "
+             "redrawn so that a layout's bugs show (O(1) activations, peaked attention, non-zero biases)")),
     ("--ttrace-replay", dict(
         metavar="DIR", help="localization replay: every recorded module runs on this reference trace's inputs and "
                             "output-grads, so each is judged on its own (then: ttrace localize REF DIR)")),

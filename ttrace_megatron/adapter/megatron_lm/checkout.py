@@ -306,6 +306,8 @@ def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject
     argv = training_args(recipe, role, parallel, release=release_of(checkout), data_path=data_path)
     argv += ["--distributed-backend", "gloo" if cpu else "nccl"]
     argv += trace_args(trace)
+    if recipe.train.seed_init != "megatron":
+        argv += ["--ttrace-seed-init", recipe.train.seed_init]
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     launch(checkout, argv, world, cpu=cpu, timeout_s=timeout_s, log_dir=log_dir,

@@ -135,7 +135,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         fp8_emulation.install(chunks, fp8_emulation.FP8Settings(), facts)
     # before the optimizer copies the weights into its main params: no reload needed
     share_initial_weights(spec.trace.seed_checkpoint, chunks, layouts.KeyLayouts(facts), coords, rank, spec.role,
-                          spec.world_size)
+                          spec.world_size, init=recipe.train.seed_init)
     # the model as the recipe describes it, before a bug patches anything
     signature = build.model_signature(chunks, described, cfg.optimizer_config(recipe), facts, {
         "seed": recipe.data.seed, "seq_length": recipe.data.seq_length,

@@ -22,33 +22,49 @@ from ...trace_store import REFERENCE
 from ..record import layouts
 from ..record.layouts import Site
 from ..recipe.naming import all_parameters, full_param_name
+from .sensitize import MEGATRON, SEED_INITS, SENSITIZED, sensitize
 
 
 def share_initial_weights(path: str, chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts,
-                          coords: Coords, rank: int, role: str, world: int, optimizer=None) -> None:
+                          coords: Coords, rank: int, role: str, world: int, optimizer=None,
+                          init: str = MEGATRON) -> None:
     """The one way a run gets its initial weights (``ttrace run`` and ``--ttrace`` alike): the
-    reference (world size 1) writes its logical weights to ``path`` if the file is absent; then
-    every run, the reference included, loads its shard of each weight from it, a vocabulary's
-    padding rows included. Given the ``optimizer`` (a run that loads after it was built), its main copies
-    of the weights are refreshed with ``reload_model_params``."""
+    reference (world size 1) writes its logical weights to ``path`` if the file is absent (``init``
+    SENSITIZED: redrawn so that a layout's bugs show, :mod:`.sensitize`); then every run, the
+    reference included, loads its shard of each weight from it, a vocabulary's padding rows
+    included. Given the ``optimizer`` (a run that loads after it was built), its main copies of the
+    weights are refreshed with ``reload_model_params``."""
+    if init not in SEED_INITS:
+        raise RecipeError(f"seed_init must be one of {SEED_INITS}, got {init!r}")
     if not os.path.exists(path):
         if role != REFERENCE or world != 1:
             raise RecipeError(f"seed checkpoint {path} does not exist: run the reference (world size 1) first")
         if rank == 0:
-            save_seed_checkpoint(chunks, key_layouts, coords, path)
+            save_seed_checkpoint(chunks, key_layouts, coords, path, init)
     load_seed_checkpoint(chunks, key_layouts, coords, path, rank)
     if optimizer is not None:
         optimizer.reload_model_params()
 
 
 def save_seed_checkpoint(chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts, coords: Coords,
-                         path: str) -> None:
-    """Write the logical weights of a model that holds them whole (world size 1)."""
+                         path: str, init: str = MEGATRON) -> None:
+    """Write the logical weights of a model that holds them whole (world size 1): as megatron drew
+    them, or redrawn by :func:`.sensitize.sensitize`."""
     state: Dict[str, torch.Tensor] = {}
+    sites: Dict[str, tuple] = {}
     for mname, pname, module, param in all_parameters(chunks):
         layout = key_layouts.param_value(Site(mname, module, pname, param))
         merged = merge_shards([(coords, param.detach().cpu())], layout)
-        state[full_param_name(mname, pname)] = merged.tensor.contiguous()
+        name = full_param_name(mname, pname)
+        state[name] = merged.tensor.contiguous()
+        sites[name] = (mname, type(module).__name__, pname)
+    if init == SENSITIZED:
+        config = getattr(chunks[0], "config", None)
+        kept = sensitize(state, sites, hidden=key_layouts.facts.hidden_size,
+                         zero_centered_gamma=bool(getattr(config, "layernorm_zero_centered_gamma", False)))
+        print(f"[ttrace] sensitized seed checkpoint: {len(state) - len(kept)} of {len(state)} parameters redrawn"
+              + (f"; megatron's initialization kept for {len(kept)} ({', '.join(kept[:4])}"
+                 f"{', …' if len(kept) > 4 else ''}): no sensitizing rule for them" if kept else ""), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
     save_file(state, tmp)

@@ -41,6 +41,7 @@ class TraceOptions:
     seed_checkpoint: Optional[str] = None  # logical initial weights: the reference writes, candidates load
     perturb: int = 0  # > 0: the perturbation-estimate run, round-off-sized noise seeded by this (run.perturb)
     lockstep: Optional[str] = None  # after each step, take this reference trace's parameters and state (run.lockstep)
+    seed_init: str = "megatron"  # what the reference writes to the seed checkpoint (run.sensitize)
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -58,6 +59,7 @@ class TraceOptions:
             seed_checkpoint=getattr(args, "ttrace_seed_checkpoint", None),
             perturb=int(getattr(args, "ttrace_perturb", 0) or 0),
             lockstep=getattr(args, "ttrace_lockstep", None),
+            seed_init=getattr(args, "ttrace_seed_init", None) or "megatron",
         )
 
     @property
@@ -206,7 +208,8 @@ def start(model, optimizer, config, options: TraceOptions, facts, signature: Opt
     if options.seed_checkpoint:
         from .seed_checkpoint import share_initial_weights
 
-        share_initial_weights(options.seed_checkpoint, chunks, key_layouts, coords, rank, role, world, optimizer)
+        share_initial_weights(options.seed_checkpoint, chunks, key_layouts, coords, rank, role, world, optimizer,
+                              init=options.seed_init)
     dispatcher, recorder = _hook(options, chunks, optimizer, key_layouts, sizes, rank, coords)
     _SESSION = Session(options, dispatcher.attach(), recorder, optimizer, rank)
     return _SESSION
