@@ -79,10 +79,27 @@ def test_a_bug_bf16_round_off_hides_is_caught_and_localized_by_the_twin(tmp_path
     assert twin["first_mismatch"]["module"] == "decoder.layers.0.self_attention.linear_proj"
     assert twin["first_mismatch"]["error_eps"] > 100 * twin["first_mismatch"]["tolerance_eps"]
     assert twin["culprits"][0]["module"] == "decoder.layers.0.self_attention.linear_proj"
-    # the twin started from the bf16 pair's seed checkpoint: it wrote none of its own
+    # the twin started from the bf16 pair's seed checkpoint: a twin handed a path of its own (the
+    # default under its --out) would have had its reference write one there
     assert not os.path.exists(out / FP32_TWIN / "seed_checkpoint.safetensors")
+    with open(out / FP32_TWIN / "report.json") as f:  # `ttrace report OUT/fp32_twin` reads it
+        assert json.load(f)["first_mismatch"] == twin["first_mismatch"]
     with open(out / FP32_TWIN / "reference" / "run.json") as f:
         assert json.load(f)["compute_dtype"] == "float32"
     assert main(["run", str(recipe), "--out", str(tmp_path / "alone"), "--json", str(tmp_path / "alone.json"),
                  "--inject", bug, "--no-fp32-twin"]) == 0
     assert FP32_TWIN not in json.loads((tmp_path / "alone.json").read_text())
+
+
+def test_a_twin_that_did_not_run_or_stopped_at_the_build_says_so():
+    from ttrace_megatron.report import ERROR, build_failure, twin_error
+
+    report = combine_twin(_report(PASS), twin_error("bug injection: no FP8 linear matches '*'"), "fp8")
+    assert report["verdict"] == ERROR and "did not run: bug injection" in headline(report)
+    assert combine_twin(_report(FAIL, "output_layer"), twin_error("x"), "fp8")["verdict"] == FAIL
+    built = combine_twin(_report(PASS), build_failure("candidate", 1, "decoder.layers.3", ["on the wrong chunk"]),
+                         "bf16")
+    assert built["verdict"] == FAIL and "stopped at the build" in headline(built)
+    out = io.StringIO()
+    render(built, Console(file=out, width=80))
+    assert "every module's outputs match" not in out.getvalue()  # no replay ran: no culprit line

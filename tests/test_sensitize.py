@@ -72,7 +72,7 @@ def test_each_kind_of_weight_is_drawn_for_o1_activations_and_peaked_attention():
     assert state["embedding.word_embeddings.weight"][-8:].abs().sum(dim=1).min() > 0
 
 
-def test_the_draw_depends_on_the_name_and_megatrons_draw_only():
+def test_the_draw_depends_on_the_names_and_megatrons_whole_draw_only():
     a, sites = _state()
     b, _ = _state()
     sensitize(a, sites, hidden=H)
@@ -82,6 +82,9 @@ def test_the_draw_depends_on_the_name_and_megatrons_draw_only():
     c["decoder.layers.0.mlp.linear_fc2.weight"] += 1e-3  # megatron drew another starting point (its --seed)
     sensitize(c, sites, hidden=H)
     assert not torch.equal(a["decoder.layers.0.mlp.linear_fc2.weight"], c["decoder.layers.0.mlp.linear_fc2.weight"])
+    # zero biases too: another megatron seed, other biases (not one draw for every calibration seed)
+    bias = "decoder.layers.0.self_attention.linear_qkv.bias"
+    assert not torch.equal(a[bias], c[bias])
     # two zero biases of one shape still get different draws
     assert not torch.equal(a["decoder.layers.0.input_layernorm.bias"][:16], a["decoder.layers.0.self_attention"
                                                                               ".linear_qkv.bias"][:16])
@@ -118,3 +121,36 @@ def test_the_reference_writes_the_sensitized_weights_every_side_loads(runs):
     assert state["decoder.layers.0.input_layernorm.weight"].std() > 0.1
     words = state["embedding.word_embeddings.weight"]
     assert words.shape[0] > recipe.data.vocab_size and words[recipe.data.vocab_size:].abs().sum(dim=1).min() > 0
+
+
+def test_a_seed_checkpoint_says_how_it_was_drawn_and_a_run_asking_otherwise_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from ttrace_megatron.adapter.run.seed_checkpoint import seed_init_of, share_initial_weights
+
+    old, drawn = str(tmp_path / "old.safetensors"), str(tmp_path / "drawn.safetensors")
+    save_file({"w": torch.zeros(2)}, old)  # written before ttrace recorded the draw: megatron's
+    save_file({"w": torch.zeros(2)}, drawn, metadata={"seed_init": "sensitized"})
+    assert (seed_init_of(old, 0), seed_init_of(drawn, 0)) == ("megatron", "sensitized")
+    with pytest.raises(RecipeError, match="holds megatron initial weights, and this run asks for sensitized"):
+        share_initial_weights(old, None, None, None, 0, "candidate", 2, init="sensitized")
+    with pytest.raises(RecipeError, match="seed_init must be one of"):
+        share_initial_weights(old, None, None, None, 0, "candidate", 2, init="xavier")
+
+
+def test_megatron_lm_sides_are_told_the_recipes_seed_init():
+    """``ttrace run --megatron-lm``: the recipe's seed_init reaches pretrain_gpt.py as
+    ``--ttrace-seed-init``, and the flag comes back as the session's option."""
+    import argparse
+
+    from ttrace_megatron.adapter.megatron_lm.arguments import add_arguments
+    from ttrace_megatron.adapter.megatron_lm.checkout import trace_args
+    from ttrace_megatron.adapter.run.session import TraceOptions
+
+    trace = TraceOptions(enabled=True, dir="t", seed_checkpoint="seed.safetensors")
+    sensitized = load("gpt_tp2", train={"seed_init": "sensitized"})
+    argv = trace_args(trace, sensitized)
+    assert argv[argv.index("--ttrace-seed-init") + 1] == "sensitized"
+    assert "--ttrace-seed-init" not in trace_args(trace, load("gpt_tp2"))
+    options = TraceOptions.from_args(add_arguments(argparse.ArgumentParser()).parse_args(argv))
+    assert options.seed_init == "sensitized" and options.seed_checkpoint == "seed.safetensors"

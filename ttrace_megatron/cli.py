@@ -62,13 +62,17 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     (no tensor is compared, and no twin runs)."""
     from .errors import BuiltOtherwise
     from .recipe import FP32_TWIN, fp32_twin
-    from .report import build_failure, combine_twin, render, render_twin
+    from .report import build_failure, combine_twin, render, render_twin, twin_error
 
     twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
     run_side = _side_runner(recipe, out, args, console)
     twin_out = os.path.join(out, FP32_TWIN)
     # refused before anything runs, like the recipe itself; the twin starts from the recipe's seed checkpoint
-    run_twin = _side_runner(twin, twin_out, args, console, seed=_seed_path(out)) if twin else None
+    try:
+        run_twin = _side_runner(twin, twin_out, args, console, seed=_seed_path(out)) if twin else None
+    except RecipeError as e:
+        raise RecipeError(f"the fp32 twin of this recipe cannot run: {e} (--no-fp32-twin leaves the twin out)") \
+            from None
     start = time.monotonic()
     try:
         report = _run_and_compare(recipe, out, args, console, run_side)
@@ -85,7 +89,13 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
             twin_report = _run_and_compare(twin, twin_out, args, console, run_twin, quiet=True)
         except BuiltOtherwise as e:
             twin_report = build_failure(e.side, e.rank, e.module, e.problems, twin.name)
+        except (TraceError, RecipeError, RunFailed, ValueError) as e:
+            # e.g. a bug injected for the recipe's dtype that has nothing to act on in fp32 (an FP8
+            # amax): the pair's verdict stands, and the check says the twin did not run, and why
+            console.print(f"[yellow]the fp32 twin did not run: {e}[/]", highlight=False)
+            twin_report = twin_error(str(e), twin.name)
         twin_report["seconds"] = round(time.monotonic() - start, 2)
+        _write_reports(twin_report, twin_out, None, None)  # `ttrace report OUT/fp32_twin` reads it
         report = combine_twin(report, twin_report, recipe.dtype)
         render_twin(report, console)
     _write_reports(report, out, json_path, getattr(args, "html", None))

@@ -133,21 +133,36 @@ FP32_TWIN = "fp32_twin"
 DTYPE_SPECIFIC = ("Float16Module's casts, low-precision reductions and main parameters, loss scaling, FP8 scaling")
 
 
+ERROR = "error"  # a verdict no comparison gave: the fp32 twin did not run
+
+
+def twin_error(message: str, recipe: Optional[str] = None) -> dict:
+    """The report of an fp32 twin that could not run (``message`` says why)."""
+    return {"verdict": ERROR, "recipe": recipe, "error": message, "first_mismatch": None, "culprits": [],
+            "summary": {"compared": 0, "failed": 0, "missing_in_candidate": 0, "missing_in_reference": 0,
+                        "skipped": 0}, "tensors": []}
+
+
 def combine_twin(report: dict, twin: dict, dtype: str) -> dict:
     """One check's report from its recipe's pair (``report``) and its fp32 twin's: the pair's
     report with ``dtype``, its own verdict as ``pair_verdict``, the twin's report under
-    ``fp32_twin``, and as ``verdict`` a FAIL if either fails. Each keeps its own first mismatch
-    and culprits: the pair's is at the top, as in a check without a twin."""
+    ``fp32_twin``, and as ``verdict`` a FAIL if either fails (else an error if the twin could not
+    run). Each keeps its own first mismatch and culprits: the pair's is at the top, as in a check
+    without a twin."""
     out = dict(report, dtype=dtype, pair_verdict=report["verdict"])
     out[FP32_TWIN] = dict(twin, dtype="fp32")
-    out["verdict"] = FAIL if FAIL in (report["verdict"], twin["verdict"]) else PASS
+    verdicts = (report["verdict"], twin["verdict"])
+    out["verdict"] = FAIL if FAIL in verdicts else ERROR if ERROR in verdicts else PASS
     return out
 
 
 def first_mismatch_of(report: dict) -> Optional[dict]:
-    """The first mismatch a summary line names: the recipe's own pair's, else its fp32 twin's."""
+    """The first mismatch a summary line names: the recipe's own pair's, else its fp32 twin's
+    (marked ``"check": "fp32 twin"``)."""
     twin = report.get(FP32_TWIN) or {}
-    return report.get("first_mismatch") or twin.get("first_mismatch")
+    if report.get("first_mismatch") or not twin.get("first_mismatch"):
+        return report.get("first_mismatch")
+    return dict(twin["first_mismatch"], check="fp32 twin")
 
 
 def headline(report: dict) -> str:
@@ -156,6 +171,10 @@ def headline(report: dict) -> str:
         return _pair_headline(report)
     dtype, own = report.get("dtype", "the recipe's dtype"), report.get("pair_verdict", report["verdict"])
     pair = _pair_headline(dict(report, verdict=own))
+    if twin["verdict"] == ERROR:
+        return f"{dtype}: {pair}. Its fp32 twin did not run: {twin.get('error', '')}"
+    if twin.get("build"):
+        return f"{dtype}: {pair}. Its fp32 twin stopped at the build: {_pair_headline(twin)}"
     if own == PASS and twin["verdict"] == PASS:
         return (f"{dtype}: {pair}; its fp32 twin (the same layout and seed checkpoint, judged under fp32 bounds): "
                 f"{_pair_headline(twin)}")
@@ -252,9 +271,8 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
 
 
 def _render_pair(report: dict, console: Console, num_layers: Optional[int], max_rows: int) -> None:
-    ok = report["verdict"] == PASS
-    color = "green" if ok else "red"
-    title = "PASS" if ok else "FAIL"
+    color = {PASS: "green", FAIL: "red"}.get(report["verdict"], "yellow")
+    title = report["verdict"].upper()
     console.print(Panel(headline(report), title=f"[bold {color}]ttrace: {title}[/]", border_style=color))
     if report.get("versions_differ"):
         console.print("the two sides ran different library versions: " + "; ".join(report["versions_differ"]))
@@ -332,15 +350,18 @@ def render_twin(report: dict, console: Optional[Console] = None, max_rows: int =
     then one line with both verdicts."""
     console = console or Console()
     twin = report[FP32_TWIN]
-    if twin["verdict"] == FAIL:
+    if twin["verdict"] == ERROR:
+        console.print(Panel(twin.get("error", ""), title="[bold yellow]fp32 twin: did not run[/]",
+                            border_style="yellow"), highlight=False)
+    elif twin["verdict"] == FAIL:
         console.print("[bold]the fp32 twin[/] (the same layout and seed checkpoint in fp32, under fp32 bounds):")
         render(twin, console, num_layers=twin.get("num_layers"), max_rows=max_rows)
-        if twin.get("culprits") is not None:
+        if twin.get("culprits"):
             render_culprits(twin["culprits"], console)
     else:
         console.print(Panel(_pair_headline(twin), title="[bold green]fp32 twin: PASS[/]", border_style="green"))
     own = report.get("pair_verdict", report["verdict"])
-    color = "green" if report["verdict"] == PASS else "red"
+    color = {PASS: "green", FAIL: "red"}.get(report["verdict"], "yellow")
     console.print(f"[bold {color}]ttrace: {report['verdict'].upper()}[/] — {report.get('dtype')}: {own.upper()}, "
                   f"fp32 twin: {twin['verdict'].upper()}")
 
@@ -463,9 +484,18 @@ def to_html(report: dict) -> str:
             f'<p>culprit: <b>{html.escape(c["module"])}</b>, {html.escape(c["phase"])}, {html.escape(c["tensor"])} '
             f'(iteration {c["iteration"]}): {_g(c["error_eps"])} ε against a local tolerance of '
             f'{_g(c["tolerance_eps"])} ε — {html.escape(c["explanation"])}</p>' for c in (twin.get("culprits") or [])[:1])
+        twin_fails = sorted((t for t in twin.get("tensors", []) if t["verdict"] == FAIL), key=lambda t: t["order"])
+        twin_rows = "".join(
+            f'<tr class="fail"><td>{t["iteration"]}</td><td>{html.escape(t["module"])}</td>'
+            f'<td>{html.escape(t["phase"])}</td><td>{html.escape(t["tensor"])}</td><td>{_g(t["error_eps"])}</td>'
+            f'<td>{_g(t["tolerance_eps"])}</td></tr>' for t in twin_fails[:20])
+        twin_table = (f'<p>its first mismatches in execution order ({len(twin_fails)} in all):</p><table><tr>'
+                      f'<th>iter</th><th>module</th><th>phase</th><th>tensor</th><th>error ε</th><th>tol ε</th></tr>'
+                      f'{twin_rows}</table>') if twin_fails else ""
+        twin_text = twin.get("error") if twin["verdict"] == ERROR else _pair_headline(twin)
         twin_html = (f'<div class="{"culprit" if twin["verdict"] == FAIL else "verdict"}"><h2>fp32 twin: '
-                         f'{twin["verdict"].upper()}</h2><p>{html.escape(_pair_headline(twin))}</p>'
-                         f'{twin_culprits}</div>')
+                     f'{twin["verdict"].upper()}</h2><p>{html.escape(twin_text or "")}</p>'
+                     f'{twin_culprits}{twin_table}</div>')
     versions_html = "".join(f"<p>the two sides ran different library versions: {html.escape(line)}</p>"
                             for line in report.get("versions_differ") or [])
     if culprits:
@@ -490,7 +520,7 @@ table {{ border-collapse: collapse; font-size: 12px; width: 100%; }}
 td, th {{ border-bottom: 1px solid #ddd; padding: 2px 6px; text-align: left; }}
 tr.fail td {{ background: #fdd; }}
 </style></head><body>
-<h1>ttrace: {"PASS" if ok else "FAIL"}</h1>
+<h1>ttrace: {report["verdict"].upper()}</h1>
 <div class="verdict">{html.escape(headline(report))}</div>
 {versions_html}
 {culprit_html}

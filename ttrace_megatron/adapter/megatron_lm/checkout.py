@@ -24,7 +24,7 @@ from typing import Dict, List, Optional, Tuple
 
 from ...about import SOURCE_ROOT
 from ...errors import RecipeError
-from ...recipe import MEGATRON_INDEXED, MEGATRON_MOCK, SYNTHETIC, Recipe
+from ...recipe import MEGATRON_INDEXED, MEGATRON_MOCK, SEED_INIT_MEGATRON, SYNTHETIC, Recipe
 from ..recipe.data import indexed_path, write_documents
 from ..recipe import compat
 from ..run.session import TraceOptions
@@ -270,10 +270,15 @@ def _loop_flags(recipe: Recipe, release: str, data_path: Optional[str]) -> List[
     ]
 
 
-def trace_args(trace: TraceOptions) -> List[str]:
+def trace_args(trace: TraceOptions, recipe: Optional[Recipe] = None) -> List[str]:
+    """The ``--ttrace*`` flags of one side; the recipe's ``train.seed_init`` goes with the seed
+    checkpoint (the reference draws it so)."""
     argv = ["--ttrace", "--ttrace-dir", trace.dir]
     if trace.seed_checkpoint:
         argv += ["--ttrace-seed-checkpoint", trace.seed_checkpoint]
+        seed_init = recipe.train.seed_init if recipe is not None else trace.seed_init
+        if seed_init != SEED_INIT_MEGATRON:
+            argv += ["--ttrace-seed-init", seed_init]
     if trace.lockstep:
         argv += ["--ttrace-lockstep", trace.lockstep]
     if trace.replay:
@@ -305,9 +310,7 @@ def run(checkout: str, recipe: Recipe, role: str, trace: TraceOptions, *, inject
     cpu = cpu or not torch.cuda.is_available()
     argv = training_args(recipe, role, parallel, release=release_of(checkout), data_path=data_path)
     argv += ["--distributed-backend", "gloo" if cpu else "nccl"]
-    argv += trace_args(trace)
-    if recipe.train.seed_init != "megatron":
-        argv += ["--ttrace-seed-init", recipe.train.seed_init]
+    argv += trace_args(trace, recipe)
     if log_dir:
         os.makedirs(log_dir, exist_ok=True)
     launch(checkout, argv, world, cpu=cpu, timeout_s=timeout_s, log_dir=log_dir,

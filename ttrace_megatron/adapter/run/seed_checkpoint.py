@@ -41,6 +41,11 @@ def share_initial_weights(path: str, chunks: List[torch.nn.Module], key_layouts:
             raise RecipeError(f"seed checkpoint {path} does not exist: run the reference (world size 1) first")
         if rank == 0:
             save_seed_checkpoint(chunks, key_layouts, coords, path, init)
+    drawn = seed_init_of(path, rank)
+    if drawn != init:
+        # a kept file from another check: every side must start where the recipe says
+        raise RecipeError(f"seed checkpoint {path} holds {drawn} initial weights, and this run asks for {init} "
+                          f"(seed_init): remove the file, and the reference writes it anew")
     load_seed_checkpoint(chunks, key_layouts, coords, path, rank)
     if optimizer is not None:
         optimizer.reload_model_params()
@@ -67,8 +72,23 @@ def save_seed_checkpoint(chunks: List[torch.nn.Module], key_layouts: layouts.Key
                  f"{', …' if len(kept) > 4 else ''}): no sensitizing rule for them" if kept else ""), flush=True)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = path + ".tmp"
-    save_file(state, tmp)
+    save_file(state, tmp, metadata={SEED_INIT_KEY: init})
     os.replace(tmp, path)
+
+
+SEED_INIT_KEY = "seed_init"  # the safetensors metadata that says how the weights were drawn
+
+
+def seed_init_of(path: str, rank: int) -> str:
+    """How the seed checkpoint at ``path`` was drawn (a file written before ttrace recorded it:
+    megatron's initialization, the only one there was)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(path, framework="pt") as f:
+            return (f.metadata() or {}).get(SEED_INIT_KEY, MEGATRON)
+    except Exception as e:
+        raise TraceError(f"cannot read the seed checkpoint ({e})", path=path, rank=rank) from None
 
 
 @torch.no_grad()

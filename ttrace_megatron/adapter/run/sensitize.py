@@ -12,7 +12,7 @@ megatron's: every side loads the reference's seed checkpoint whatever it was dra
   key projections at gain 1.5, so the scores q·k/√d have a standard deviation of about 2 and
   attention is peaked, not uniform;
 * the word and position embeddings: N(0, 1) (untied); tied to the output layer: N(0, 1/hidden),
-  the output layer's rule (logits O(1));
+  the output layer's rule (logits O(1)), and the positions at the words' scale;
 * a norm's weight: 1 + N(0, 0.2²) (N(0, 0.2²) where megatron centres gamma at zero); every bias,
   norm biases included: N(0, 0.1²), not zero;
 * a router's weight ``[experts, hidden]``: N(0, 1/hidden) (well-separated top-k scores); attention
@@ -21,7 +21,7 @@ megatron's: every side loads the reference's seed checkpoint whatever it was dra
 
 Anything else (Mamba's ``A_log``, ``D``, ``dt_bias`` and convolution, grouped experts' weights)
 keeps megatron's initialization, and the run says which. The draw is a function of the parameter's
-name and of megatron's draw of it (so megatron's ``--seed`` still picks the starting point), and
+name and of megatron's whole draw (so megatron's ``--seed`` still picks the starting point), and
 nothing else: any layout loads the same logical tensors.
 """
 
@@ -47,10 +47,18 @@ EMBEDDINGS = ("VocabParallelEmbedding", "Embedding")
 ROUTERS = ("TopKRouter",)
 
 
-def _generator(name: str, megatron_draw: torch.Tensor) -> torch.Generator:
-    digest = xxhash.xxh3_64(megatron_draw.detach().contiguous().view(torch.uint8).numpy().tobytes())
-    digest.update(name.encode())
-    return torch.Generator().manual_seed((digest.intdigest() ^ zlib.crc32(name.encode())) & ((1 << 63) - 1))
+def _draw_digest(state: Dict[str, torch.Tensor]) -> int:
+    """A digest of megatron's whole draw, in name order: it changes with megatron's ``--seed`` even
+    where one parameter's draw does not (zero biases, unit norm weights)."""
+    digest = xxhash.xxh3_64()
+    for name in sorted(state):
+        digest.update(name.encode())
+        digest.update(state[name].detach().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.intdigest()
+
+
+def _generator(name: str, draw_digest: int) -> torch.Generator:
+    return torch.Generator().manual_seed((draw_digest ^ (zlib.crc32(name.encode()) << 31)) & ((1 << 63) - 1))
 
 
 def _normal(shape, std: float, g: torch.Generator, mean: float = 0.0) -> torch.Tensor:
@@ -60,9 +68,10 @@ def _normal(shape, std: float, g: torch.Generator, mean: float = 0.0) -> torch.T
 def _rule(name: str, module_name: str, module_type: str, pname: str, shape: Tuple[int, ...], *, tied: bool,
           hidden: int, zero_centered_gamma: bool):
     """(mean, std) of the sensitized draw of one logical parameter, or None: megatron's is kept."""
-    if pname == "bias" or pname.endswith("_bias") and "Norm" in module_type:
+    norm = "Norm" in module_type
+    if pname == "bias" and (norm or module_type in LINEARS):
         return 0.0, BIAS_STD
-    if "Norm" in module_type and pname == "weight":
+    if norm and pname == "weight":
         return (0.0 if zero_centered_gamma else 1.0), NORM_WEIGHT_STD
     if pname == "softmax_offset":
         return 0.0, 1.0
@@ -70,8 +79,8 @@ def _rule(name: str, module_name: str, module_type: str, pname: str, shape: Tupl
         return None
     if module_type in ROUTERS:
         return 0.0, 1.0 / math.sqrt(shape[1])
-    if module_type in EMBEDDINGS:
-        return 0.0, (1.0 / math.sqrt(hidden) if tied and "word_embeddings" in module_name else 1.0)
+    if module_type in EMBEDDINGS:  # positions at the words' scale, so neither swamps the other
+        return 0.0, (1.0 / math.sqrt(hidden) if tied else 1.0)
     if module_type in LINEARS:
         gain = QK_GAIN if module_name.rsplit(".", 1)[-1] in QUERY_KEY_PROJECTIONS else 1.0
         return 0.0, gain / math.sqrt(shape[1])
@@ -84,6 +93,7 @@ def sensitize(state: Dict[str, torch.Tensor], sites: Dict[str, Tuple[str, str, s
     ``sites``: name → (module name, module type, parameter name). Returns the names that keep
     megatron's initialization."""
     tied = not any(name.endswith("output_layer.weight") for name in state)
+    digest = _draw_digest(state)
     kept = []
     for name, tensor in state.items():
         module_name, module_type, pname = sites[name]
@@ -93,5 +103,5 @@ def sensitize(state: Dict[str, torch.Tensor], sites: Dict[str, Tuple[str, str, s
             kept.append(name)
             continue
         mean, std = rule
-        state[name] = _normal(tensor.shape, std, _generator(name, tensor), mean).to(tensor.dtype)
+        state[name] = _normal(tensor.shape, std, _generator(name, digest), mean).to(tensor.dtype)
     return kept
