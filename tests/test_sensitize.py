@@ -154,3 +154,20 @@ def test_megatron_lm_sides_are_told_the_recipes_seed_init():
     assert "--ttrace-seed-init" not in trace_args(trace, load("gpt_tp2"))
     options = TraceOptions.from_args(add_arguments(argparse.ArgumentParser()).parse_args(argv))
     assert options.seed_init == "sensitized" and options.seed_checkpoint == "seed.safetensors"
+
+
+def test_distinct_tokens_repeat_no_token_within_a_sample_and_leave_eod_to_document_ends():
+    from ttrace_megatron.adapter.recipe.data import eod_token, sampler
+
+    recipe = load("gpt_tp2", data={"distinct_tokens": True})
+    draw = sampler(recipe)
+    for index in range(8):
+        s = draw(index)
+        tokens = torch.cat([s.tokens, s.labels[-1:]])
+        assert len(set(tokens.tolist())) == len(tokens) == recipe.data.seq_length + 1
+        assert eod_token(recipe.data.vocab_size) not in tokens.tolist()
+    assert not torch.equal(draw(0).tokens, draw(1).tokens)
+    with pytest.raises(RecipeError, match="distinct_tokens"):
+        load("gpt_tp2", data={"distinct_tokens": True, "vocab_size": 16})
+    with pytest.raises(RecipeError, match="distinct_tokens"):
+        load("gpt_tp2", data={"distinct_tokens": True, "source": "megatron_mock"})

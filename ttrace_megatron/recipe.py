@@ -59,6 +59,10 @@ class DataConfig:
     # least one real token left): no loss, and handed to the model as its padding_mask, which an MoE
     # router's aux loss, z-loss and expert-bias counts leave out (megatron-core's GPTModel.forward)
     padded_share: float = 0.0
+    # synthetic data only: no token repeats within a sample (each a random draw without replacement
+    # from the vocabulary less its EOD token), so a bug that moves a position's activation onto
+    # another position never lands on an equal one (issue #36's sensitizing data)
+    distinct_tokens: bool = False
 
 
 SYNTHETIC, MEGATRON_MOCK, MEGATRON_INDEXED = "synthetic", "megatron_mock", "megatron_indexed"
@@ -169,7 +173,13 @@ def recipe_from_dict(raw: Any, source: str = "<embedded>") -> Recipe:
         raise RecipeError(f"{source}: train: 'frozen' must be a list of parameter-name patterns")
     if data.source is not None and data.source not in DATA_SOURCES:
         raise RecipeError(f"{source}: data: 'source' must be one of {DATA_SOURCES}, got {data.source!r}")
-    for switch in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask"):
+    if data.distinct_tokens and data.source in (MEGATRON_MOCK, MEGATRON_INDEXED):
+        raise RecipeError(f"{source}: data: 'distinct_tokens' shapes ttrace's synthetic data; {data.source}'s "
+                          f"tokens are its own")
+    if data.distinct_tokens and data.vocab_size - 1 < data.seq_length + 1:
+        raise RecipeError(f"{source}: data: 'distinct_tokens' needs vocab_size - 1 (the EOD token left out) ≥ "
+                          f"seq_length + 1 tokens, got vocab_size {data.vocab_size}, seq_length {data.seq_length}")
+    for switch in ("eod_mask_loss", "reset_position_ids", "reset_attention_mask", "distinct_tokens"):
         if not isinstance(getattr(data, switch), bool):
             raise RecipeError(f"{source}: data: '{switch}' must be true or false")
     if isinstance(data.document_length, bool) or not isinstance(data.document_length, int) or data.document_length < 0:

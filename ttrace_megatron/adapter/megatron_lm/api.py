@@ -104,6 +104,8 @@ def training_signature(args: Any) -> Dict[str, Any]:
     out["masked_share"] = 0.0  # Megatron-LM's loop masks only with its dataset's own mask
     out["document_length"] = 0  # and trains on its dataset's own documents
     out["padded_share"] = 0.0  # pretrain_gpt.py hands the model no padding mask
+    out["distinct_tokens"] = False  # its dataset's tokens are its own
+    out["seed_init"] = getattr(args, "ttrace_seed_init", None) or "megatron"
     return out
 
 

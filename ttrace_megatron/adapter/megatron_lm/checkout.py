@@ -233,10 +233,11 @@ def _refuse_untranslated_data(recipe: Recipe, data_path: Optional[str]) -> None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: data: source 'synthetic' is ttrace's own data; "
                           f"Megatron-LM's pretrain_gpt.py trains on its mock dataset ('{MEGATRON_MOCK}', the "
                           f"default with --megatron-lm) or on --megatron-lm-data")
-    if d.masked_share or d.document_length or d.padded_share:
-        raise RecipeError(f"{recipe.source}: --megatron-lm: data: 'masked_share', 'document_length' and "
-                          f"'padded_share' shape ttrace's synthetic data; Megatron-LM's loop trains on its own "
-                          f"dataset's documents and masks (pretrain_gpt.py hands the model no padding mask)")
+    if d.masked_share or d.document_length or d.padded_share or d.distinct_tokens:
+        raise RecipeError(f"{recipe.source}: --megatron-lm: data: 'masked_share', 'document_length', "
+                          f"'padded_share' and 'distinct_tokens' shape ttrace's synthetic data; Megatron-LM's loop "
+                          f"trains on its own dataset's documents and masks (pretrain_gpt.py hands the model no "
+                          f"padding mask)")
     if t.frozen or t.start_weight_decay is not None or t.end_weight_decay is not None:
         raise RecipeError(f"{recipe.source}: --megatron-lm: train: frozen parameters and weight-decay schedules "
                           f"have no translation in ttrace yet")

@@ -60,7 +60,10 @@ def _synthetic(recipe: Recipe) -> Callable[[int], Sample]:
 
     def sample(index: int) -> Sample:
         g = torch.Generator().manual_seed(d.seed * 1_000_003 + index)
-        tokens = torch.randint(0, d.vocab_size, (d.seq_length + 1,), generator=g)
+        if d.distinct_tokens:  # no token twice in a sample; EOD only where a document ends
+            tokens = torch.randperm(d.vocab_size - 1, generator=g)[:d.seq_length + 1]
+        else:
+            tokens = torch.randint(0, d.vocab_size, (d.seq_length + 1,), generator=g)
         if d.document_length:  # documents packed into the sample, each ended by the EOD token
             ends = torch.rand(d.seq_length + 1, generator=g) < 1.0 / d.document_length
             tokens[ends] = eod

@@ -144,7 +144,8 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         "data_source": data.source_signature(recipe), "eod_mask_loss": recipe.data.eod_mask_loss,
         "masked_share": recipe.data.masked_share, "reset_position_ids": recipe.data.reset_position_ids,
         "reset_attention_mask": recipe.data.reset_attention_mask, "document_length": recipe.data.document_length,
-        "padded_share": recipe.data.padded_share,
+        "padded_share": recipe.data.padded_share, "distinct_tokens": recipe.data.distinct_tokens,
+        "seed_init": recipe.train.seed_init,
         "lr_warmup_iters": recipe.train.lr_warmup_iters,
         "lr_decay_iters": recipe.train.lr_decay_iters or recipe.train.iterations})
     model = build.wrap_for_training(chunks, config, recipe)
