@@ -168,17 +168,22 @@ class Outcome:
     error: str = ""
 
 
-def judge(entry: Entry, tmp: str, dtype: str = "fp32", wide: bool = False) -> Outcome:
+def judge(entry: Entry, tmp: str, dtype: str = "fp32", wide: bool = False, twin_seed: Optional[str] = None) -> Outcome:
     """Reference (clean build, 1 rank); candidate on the clean build (must pass) and on the buggy
-    build (must fail); the replay of the buggy candidate at its first mismatch's iteration."""
+    build (must fail); the replay of the buggy candidate at its first mismatch's iteration.
+    ``twin_seed``: judge the recipe's fp32 twin instead (``recipe.fp32_twin``, as ``ttrace run``
+    does), from this seed checkpoint (the low-precision check's)."""
     from ttrace_megatron.adapter.run.launch import launch
     from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces, localize, phase_label
+    from ttrace_megatron.recipe import fp32_twin
 
     check_release()
     r = recipe_of(entry, dtype, wide)
+    if twin_seed:
+        r = fp32_twin(r)
     trees = builds(entry, tmp)
-    seed = os.path.join(tmp, "seed.safetensors")
+    seed = twin_seed or os.path.join(tmp, "seed.safetensors")
     ref, pert = os.path.join(tmp, "ref"), os.path.join(tmp, "pert")
 
     def spec(role, trace_dir, tree, **trace):
@@ -216,6 +221,8 @@ def main():
     parser.add_argument("--only", nargs="*", help="only these entries")
     parser.add_argument("--dtype", default="fp32")
     parser.add_argument("--wide", action="store_true", help="the recipes widened as margins.py --wide does")
+    parser.add_argument("--twin", action="store_true", help="with a bf16/fp16/fp8 --dtype: also the fp32 twin of "
+                        "each entry (the same recipe in fp32 from the same seed checkpoint), its columns beside")
     args = parser.parse_args()
     import megatron.core
 
@@ -223,25 +230,40 @@ def main():
                             text=True).stdout.strip()
     print(f"commit {commit}; dtype {args.dtype}{'; widened (margins.WIDE)' if args.wide else ''}; machine: {os.cpu_count()} CPU cores, gloo, torch "
           f"{__import__('torch').__version__}, megatron-core {megatron.core.__version__}\n", flush=True)
+    twin = args.twin and args.dtype != "fp32"
     print("| entry | upstream fix | class | kind | recipe | clean build: verdict (worst ratio) | buggy build: "
-          "first mismatch | error / tolerance | detected | replay culprit | localized (expected module, phase) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|", flush=True)
+          "first mismatch | error / tolerance | detected | replay culprit | localized (expected module, phase) |"
+          + (" fp32 twin: clean | twin: error / tolerance | twin: detected | twin: replay culprit | twin: localized |"
+             if twin else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 5 if twin else ""), flush=True)
     outcomes = []
     for e in load_entries():
         if args.only and e.name not in args.only:
             continue
+        twin_cells = ""
         with tempfile.TemporaryDirectory() as tmp:
             try:
                 o = judge(e, tmp, args.dtype, args.wide)
             except Exception as exc:  # noqa: BLE001 - a row of the table, with the error
                 print(f"{e.name}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
                 o = Outcome("error", "—", "error", "—", 0.0, "—", False, False, error=(str(exc).splitlines() or [type(exc).__name__])[-1][:200])
+            if twin and os.path.exists(os.path.join(tmp, "seed.safetensors")):
+                tdir = os.path.join(tmp, "fp32_twin")
+                os.makedirs(tdir)
+                try:
+                    t = judge(e, tdir, args.dtype, args.wide, twin_seed=os.path.join(tmp, "seed.safetensors"))
+                    twin_cells = (f" {t.clean_verdict} {t.clean_worst} | {t.ratio:.3g} | {'yes' if t.detected else 'NO'}"
+                                  f" | {t.culprit} | {'yes' if t.localized else 'NO'} |")
+                except Exception as exc:  # noqa: BLE001
+                    twin_cells = f" error: {(str(exc).splitlines() or [type(exc).__name__])[-1][:120]} | — | — | — | — |"
+            elif twin:
+                twin_cells = " — | — | — | — | — |"
         outcomes.append((e, o))
         print(f"| {e.name} | [{e.commit[:10]}]({e.url or 'https://github.com/NVIDIA/Megatron-LM/commit/' + e.commit}) "
               f"| {e.bug_class} | {e.kind} | {e.recipe} | {o.clean_verdict} {o.clean_worst} | {o.first_mismatch} | "
               f"{o.ratio:.3g} | {'yes' if o.detected else 'NO'} | {o.culprit} | "
-              f"{'yes' if o.localized else 'NO'} ({' or '.join(e.modules)}, {e.phase}) |" + (f" error: {o.error}" if o.error else ""),
-              flush=True)
+              f"{'yes' if o.localized else 'NO'} ({' or '.join(e.modules)}, {e.phase}) |" + twin_cells
+              + (f" error: {o.error}" if o.error else ""), flush=True)
     print_summary(outcomes)
 
 
