@@ -252,10 +252,19 @@ def main():
         for dtype in args.dtypes:
             worst, fps, n, false_culprits, worst_local = None, 0, 0, 0, 0.0
             analytic_fps, over_observed = 0, 0.0
+            twin_rows = []  # (fps, tensors, worst, false culprits) of each seed's fp32 twin (--twin)
             for seed in range(1, args.seeds + 1):
                 with tempfile.TemporaryDirectory() as tmp:
-                    c, loc, extra = pair(recipe(name, dtype, seed, args.wide), tmp, calibrate=calibrate,
-                                         lockstep=not args.no_lockstep)
+                    r = recipe(name, dtype, seed, args.wide)
+                    c, loc, extra = pair(r, tmp, calibrate=calibrate, lockstep=not args.no_lockstep)
+                    twin = fp32_twin(r) if args.twin else None
+                    if twin is not None:
+                        tdir = os.path.join(tmp, "fp32_twin")
+                        os.makedirs(tdir)
+                        tc, tloc, _ = pair(twin, tdir, lockstep=not args.no_lockstep,
+                                           seed=os.path.join(tmp, "seed.safetensors"))
+                        twin_rows.append((len(tc.failures), len(tc.results), max(tc.results, key=lambda x: x.ratio),
+                                          len(tloc.culprits)))
                 if calibrate:
                     analytic_fps += extra["analytic_fps"]
                     over_observed = max(over_observed, extra["worst_over_observed"])
@@ -269,7 +278,14 @@ def main():
                                                     if r.tolerance_source.startswith("local")])
             print(f"| {name} | {dtype} | {args.seeds} | {n} | {fps} | {worst.error_eps:.3g} / {worst.tolerance_eps:.3g} "
                   f"({worst.key.module} {worst.key.phase} {worst.key.tensor}) | {worst.ratio:.2f} | {false_culprits} "
-                  f"| {worst_local:.2f} | " + (f"{analytic_fps} | {over_observed:.2f} |" if calibrate else "— | — |"))
+                  f"| {worst_local:.2f} | " + (f"{analytic_fps} | {over_observed:.2f} |" if calibrate else "— | — |"),
+                  flush=True)
+            if twin_rows:
+                tw = max((row[2] for row in twin_rows), key=lambda x: x.ratio)
+                print(f"| {name} | fp32 twin of {dtype} | {args.seeds} | {twin_rows[0][1]} | "
+                      f"{sum(row[0] for row in twin_rows)} | {tw.error_eps:.3g} / {tw.tolerance_eps:.3g} ({tw.key.module} "
+                      f"{tw.key.phase} {tw.key.tensor}) | {tw.ratio:.2f} | {sum(row[3] for row in twin_rows)} | — | — | — |",
+                      flush=True)
     print()
     twin_cols = (" fp32 twin: detected | twin: first mismatch | twin: error / tolerance | twin: replay culprit "
                  "| twin: culprit error / local tolerance |") if args.twin else ""
