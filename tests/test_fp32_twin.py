@@ -103,3 +103,18 @@ def test_a_twin_that_did_not_run_or_stopped_at_the_build_says_so():
     out = io.StringIO()
     render(built, Console(file=out, width=80))
     assert "every module's outputs match" not in out.getvalue()  # no replay ran: no culprit line
+
+
+def test_the_html_report_holds_both_checks_and_unbounded_tolerances():
+    """A tensor judged without a finite bound (a top-k choice: "inf" in the JSON) broke the HTML page
+    of a bf16 MoE check; the twin's failing tensors are listed on the page too."""
+    from ttrace_megatron.report import to_html
+
+    tensor = {"module": "decoder.layers.0.mlp.router", "phase": "forward", "tensor": "topk_choice", "iteration": 1,
+              "microbatch": 0, "error_eps": 0.0, "tolerance_eps": "inf", "reason": "", "tolerance_source": "",
+              "verdict": PASS, "error": 0.0, "eps": 0.0078125, "depth": 1, "order": 0, "shape": [4]}
+    pair = dict(_report(PASS), tensors=[tensor])
+    twin = _report(FAIL, "decoder.layers.1.self_attention.linear_proj")
+    twin["tensors"] = [dict(tensor, **twin["first_mismatch"], verdict=FAIL, error=1.0, eps=2 ** -23, order=1)]
+    page = to_html(combine_twin(pair, twin, "bf16"))
+    assert "fp32 twin: FAIL" in page and "decoder.layers.1.self_attention.linear_proj" in page and ">inf<" in page

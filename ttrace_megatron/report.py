@@ -207,7 +207,7 @@ def _pair_headline(report: dict) -> str:
     err = fm["error_eps"]
     err_s = f"{err:.3g} ε" if isinstance(err, (int, float)) else f"{err} ε"
     text = (f"{fm['module']}, {fm['phase']}, {fm['tensor']} (iteration {fm['iteration']}{mb}) introduced an error "
-            f"of {err_s} against a tolerance of {fm['tolerance_eps']:.3g} ε")
+            f"of {err_s} against a tolerance of {_g(fm['tolerance_eps'])} ε")
     if str(fm.get("tolerance_source", "")).startswith("perturbation"):
         text += " (set by the perturbation estimate)"
     if fm.get("reason"):
@@ -337,7 +337,7 @@ def _render_pair(report: dict, console: Console, num_layers: Optional[int], max_
             e = t["error_eps"]
             ft.add_row(str(t["iteration"]), "—" if t["microbatch"] < 0 else str(t["microbatch"]), t["module"],
                        t["phase"], t["tensor"], f"{e:.3g}" if isinstance(e, (int, float)) else str(e),
-                       f"{t['tolerance_eps']:.3g}", t.get("reason", ""))
+                       _g(t['tolerance_eps']), t.get("reason", ""))
         console.print(ft)
     for side in ("missing_in_candidate", "missing_in_reference"):
         if report.get(side):
@@ -475,8 +475,8 @@ def to_html(report: dict) -> str:
         e = t["error_eps"]
         rows.append(f'<tr class="{cls}"><td>{t["iteration"]}</td><td>{"—" if t["microbatch"] < 0 else t["microbatch"]}'
                     f'</td><td>{html.escape(t["module"])}</td><td>{html.escape(t["phase"])}</td>'
-                    f'<td>{html.escape(t["tensor"])}</td><td>{e if isinstance(e, str) else f"{e:.3g}"}</td>'
-                    f'<td>{t["tolerance_eps"]:.3g}</td><td>{html.escape(t.get("reason", ""))}</td></tr>')
+                    f'<td>{html.escape(t["tensor"])}</td><td>{_g(e)}</td>'
+                    f'<td>{_g(t["tolerance_eps"])}</td><td>{html.escape(t.get("reason", ""))}</td></tr>')
     culprit_html, twin_html = "", ""
     twin = report.get(FP32_TWIN)
     if twin:
@@ -502,7 +502,7 @@ def to_html(report: dict) -> str:
         c = culprits[0]
         culprit_html = (f'<div class="culprit"><h2>Culprit</h2><p><b>{html.escape(c["module"])}</b>, '
                         f'{html.escape(c["phase"])}, {html.escape(c["tensor"])} (iteration {c["iteration"]}) fails on '
-                        f'its own: {c["error_eps"]:.3g} ε against a local tolerance of {c["tolerance_eps"]:.3g} ε — '
+                        f'its own: {_g(c["error_eps"])} ε against a local tolerance of {_g(c["tolerance_eps"])} ε — '
                         f'{html.escape(c["explanation"])}</p></div>')
     # later iterations carry the first error everywhere: plot the iteration where it appears
     first = report.get("first_mismatch")
