@@ -145,6 +145,33 @@ def test_real_training_loop_clean_and_its_bug_localized(tmp_path, recipe, bug, m
 
 @needs_checkout
 @pytest.mark.multiprocess
+def test_a_bf16_check_through_the_real_loop_runs_its_fp32_twin(tmp_path):
+    """Both pairs through pretrain_gpt.py (issue #36): the bf16 pair with --bf16, its twin without,
+    from the bf16 reference's seed checkpoint; a bug bf16 round-off hides is the twin's FAIL."""
+    import yaml
+
+    from ttrace_megatron.cli import main
+
+    with open(os.path.join(RECIPES, "gpt_tp2.yaml")) as f:
+        raw = yaml.safe_load(f)
+    raw["dtype"] = "bf16"
+    recipe = tmp_path / "gpt_tp2_bf16.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    rc = main(["run", str(recipe), "--megatron-lm", CHECKOUT, "--out", str(out), "--json", str(tmp_path / "r.json"),
+               "--inject", "softmax_scale_from_partition_head_dim"])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (rc, report["verdict"], report["pair_verdict"]) == (1, "fail", "pass"), report.get("first_mismatch")
+    twin = report["fp32_twin"]
+    assert twin["culprits"][0]["module"] == "decoder.layers.0.self_attention.linear_proj"
+    with open(out / "fp32_twin" / "reference" / "run.json") as f:
+        assert json.load(f)["compute_dtype"] == "float32"
+    with open(out / "reference" / "run.json") as f:
+        assert json.load(f)["compute_dtype"] == "bfloat16"
+
+
+@needs_checkout
+@pytest.mark.multiprocess
 def test_real_gpt_dataset_over_an_indexed_dataset_passes(tmp_path):
     """Megatron-LM's GPTDataset and its sampler (DP order, several microbatches) instead of the
     mock data: the candidate's token ids are compared with the reference's per global microbatch
