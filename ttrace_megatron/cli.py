@@ -303,7 +303,8 @@ def _print_summary(rows, console: Console) -> None:
             fm = r.get("first_mismatch")
             console.print(f"[{colors[r['verdict']]}]{r['verdict']:5}[/] {r['recipe']} ({r['seconds']:.1f} s)")
             if fm:
-                console.print(f"      first mismatch: {fm['module']} {fm['phase']} {fm['tensor']}", overflow="fold")
+                console.print(f"      first mismatch{' (fp32 twin)' if fm.get('check') else ''}: {fm['module']} "
+                              f"{fm['phase']} {fm['tensor']}", overflow="fold")
             elif r["verdict"] != "pass":
                 console.print(f"      {r['message']}", overflow="fold")
         return
@@ -312,7 +313,8 @@ def _print_summary(rows, console: Console) -> None:
         table.add_column(col, overflow="fold")
     for r in rows:
         fm = r.get("first_mismatch")
-        where = f"{fm['module']} {fm['phase']} {fm['tensor']}" if fm else ("" if r["verdict"] == "pass" else r["message"])
+        where = (f"{'fp32 twin: ' if fm.get('check') else ''}{fm['module']} {fm['phase']} {fm['tensor']}" if fm
+                 else ("" if r["verdict"] == "pass" else r["message"]))
         table.add_row(r["recipe"], f"[{colors[r['verdict']]}]{r['verdict']}[/]", f"{r['seconds']:.1f}", where)
     console.print(table)
 
