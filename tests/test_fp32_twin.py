@@ -56,7 +56,7 @@ def test_both_verdicts_are_reported_each_with_its_own_first_mismatch(own, twin, 
 
 
 @pytest.mark.multiprocess
-def test_a_bug_bf16_round_off_hides_is_caught_and_localized_by_the_twin(tmp_path):
+def test_a_bug_bf16_round_off_hides_is_caught_and_localized_by_the_twin(tmp_path, capfd):
     """Issue #36's example: core attention's softmax scale from the partition's head dimension (√2
     too large at TP2). At megatron's initialization the attention is nearly uniform: the bf16 pair
     passes, the fp32 twin fails at the attention and its replay names it. ``--no-fp32-twin``: the bf16
@@ -86,9 +86,12 @@ def test_a_bug_bf16_round_off_hides_is_caught_and_localized_by_the_twin(tmp_path
         assert json.load(f)["first_mismatch"] == twin["first_mismatch"]
     with open(out / FP32_TWIN / "reference" / "run.json") as f:
         assert json.load(f)["compute_dtype"] == "float32"
+    # each side says where it is (issue #37): rank 0's line per finished iteration
+    assert "[ttrace] candidate: iteration 3/3" in capfd.readouterr().out
     assert main(["run", str(recipe), "--out", str(tmp_path / "alone"), "--json", str(tmp_path / "alone.json"),
-                 "--inject", bug, "--no-fp32-twin"]) == 0
+                 "--inject", bug, "--no-fp32-twin", "--quiet"]) == 0
     assert FP32_TWIN not in json.loads((tmp_path / "alone.json").read_text())
+    assert "[ttrace] candidate: iteration" not in capfd.readouterr().out
 
 
 def test_a_twin_that_did_not_run_or_stopped_at_the_build_says_so():

@@ -181,7 +181,7 @@ def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] =
     def spec(role, trace_dir, inject=(), **trace):
         return RunSpec(recipe=recipes[role], role=role, cpu=args.cpu, inject=list(inject), megatron=trees[role],
                        trace=trace_options(trace_dir, seed, **dict(selective, **trace)),
-                       as_gpt=as_gpt and role == CANDIDATE)
+                       as_gpt=as_gpt and role == CANDIDATE, progress=not getattr(args, "quiet", False))
 
     checkout = getattr(args, "megatron_lm", None)
     if getattr(args, "megatron_lm_data", None) and not checkout:
@@ -432,6 +432,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "recipe in fp32 (same layout and seed checkpoint) and judges it under fp32 bounds, where a "
                           "bug of the layout's logic stands 10^3-10^5x above round-off; the recipe's own pair then "
                           "judges what is specific to its dtype")
+    run.add_argument("--quiet", action="store_true",
+                     help="no line per finished iteration of each side (printed by default: a check at a realistic "
+                          "size runs for minutes between a side's start and the verdict)")
     run.add_argument("--perturb", action="store_true",
                      help="the perturbation estimate: run the reference a second time with round-off-sized noise "
                           "and bound each tensor by what it moved, too (a recipe's tolerance.perturbation)")

@@ -42,6 +42,9 @@ class RunSpec:
     megatron: Optional[str] = None  # a megatron-core source tree to run on (side.py); None: the installed one
     # a HybridModel candidate traced as its GPTModel equivalent, against a GPT reference (hybrid.py)
     as_gpt: bool = False
+    # a line per iteration on global rank 0 (``ttrace run``, unless --quiet): a check at a realistic
+    # size runs for minutes between the side's first line and its verdict
+    progress: bool = False
 
     def get_recipe(self) -> Recipe:
         """The recipe this side runs: the reference without the candidate's activation recomputation
@@ -164,8 +167,9 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         attach_tracer()
 
     samples = data.sampler(recipe)  # every rank alike (megatron's dataset builder synchronizes them)
+    progress = spec.role if spec.progress and rank == 0 else None
     losses, timings, close_s = _train(recipe, model, optimizer, scheduler, spec.cpu, dp_rank, dp_size, probes,
-                                      attach_tracer, samples)
+                                      attach_tracer, samples, progress)
     if probes.dump_state:
         _dump_state(spec, rank, model, losses)
     if probes.timings:
@@ -175,11 +179,12 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
 
 
 def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int, dp_size: int, probes: Probes,
-           attach_tracer, samples):
+           attach_tracer, samples, progress: Optional[str] = None):
     """The training loop of megatron.training's ``train``: zero the grad buffers, one
     ``forward_backward`` over this DP rank's microbatches, ``optimizer.step()``, the lr schedule's
     step after a successful update; the trace calls
-    around it. Returns the losses per iteration and microbatch, the timings and the final flush time."""
+    around it. Returns the losses per iteration and microbatch, the timings and the final flush time.
+    ``progress``: this side's name, printed with each finished iteration."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from . import session
@@ -239,6 +244,9 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
         if attached_now:
             session.flush()
         losses.append([float(r["lm loss"][0] / r["lm loss"][1]) for r in reduced])
+        if progress:
+            print(f"[ttrace] {progress}: iteration {iteration}/{recipe.train.iterations} "
+                  f"({time.perf_counter() - start:.1f} s)", flush=True)
     closing = time.perf_counter()
     session.flush()  # waits for the trace's background writes
     return losses, timings, time.perf_counter() - closing
