@@ -86,6 +86,10 @@ def test_a_bug_bf16_round_off_hides_is_caught_and_localized_by_the_twin(tmp_path
         assert json.load(f)["first_mismatch"] == twin["first_mismatch"]
     with open(out / FP32_TWIN / "reference" / "run.json") as f:
         assert json.load(f)["compute_dtype"] == "float32"
+    # where the time went, part by part (issue #35)
+    assert list(report["timings_s"]) == ["reference", "candidate", "perturbation", "compare"]
+    assert list(twin["timings_s"]) == ["reference", "candidate", "compare", "replay", "localize"]
+    assert sum(twin["timings_s"].values()) <= twin["seconds"] + 0.1
     # each side says where it is (issue #37): rank 0's line per finished iteration
     assert "[ttrace] candidate: iteration 3/3" in capfd.readouterr().out
     assert main(["run", str(recipe), "--out", str(tmp_path / "alone"), "--json", str(tmp_path / "alone.json"),

@@ -112,18 +112,27 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
     report is not printed (the fp32 twin's is summarized after the recipe's own)."""
     from .adapter.run.runner import CANDIDATE, REFERENCE
 
+    timings = {}  # seconds per part of the check, in the order they ran (the report's "timings_s")
+
+    def timed(part, fn, *a, **kw):
+        start = time.monotonic()
+        try:
+            return fn(*a, **kw)
+        finally:
+            timings[part] = round(time.monotonic() - start, 2)
+
     ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
     online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     console.print(f"reference run (1 rank) → {ref_dir}")
     # in lock-step the candidate takes the reference's weights after every step: record all of it
-    run_side(REFERENCE, ref_dir, **({} if args.no_lockstep else dict(iterations=None, modules=("*",),
-                                                                      microbatches=None)))
+    timed("reference", run_side, REFERENCE, ref_dir, **({} if args.no_lockstep else dict(
+        iterations=None, modules=("*",), microbatches=None)))
     console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
                   + (f", injected bugs: {args.inject}" if args.inject else "")
                   + (", comparing online" if args.online else "")
                   + ("" if args.no_lockstep else ", in lock-step with the reference"))
-    run_side(CANDIDATE, cand_dir, args.inject, **online, **lockstep)
+    timed("candidate", run_side, CANDIDATE, cand_dir, args.inject, **online, **lockstep)
     perturbed_dir = None
     if (recipe.tolerance.perturbation or args.perturb) and not args.online:
         perturbed_dir = os.path.join(out, "reference-perturbed")
@@ -133,16 +142,22 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
         # in lock-step too: the noise's effect on each iteration given the reference's weights and
         # routing, as the candidate is judged (free-running, MoE routing flips and Adam's drift
         # would be measured as round-off)
-        run_side(REFERENCE, perturbed_dir, perturb=1, **lockstep)
-    report = _compare(ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None), quiet=quiet)
+        timed("perturbation", run_side, REFERENCE, perturbed_dir, perturb=1, **lockstep)
+    report = timed("compare", _compare, ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None),
+                   quiet=quiet)
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
         replay_dir = os.path.join(out, "replay")
         shutil.rmtree(replay_dir, ignore_errors=True)
         console.print(f"localizing: the candidate again, every module on the reference's inputs "
                       f"(iteration {first['iteration']}) → {replay_dir}")
-        run_side(CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]], **lockstep)
-        report["culprits"] = _localize(ref_dir, replay_dir, console, quiet=quiet)
+        timed("replay", run_side, CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]],
+              **lockstep)
+        report["culprits"] = timed("localize", _localize, ref_dir, replay_dir, console, quiet=quiet)
+    report["timings_s"] = timings
+    if not quiet:
+        console.print("time: " + ", ".join(f"{part} {seconds:.1f} s" for part, seconds in timings.items()),
+                      highlight=False)
     return report
 
 

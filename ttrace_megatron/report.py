@@ -360,6 +360,9 @@ def render_twin(report: dict, console: Optional[Console] = None, max_rows: int =
             render_culprits(twin["culprits"], console)
     else:
         console.print(Panel(_pair_headline(twin), title="[bold green]fp32 twin: PASS[/]", border_style="green"))
+    if twin.get("timings_s"):
+        console.print("fp32 twin time: " + ", ".join(f"{part} {seconds:.1f} s" for part, seconds
+                                                      in twin["timings_s"].items()), highlight=False)
     own = report.get("pair_verdict", report["verdict"])
     color = {PASS: "green", FAIL: "red"}.get(report["verdict"], "yellow")
     console.print(f"[bold {color}]ttrace: {report['verdict'].upper()}[/] — {report.get('dtype')}: {own.upper()}, "
