@@ -125,3 +125,36 @@ def test_the_html_report_holds_both_checks_and_unbounded_tolerances():
     twin["tensors"] = [dict(tensor, **twin["first_mismatch"], verdict=FAIL, error=1.0, eps=2 ** -23, order=1)]
     page = to_html(combine_twin(pair, twin, "bf16"))
     assert "fp32 twin: FAIL" in page and "decoder.layers.1.self_attention.linear_proj" in page and ">inf<" in page
+
+
+def test_without_out_the_pairs_traces_are_gone_before_the_twin_writes_its_own(tmp_path, monkeypatch):
+    """The disk holds one pair's traces at a time unless --out keeps them (issue #35): the twin's
+    reference starts after the bf16 pair's trace directories are removed, its seed checkpoint kept."""
+    import argparse
+
+    from ttrace_megatron import cli
+
+    seen = {}
+
+    def fake_side_runner(recipe, out, args, console, seed=None):
+        def run_side(role, trace_dir, inject=(), **trace):
+            if recipe.dtype == "fp32" and role == "reference":
+                seen["pair traces left"] = sorted(d for d in os.listdir(os.path.dirname(out))
+                                                  if d in cli.PAIR_TRACES)
+                seen["seed"] = os.path.exists(seed)
+            os.makedirs(trace_dir, exist_ok=True)
+            if recipe.dtype != "fp32" and role == "reference":
+                open(os.path.join(os.path.dirname(trace_dir), "seed_checkpoint.safetensors"), "w").close()
+        return run_side
+
+    monkeypatch.setattr(cli, "_side_runner", fake_side_runner)
+    monkeypatch.setattr(cli, "_compare", lambda *a, **kw: _report(PASS))
+    args = argparse.Namespace(out=None, online=False, no_lockstep=False, inject=[], perturb=False, no_localize=False,
+                              workers=None, html=None, no_fp32_twin=False)
+    out = tmp_path / "check"
+    out.mkdir()
+    report = cli._run_recipe(load("gpt_tp2_sp", dtype="bf16"), str(out), args, Console(file=io.StringIO()), None)
+    assert report["verdict"] == PASS and seen == {"pair traces left": [], "seed": True}
+    args.out = str(out)  # kept: the pair's traces stay for the user
+    cli._run_recipe(load("gpt_tp2_sp", dtype="bf16"), str(out), args, Console(file=io.StringIO()), None)
+    assert seen["pair traces left"] == ["candidate", "reference", "reference-perturbed"]

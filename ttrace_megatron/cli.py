@@ -81,6 +81,10 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         render(report, console)
         run_twin = None
     report["seconds"] = round(time.monotonic() - start, 2)  # every run, compare and replay of the pair
+    if run_twin is not None and not getattr(args, "out", None):
+        # nothing keeps the pair's traces (no --out): the twin's need not sit beside them on the disk
+        for part in PAIR_TRACES:
+            shutil.rmtree(os.path.join(out, part), ignore_errors=True)
     if run_twin is not None:
         console.print(f"[bold]fp32 twin[/]: {recipe.name} again in fp32, same layout and seed checkpoint, judged under "
                       f"fp32 bounds (the layout's logic; --no-fp32-twin leaves it out) → {twin_out}")
@@ -100,6 +104,9 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         render_twin(report, console)
     _write_reports(report, out, json_path, getattr(args, "html", None))
     return report
+
+
+PAIR_TRACES = ("reference", "candidate", "reference-perturbed", "replay")  # a pair's trace directories
 
 
 def _seed_path(out: str) -> str:
