@@ -163,8 +163,9 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
         report["culprits"] = timed("localize", _localize, ref_dir, replay_dir, console, quiet=quiet)
     report["timings_s"] = timings
     if not quiet:
-        console.print("time: " + ", ".join(f"{part} {seconds:.1f} s" for part, seconds in timings.items()),
-                      highlight=False)
+        from .report import timings_line
+
+        console.print("time: " + timings_line(timings), highlight=False)
     return report
 
 
@@ -318,7 +319,7 @@ def _overall(rows) -> str:
 def _print_summary(rows, console: Console) -> None:
     from .report import WIDE_REPORT
 
-    colors = {"pass": "green", "fail": "red", "error": "yellow"}
+    from .report import VERDICT_COLORS as colors
     if console.width < WIDE_REPORT:  # one record a recipe: names are never folded or cut
         console.print("recipes:")
         for r in rows:

@@ -14,6 +14,7 @@ from rich.table import Table
 from . import coverage
 from .compare import FAIL, FREE_RUNNING, PASS, Comparison, TensorResult, lockstep_note
 from .keys import PHASES, TensorKind
+from .recipe import FP32_TWIN  # the twin's report inside a bf16, fp16 or FP8 check's, as its traces' directory
 
 
 def _num(x: float):
@@ -127,13 +128,23 @@ def write_json(c: Comparison, path: str) -> None:
         json.dump(to_json(c), f, indent=1)
 
 
-# the fp32 twin's report inside a bf16, fp16 or FP8 check's (``ttrace run``; recipe.fp32_twin)
-FP32_TWIN = "fp32_twin"
 # what only the recipe's own low-precision pair can judge, the twin having none of it
 DTYPE_SPECIFIC = ("Float16Module's casts, low-precision reductions and main parameters, loss scaling, FP8 scaling")
 
 
 ERROR = "error"  # a verdict no comparison gave: the fp32 twin did not run
+VERDICT_COLORS = {PASS: "green", FAIL: "red", ERROR: "yellow"}
+
+
+def timings_line(timings: Dict[str, float]) -> str:
+    """Where a check's time went, part by part (the report's ``timings_s``)."""
+    return ", ".join(f"{part} {seconds:.1f} s" for part, seconds in timings.items())
+
+
+def _culprit_sentence(c: dict) -> str:
+    """A culprit as one sentence (plain text; the HTML page escapes it)."""
+    return (f"{c['module']}, {c['phase']}, {c['tensor']} (iteration {c['iteration']}) fails on its own: "
+            f"{_g(c['error_eps'])} ε against a local tolerance of {_g(c['tolerance_eps'])} ε — {c['explanation']}")
 
 
 def twin_error(message: str, recipe: Optional[str] = None) -> dict:
@@ -271,7 +282,7 @@ def render(report: dict, console: Optional[Console] = None, num_layers: Optional
 
 
 def _render_pair(report: dict, console: Console, num_layers: Optional[int], max_rows: int) -> None:
-    color = {PASS: "green", FAIL: "red"}.get(report["verdict"], "yellow")
+    color = VERDICT_COLORS[report["verdict"]]
     title = report["verdict"].upper()
     console.print(Panel(headline(report), title=f"[bold {color}]ttrace: {title}[/]", border_style=color))
     if report.get("versions_differ"):
@@ -361,10 +372,9 @@ def render_twin(report: dict, console: Optional[Console] = None, max_rows: int =
     else:
         console.print(Panel(_pair_headline(twin), title="[bold green]fp32 twin: PASS[/]", border_style="green"))
     if twin.get("timings_s"):
-        console.print("fp32 twin time: " + ", ".join(f"{part} {seconds:.1f} s" for part, seconds
-                                                      in twin["timings_s"].items()), highlight=False)
+        console.print("fp32 twin time: " + timings_line(twin["timings_s"]), highlight=False)
     own = report.get("pair_verdict", report["verdict"])
-    color = {PASS: "green", FAIL: "red"}.get(report["verdict"], "yellow")
+    color = VERDICT_COLORS[report["verdict"]]
     console.print(f"[bold {color}]ttrace: {report['verdict'].upper()}[/] — {report.get('dtype')}: {own.upper()}, "
                   f"fp32 twin: {twin['verdict'].upper()}")
 
@@ -483,10 +493,8 @@ def to_html(report: dict) -> str:
     culprit_html, twin_html = "", ""
     twin = report.get(FP32_TWIN)
     if twin:
-        twin_culprits = "".join(
-            f'<p>culprit: <b>{html.escape(c["module"])}</b>, {html.escape(c["phase"])}, {html.escape(c["tensor"])} '
-            f'(iteration {c["iteration"]}): {_g(c["error_eps"])} ε against a local tolerance of '
-            f'{_g(c["tolerance_eps"])} ε — {html.escape(c["explanation"])}</p>' for c in (twin.get("culprits") or [])[:1])
+        twin_culprits = "".join(f'<p>culprit: {html.escape(_culprit_sentence(c))}</p>'
+                                for c in (twin.get("culprits") or [])[:1])
         twin_fails = sorted((t for t in twin.get("tensors", []) if t["verdict"] == FAIL), key=lambda t: t["order"])
         twin_rows = "".join(
             f'<tr class="fail"><td>{t["iteration"]}</td><td>{html.escape(t["module"])}</td>'
@@ -503,10 +511,7 @@ def to_html(report: dict) -> str:
                             for line in report.get("versions_differ") or [])
     if culprits:
         c = culprits[0]
-        culprit_html = (f'<div class="culprit"><h2>Culprit</h2><p><b>{html.escape(c["module"])}</b>, '
-                        f'{html.escape(c["phase"])}, {html.escape(c["tensor"])} (iteration {c["iteration"]}) fails on '
-                        f'its own: {_g(c["error_eps"])} ε against a local tolerance of {_g(c["tolerance_eps"])} ε — '
-                        f'{html.escape(c["explanation"])}</p></div>')
+        culprit_html = f'<div class="culprit"><h2>Culprit</h2><p>{html.escape(_culprit_sentence(c))}</p></div>'
     # later iterations carry the first error everywhere: plot the iteration where it appears
     first = report.get("first_mismatch")
     plotted = [t for t in tensors if first is None or t["iteration"] == first["iteration"]]

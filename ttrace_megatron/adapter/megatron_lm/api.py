@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional
 
 from ...errors import RecipeError
+from ...recipe import SEED_INIT_MEGATRON
 from ..run.session import TraceOptions, begin_iteration, end_iteration, flush  # noqa: F401  (the API)
 from .arguments import extra_args_provider  # noqa: F401  (the API)
 
@@ -105,7 +106,7 @@ def training_signature(args: Any) -> Dict[str, Any]:
     out["document_length"] = 0  # and trains on its dataset's own documents
     out["padded_share"] = 0.0  # pretrain_gpt.py hands the model no padding mask
     out["distinct_tokens"] = False  # its dataset's tokens are its own
-    out["seed_init"] = getattr(args, "ttrace_seed_init", None) or "megatron"
+    out["seed_init"] = getattr(args, "ttrace_seed_init", None) or SEED_INIT_MEGATRON
     return out
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 from typing import Callable, List, Optional
 
+from ...recipe import SEED_INIT_MEGATRON, SEED_INITS
 from ...trace_store import CANDIDATE, REFERENCE
 
 
@@ -45,7 +46,7 @@ FLAGS = (
         metavar="FILE", help="start from the same logical weights: the reference writes FILE (if absent), every "
                              "other run loads its shard of each weight from it, whatever its parallel layout")),
     ("--ttrace-seed-init", dict(
-        choices=("megatron", "sensitized"), default="megatron",
+        choices=SEED_INITS, default=SEED_INIT_MEGATRON,
         help="with --ttrace-seed-checkpoint, what the reference writes to it: megatron's initialization, or weights "
              "redrawn so that a layout's bugs show (O(1) activations, peaked attention, non-zero biases)")),
     ("--ttrace-replay", dict(

@@ -22,7 +22,8 @@ from ...trace_store import REFERENCE
 from ..record import layouts
 from ..record.layouts import Site
 from ..recipe.naming import all_parameters, full_param_name
-from .sensitize import MEGATRON, SEED_INITS, SENSITIZED, sensitize
+from ...recipe import SEED_INIT_MEGATRON as MEGATRON, SEED_INIT_SENSITIZED as SENSITIZED, SEED_INITS
+from .sensitize import sensitize
 
 
 def share_initial_weights(path: str, chunks: List[torch.nn.Module], key_layouts: layouts.KeyLayouts,

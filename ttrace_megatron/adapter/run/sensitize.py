@@ -34,7 +34,6 @@ from typing import Dict, List, Tuple
 import torch
 import xxhash
 
-from ...recipe import SEED_INIT_MEGATRON as MEGATRON, SEED_INIT_SENSITIZED as SENSITIZED, SEED_INITS  # noqa: F401
 
 QK_GAIN = 1.5  # scores' std ≈ QK_GAIN² for unit-variance inputs: attention peaked, not uniform
 NORM_WEIGHT_STD = 0.2
@@ -65,8 +64,8 @@ def _normal(shape, std: float, g: torch.Generator, mean: float = 0.0) -> torch.T
     return torch.randn(shape, generator=g, dtype=torch.float32) * std + mean
 
 
-def _rule(name: str, module_name: str, module_type: str, pname: str, shape: Tuple[int, ...], *, tied: bool,
-          hidden: int, zero_centered_gamma: bool):
+def _rule(module_name: str, module_type: str, pname: str, shape: Tuple[int, ...], *, tied: bool, hidden: int,
+          zero_centered_gamma: bool):
     """(mean, std) of the sensitized draw of one logical parameter, or None: megatron's is kept."""
     norm = "Norm" in module_type
     if pname == "bias" and (norm or module_type in LINEARS):
@@ -97,7 +96,7 @@ def sensitize(state: Dict[str, torch.Tensor], sites: Dict[str, Tuple[str, str, s
     kept = []
     for name, tensor in state.items():
         module_name, module_type, pname = sites[name]
-        rule = _rule(name, module_name, module_type, pname, tuple(tensor.shape), tied=tied, hidden=hidden,
+        rule = _rule(module_name, module_type, pname, tuple(tensor.shape), tied=tied, hidden=hidden,
                      zero_centered_gamma=zero_centered_gamma)
         if rule is None:
             kept.append(name)

@@ -21,6 +21,7 @@ import torch
 
 from ...about import __version__
 from ...errors import RecipeError
+from ...recipe import SEED_INIT_MEGATRON
 from ...trace_store import CANDIDATE, REFERENCE, REPLAY
 
 
@@ -41,7 +42,7 @@ class TraceOptions:
     seed_checkpoint: Optional[str] = None  # logical initial weights: the reference writes, candidates load
     perturb: int = 0  # > 0: the perturbation-estimate run, round-off-sized noise seeded by this (run.perturb)
     lockstep: Optional[str] = None  # after each step, take this reference trace's parameters and state (run.lockstep)
-    seed_init: str = "megatron"  # what the reference writes to the seed checkpoint (run.sensitize)
+    seed_init: str = SEED_INIT_MEGATRON  # what the reference writes to the seed checkpoint (run.sensitize)
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -59,7 +60,7 @@ class TraceOptions:
             seed_checkpoint=getattr(args, "ttrace_seed_checkpoint", None),
             perturb=int(getattr(args, "ttrace_perturb", 0) or 0),
             lockstep=getattr(args, "ttrace_lockstep", None),
-            seed_init=getattr(args, "ttrace_seed_init", None) or "megatron",
+            seed_init=getattr(args, "ttrace_seed_init", None) or SEED_INIT_MEGATRON,
         )
 
     @property
