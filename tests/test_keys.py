@@ -1,4 +1,4 @@
-"""The tensor-key protocol (keys.py), and the package's layering as the README states it."""
+"""The tensor-key protocol (keys.py), and the package's layering as docs/layout.md states it."""
 
 import os
 import re
@@ -58,9 +58,9 @@ def test_arrivals_labels_and_the_grad_a_main_grad_is_reduced_from():
 
 
 def _layout_table():
-    """(module path, knows megatron?) rows of the README's 'Layout of the code' table."""
-    text = open(os.path.join(REPO, "README.md")).read()
-    section = text.split("## Layout of the code", 1)[1]
+    """(module path, knows megatron?) rows of docs/layout.md's table."""
+    text = open(os.path.join(REPO, "docs", "layout.md")).read()
+    section = text.split("# Layout of the code", 1)[1]
     rows = []
     for line in section.splitlines():
         cells = [c.strip() for c in line.strip().strip("|").split("|")]
@@ -72,16 +72,16 @@ def _layout_table():
     return rows
 
 
-def test_readme_layout_table_matches_the_imports():
-    """Every module the README says knows nothing of megatron imports neither megatron nor the
+def test_layout_table_matches_the_imports():
+    """Every module docs/layout.md says knows nothing of megatron imports neither megatron nor the
     adapter; every module of the package is in the table."""
     rows = _layout_table()
     listed = {p for p, _ in rows}
     package = os.path.join(REPO, "ttrace_megatron")
     on_disk = {os.path.relpath(os.path.join(d, f), REPO) for d, _, fs in os.walk(package) for f in fs
                if f.endswith(".py") and f != "__init__.py"}
-    assert on_disk <= listed, f"modules missing from the README's layout table: {sorted(on_disk - listed)}"
-    assert listed <= on_disk, f"the README's layout table names modules that do not exist: {sorted(listed - on_disk)}"
+    assert on_disk <= listed, f"modules missing from docs/layout.md's table: {sorted(on_disk - listed)}"
+    assert listed <= on_disk, f"docs/layout.md's table names modules that do not exist: {sorted(listed - on_disk)}"
     core = [p for p, knows in rows if knows.startswith("no")]
     assert len(core) >= 8
     modules = [p[:-3].replace("/", ".") for p in core]

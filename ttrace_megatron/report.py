@@ -334,8 +334,7 @@ def _render_pair(report: dict, console: Console, num_layers: Optional[int], max_
         console.print(f"first mismatches in execution order ({len(fails)} in all):")
         for n, t in enumerate(sorted(fails, key=lambda t: t["order"])[:max_rows], 1):
             e = t["error_eps"]
-            mb = "" if t["microbatch"] < 0 else f" mb{t['microbatch']}"
-            console.print(f"{n:2d}. it{t['iteration']}{mb} {t['module']}", overflow="fold")
+            console.print(f"{n:2d}. it{t['iteration']}{_mb(t)} {t['module']}", overflow="fold")
             console.print(f"    {t['phase']} {t['tensor']}: {_g(e) if isinstance(e, (int, float)) else e} ε, "
                           f"tolerance {_g(t['tolerance_eps'])} ε" + (f"; {t['reason']}" if t.get("reason") else ""),
                           overflow="fold")
@@ -401,20 +400,26 @@ def render_culprits(culprits: list, console: Optional[Console] = None, max_rows:
     if len(culprits) > 1 and console.width < WIDE_REPORT:
         console.print(f"every module failing on its own ({len(culprits)}), in execution order:")
         for n, c in enumerate(culprits[:max_rows], 1):
-            console.print(f"{n:2d}. {c['module']}", overflow="fold")
+            console.print(f"{n:2d}. it{c['iteration']}{_mb(c)} {c['module']}", overflow="fold")
             console.print(f"    {c['phase']} {c['tensor']}: {_g(c['error_eps'])} ε, local tolerance "
                           f"{_g(c['tolerance_eps'])} ε", overflow="fold")
     elif len(culprits) > 1:
         table = Table(title=f"every module failing on its own ({len(culprits)}), in execution order")
-        for col in ("module", "phase", "tensor", "error ε", "local tol ε"):
-            table.add_column(col)
+        for col in ("iter", "mb", "module", "phase", "tensor", "error ε", "local tol ε"):
+            table.add_column(col, no_wrap=col == "module")
         for c in culprits[:max_rows]:
-            table.add_row(c["module"], c["phase"], c["tensor"], _g(c["error_eps"]), _g(c["tolerance_eps"]))
+            table.add_row(str(c["iteration"]), _mb(c).strip()[2:] or "—", c["module"], c["phase"], c["tensor"],
+                          _g(c["error_eps"]), _g(c["tolerance_eps"]))
         console.print(table)
 
 
 # --------------------------------------------------------------------------------------------
 # HTML: one self-contained file (inline CSS and SVG, no scripts, nothing fetched)
+
+
+def _mb(entry: dict) -> str:
+    """The microbatch as ' mbN', or '' for a tensor of the whole step (microbatch < 0)."""
+    return "" if entry.get("microbatch", -1) < 0 else f" mb{entry['microbatch']}"
 
 
 def _ratio(t: dict) -> float:
