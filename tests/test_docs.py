@@ -40,3 +40,20 @@ def test_every_doc_is_linked_from_the_readme():
     linked = {os.path.normpath(t) for t in LINK.findall(readme)}
     docs = {os.path.relpath(p, REPO) for p in _markdown_files()} - {"README.md"}
     assert docs <= linked, sorted(docs - linked)
+
+
+def test_benchmarks_summary_is_what_the_result_files_give():
+    """BENCHMARKS.md's summary is regenerated from benchmarks/results/ (benchmarks/summary.py), so a
+    figure there cannot drift from the measurement it reports."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, os.path.join(REPO, "benchmarks", "summary.py"), "--check"],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_benchmarks_links_exist():
+    broken = [t for t in LINK.findall(open(os.path.join(REPO, "BENCHMARKS.md")).read())
+              if "://" not in t and not os.path.exists(os.path.join(REPO, t))]
+    assert not broken, broken
