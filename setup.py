@@ -22,7 +22,10 @@ setup(
         "xxhash>=3",
     ],
     extras_require={
-        "test": ["pytest>=7", "hypothesis>=6"],
+        # the tests read back TensorBoard event files (scalars.py) with tensorboard's own reader
+        "test": ["pytest>=7", "hypothesis>=6", "tensorboard>=2.10"],
+        # `ttrace report DIR --tensorboard OUT` and online scalars outside Megatron-LM (which brings its own)
+        "tensorboard": ["tensorboard>=2.10"],
         "te": ["transformer_engine[pytorch]"],
         # what Megatron-LM's training code (pretrain_gpt.py, megatron/training) imports beyond megatron-core's
         # own requirements, at core_v0.16.1 and core_v0.19.0 (checkout.TRAINING_IMPORTS says which module each is)

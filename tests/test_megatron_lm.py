@@ -172,6 +172,26 @@ def test_a_bf16_check_through_the_real_loop_runs_its_fp32_twin(tmp_path):
 
 @needs_checkout
 @pytest.mark.multiprocess
+def test_online_verdicts_go_out_through_megatron_lms_tensorboard_writer(tmp_path):
+    """--online through pretrain_gpt.py with --tensorboard: the candidate gets Megatron-LM's own
+    --tensorboard-dir, and ttrace's scalars land in Megatron-LM's event file beside its loss."""
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+    tb = tmp_path / "tb"
+    rc, report, _ = _run(tmp_path, "gpt_tp2", CHECKOUT, "--online", "--tensorboard", str(tb),
+                         "--inject", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2")
+    assert (rc, report["verdict"]) == (1, "fail")
+    acc = accumulator.EventAccumulator(str(tb), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = acc.Tags()["scalars"]
+    assert "lm loss" in tags  # Megatron-LM's own writer
+    over = {e.step: e.value for e in acc.Scalars("ttrace/shards_over_tolerance")}
+    assert sorted(over) == [1, 2, 3] and min(over.values()) > 0
+    [first] = [e for e in acc.Tensors("ttrace/first_failure/text_summary") if e.step == 1]
+    assert first.tensor_proto.string_val[0].decode().startswith("decoder.layers.1.mlp.linear_fc2, forward, output")
+
+
+@needs_checkout
+@pytest.mark.multiprocess
 def test_real_gpt_dataset_over_an_indexed_dataset_passes(tmp_path):
     """Megatron-LM's GPTDataset and its sampler (DP order, several microbatches) instead of the
     mock data: the candidate's token ids are compared with the reference's per global microbatch

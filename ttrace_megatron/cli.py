@@ -103,6 +103,8 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         report = combine_twin(report, twin_report, recipe.dtype)
         render_twin(report, console)
     _write_reports(report, out, json_path, getattr(args, "html", None))
+    if not args.online:  # online, the candidate wrote its scalars during the run
+        _tensorboard(report, _tensorboard_dir(args, out), console)
     return report
 
 
@@ -129,7 +131,10 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
             timings[part] = round(time.monotonic() - start, 2)
 
     ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
-    online = dict(reference=ref_dir, keep_tensors=False) if args.online else {}
+    # online: each candidate rank judges its shards as it runs; with --tensorboard the verdicts per
+    # iteration go out as scalars during the run (adapter/run/live_scalars.py)
+    online = dict(reference=ref_dir, keep_tensors=False,
+                  tensorboard=_tensorboard_dir(args, out)) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     console.print(f"reference run (1 rank) → {ref_dir}")
     # in lock-step the candidate takes the reference's weights after every step: record all of it
@@ -217,9 +222,9 @@ def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] =
     checkout = megatron_lm.check_checkout(checkout)
     # refuses an untranslatable field before anything runs
     megatron_lm.training_args(recipe, REFERENCE, {}, release=megatron_lm.release_of(checkout))
-    if as_gpt or any(trees.values()) or args.online:
-        raise RecipeError(f"{recipe.source}: --megatron-lm runs neither --reference-model gpt, "
-                          f"--candidate/--reference-megatron nor --online yet")
+    if as_gpt or any(trees.values()):
+        raise RecipeError(f"{recipe.source}: --megatron-lm runs neither --reference-model gpt nor "
+                          f"--candidate/--reference-megatron yet")
 
     def run_side(role, trace_dir, inject=(), **trace):
         side = spec(role, trace_dir, inject, **trace)
@@ -288,7 +293,11 @@ def cmd_run(args, console: Console) -> int:
             try:
                 recipe = load_recipe(target) if target else default_recipe()
                 out = os.path.join(out_root, recipe.name) if many else out_root
-                report = _run_recipe(recipe, out, args, console, None if many else args.json)
+                recipe_args = args
+                if many and getattr(args, "tensorboard", None):  # one TensorBoard run per recipe
+                    recipe_args = argparse.Namespace(**dict(vars(args), tensorboard=os.path.join(args.tensorboard,
+                                                                                                 recipe.name)))
+                report = _run_recipe(recipe, out, recipe_args, console, None if many else args.json)
                 row.update(verdict=report["verdict"], first_mismatch=first_mismatch_of(report),
                            message=headline(report))
             except (TraceError, RecipeError, RunFailed, ValueError) as e:
@@ -383,6 +392,7 @@ def cmd_report(args, console: Console) -> int:
         except (OSError, ValueError, KeyError) as e:
             raise TraceError(f"not a ttrace report ({e})", path=report_path) from None
         render(report, console)
+        _tensorboard(report, args.tensorboard, console)
         return EXIT_PASS if verdict == "pass" else EXIT_FAIL
     from .online import has_online_results
     from .trace_store import TraceReader
@@ -391,8 +401,12 @@ def cmd_report(args, console: Console) -> int:
         from .trace_store import RUN_FILE, read_json
 
         run = read_json(os.path.join(path, RUN_FILE), rank=None)
-        return cmd_compare(argparse.Namespace(reference=run.get("online_reference"), candidate=path, json=None),
-                           console)
+        report = _compare(run.get("online_reference"), path, console)
+        _tensorboard(report, args.tensorboard, console)
+        return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
+    if args.tensorboard:
+        raise TraceError("--tensorboard writes a report's scalars: give the --out directory of `ttrace run` (its "
+                         "report.json) or an online candidate's trace; compare a recorded pair first", path=path)
     reader = TraceReader(path)
     counts = {}
     for _, rec in reader.records():
@@ -403,6 +417,30 @@ def cmd_report(args, console: Console) -> int:
     return EXIT_PASS
 
 
+def _tensorboard_dir(args, out: str) -> Optional[str]:
+    """Where this check's scalars go: ``--tensorboard DIR``, the fp32 twin's under ``DIR/fp32_twin``."""
+    from .recipe import FP32_TWIN
+
+    base = getattr(args, "tensorboard", None)
+    if not base:
+        return None
+    twin = os.path.basename(os.path.normpath(out)) == FP32_TWIN
+    return os.path.abspath(os.path.join(base, FP32_TWIN) if twin else base)
+
+
+def _tensorboard(report: dict, out: Optional[str], console: Console) -> None:
+    """``--tensorboard OUT``: the report's scalars per iteration as a TensorBoard event file."""
+    if not out:
+        return
+    try:
+        from .scalars import write_report
+
+        n = write_report(report, out)
+    except ModuleNotFoundError as e:
+        raise RecipeError(f"--tensorboard needs the tensorboard package ({e}): pip install tensorboard") from None
+    console.print(f"TensorBoard scalars of {n} iteration(s) → {out} (tensorboard --logdir {out})", highlight=False)
+
+
 def _int_list(text: str) -> List[int]:
     try:
         return [int(x) for x in text.split(",") if x.strip()]
@@ -410,12 +448,7 @@ def _int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ttrace", description=__doc__.splitlines()[0])
-    parser.add_argument("--verbose", action="store_true", help="show library warnings")
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    run = sub.add_parser("run", help="run the reference and the candidate of a recipe, then compare")
+def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("recipe", nargs="?",
                      help="recipe YAML, or a directory: run every recipe in it and print a summary "
                           "(default: the embedded tiny GPT, TP=2 + SP)")
@@ -429,6 +462,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="on a mismatch, do not replay the candidate to find the module that introduces it")
     run.add_argument("--online", action="store_true",
                      help="the candidate compares against the reference while it runs and writes verdicts only")
+    run.add_argument("--tensorboard", metavar="DIR",
+                     help="the check's verdicts per iteration as TensorBoard scalars in DIR (worst error / tolerance "
+                          "per phase and layer, tensors over tolerance, the first failing tensor); with --online, "
+                          "written during the candidate's run, from every rank's shards")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
     run.add_argument("--candidate-megatron", metavar="PATH",
                      help="run the candidate (and its replay) on the megatron-core of this source tree (a Megatron-LM "
@@ -469,6 +506,14 @@ def build_parser() -> argparse.ArgumentParser:
                      help="compare on this many processes (default: the cores this process may use); the verdict is the same "
                           "bit for bit")
 
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ttrace", description=__doc__.splitlines()[0])
+    parser.add_argument("--verbose", action="store_true", help="show library warnings")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    _add_run_arguments(sub.add_parser("run", help="run the reference and the candidate of a recipe, then compare"))
+
     cmp_ = sub.add_parser("compare", help="compare a candidate trace against a reference trace")
     cmp_.add_argument("reference")
     cmp_.add_argument("candidate")
@@ -488,6 +533,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     rep = sub.add_parser("report", help="print the report kept in a run's --out directory, or summarize a trace")
     rep.add_argument("dir")
+    rep.add_argument("--tensorboard", metavar="OUT", default=None,
+                     help="also write the report's scalars per iteration (worst error / tolerance per phase and "
+                          "layer, tensors over tolerance, the first failing tensor) as a TensorBoard event file in OUT")
     return parser
 
 

@@ -36,6 +36,7 @@ from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorR
                       overflowed_iterations)
 from .errors import TraceError
 from .placement import Coords, Layout, Partial, PlacementError
+from .scalars import IterationScalars, iteration_scalars, scalar_row
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
 from . import coverage, keys
@@ -64,6 +65,8 @@ class OnlineComparer:
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
         self.entries: List[ShardSums] = []
         self._warned = 0
+        self._order = reference_order(self._reference_groups)
+        self.last_scalars: Optional[IterationScalars] = None  # this rank's shards of the last flushed iteration
         self.failed: Optional[str] = None
         os.makedirs(self.dir, exist_ok=True)
         self._write(complete=False)
@@ -123,22 +126,25 @@ class OnlineComparer:
         self._warn_live(iteration)
 
     def _warn_live(self, iteration: int) -> None:
-        """A heads-up while training runs: this rank's shards that exceed their tolerance.
+        """A heads-up while training runs: this rank's shards that exceed their tolerance (printed),
+        and its shards' scalars of the iteration (``last_scalars``, for TensorBoard and W&B).
 
         A shard's own relative error is not the logical tensor's (``combine_online`` gives the
         verdict), but a bug large enough to matter shows on the shards that carry it.
         """
         num_layers = int(self.reference.run.get("num_layers", 0))
-        above = []
+        judged = []
         for e in self.entries[self._warned:]:
             if e.status != "ok" or e.key.iteration != iteration or e.ref_sq == 0.0:
                 continue
             rec = self._reference_groups[e.key][0][1]
-            r = decide(e.key, rec, num_layers, 0, ToleranceConfig(), e.logical_shape, math.sqrt(e.diff_sq / e.ref_sq),
-                       "non-finite values" if e.candidate_nonfinite else "")
-            if r.verdict == FAIL:
-                above.append(r)
+            judged.append(decide(e.key, rec, num_layers, self._order.get(e.key, 0),
+                                 ToleranceConfig(), e.logical_shape, math.sqrt(e.diff_sq / e.ref_sq),
+                                 "non-finite values" if e.candidate_nonfinite else ""))
         self._warned = len(self.entries)
+        rows = iteration_scalars((scalar_row(r) for r in judged), num_layers)
+        self.last_scalars = rows[0] if rows else IterationScalars(iteration, {}, {}, 0, "")
+        above = sorted((r for r in judged if r.verdict == FAIL), key=lambda r: r.order)
         if above:
             r = above[0]
             print(f"[ttrace] rank {self.rank} iteration {iteration}: {len(above)} shard(s) above tolerance; first: "

@@ -15,6 +15,7 @@ from . import coverage
 from .compare import FAIL, FREE_RUNNING, PASS, Comparison, TensorResult, lockstep_note
 from .keys import PHASES, TensorKind
 from .recipe import FP32_TWIN  # the twin's report inside a bf16, fp16 or FP8 check's, as its traces' directory
+from .scalars import layer_label, ratio_of
 
 
 def _num(x: float):
@@ -261,14 +262,6 @@ def _coverage_html(cov: Optional[dict]) -> str:
             + (f"<h3>Not judged</h3><ul>{missing}</ul>" if missing else ""))
 
 
-def _layer_label(depth: int, num_layers: int) -> str:
-    if depth == 0:
-        return "embedding"
-    if depth > num_layers:
-        return "output / loss"
-    return f"layer {depth - 1}"
-
-
 def render(report: dict, console: Optional[Console] = None, num_layers: Optional[int] = None,
            max_rows: int = 10) -> None:
     """The report in the terminal; a check with an fp32 twin: the recipe's own pair (with its
@@ -317,7 +310,7 @@ def _render_pair(report: dict, console: Console, num_layers: Optional[int], max_
     for phase in PHASES:
         table.add_column(phase, justify="right", no_wrap=True)
     for depth in sorted(worst):
-        row = [_layer_label(depth, num_layers)]
+        row = [layer_label(depth, num_layers)]
         for phase in PHASES:
             t = worst[depth].get(phase)
             if t is None:
@@ -423,12 +416,7 @@ def _mb(entry: dict) -> str:
 
 
 def _ratio(t: dict) -> float:
-    e, tol = t["error_eps"], t["tolerance_eps"]
-    if tol == "inf" and isinstance(e, (int, float)):
-        return 0.0  # a bound that admits anything (a top-k choice at an exact tie of its scores)
-    if tol == 0 and e == 0:
-        return 0.0  # data compared exactly, and equal
-    return e / tol if isinstance(e, (int, float)) and isinstance(tol, (int, float)) and tol else math.inf
+    return ratio_of(t["error_eps"], t["tolerance_eps"])
 
 
 def _svg_plot(tensors: list, phase: str, culprit: Optional[dict], width: int = 560, height: int = 220) -> str:

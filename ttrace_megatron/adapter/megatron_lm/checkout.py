@@ -282,6 +282,10 @@ def trace_args(trace: TraceOptions, recipe: Optional[Recipe] = None) -> List[str
             argv += ["--ttrace-seed-init", seed_init]
     if trace.lockstep:
         argv += ["--ttrace-lockstep", trace.lockstep]
+    if trace.reference:  # online compare; its verdicts go out through Megatron-LM's own TensorBoard writer
+        argv += ["--ttrace-reference", trace.reference] + (["--ttrace-keep-tensors"] if trace.keep_tensors else [])
+        if trace.tensorboard:
+            argv += ["--tensorboard-dir", trace.tensorboard]
     if trace.replay:
         argv += ["--ttrace-replay", trace.replay]
     if trace.perturb:  # the perturbation estimate: the reference again, with round-off-sized noise

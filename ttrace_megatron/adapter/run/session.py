@@ -43,6 +43,10 @@ class TraceOptions:
     perturb: int = 0  # > 0: the perturbation-estimate run, round-off-sized noise seeded by this (run.perturb)
     lockstep: Optional[str] = None  # after each step, take this reference trace's parameters and state (run.lockstep)
     seed_init: str = SEED_INIT_MEGATRON  # what the reference writes to the seed checkpoint (run.sensitize)
+    # with ``reference``: the verdicts per iteration as scalars (live_scalars), through ttrace's own
+    # SummaryWriter in this directory, and/or through Megatron-LM's TensorBoard and W&B writers
+    tensorboard: Optional[str] = None
+    megatron_writers: bool = False
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -61,6 +65,8 @@ class TraceOptions:
             perturb=int(getattr(args, "ttrace_perturb", 0) or 0),
             lockstep=getattr(args, "ttrace_lockstep", None),
             seed_init=getattr(args, "ttrace_seed_init", None) or SEED_INIT_MEGATRON,
+            # Megatron-LM makes its writers on the last rank from these; every rank holds the arguments
+            megatron_writers=bool(getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)),
         )
 
     @property
@@ -75,6 +81,7 @@ class Session:
     recorder: Any  # record.recorder.Recorder
     optimizer: Any
     rank: int
+    live: Any = None  # live_scalars.LiveScalars of an online check with writers
 
 
 _SESSION: Optional[Session] = None
@@ -212,8 +219,22 @@ def start(model, optimizer, config, options: TraceOptions, facts, signature: Opt
         share_initial_weights(options.seed_checkpoint, chunks, key_layouts, coords, rank, role, world, optimizer,
                               init=options.seed_init)
     dispatcher, recorder = _hook(options, chunks, optimizer, key_layouts, sizes, rank, coords)
-    _SESSION = Session(options, dispatcher.attach(), recorder, optimizer, rank)
+    _SESSION = Session(options, dispatcher.attach(), recorder, optimizer, rank, _live_scalars(options, recorder))
     return _SESSION
+
+
+def _live_scalars(options: TraceOptions, recorder):
+    """The online check's scalars per iteration, where it has writers (live_scalars)."""
+    if not options.reference or not (options.tensorboard or options.megatron_writers):
+        return None
+    from ...online import OnlineComparer
+    from .live_scalars import LiveScalars, OwnWriter, megatron_lm_writers
+
+    comparer = next(s for s in recorder.sinks if isinstance(s, OnlineComparer))
+    own = OwnWriter(options.tensorboard) if options.tensorboard else None
+    if own is None:
+        return LiveScalars(comparer, megatron_lm_writers)
+    return LiveScalars(comparer, (lambda: own() + megatron_lm_writers()) if options.megatron_writers else own, own)
 
 
 def _write_run_info(options: TraceOptions, chunks: List, optimizer, config, facts, sizes: Dict[str, int], role: str,
@@ -336,6 +357,8 @@ def end_iteration(iteration: int, loss_dict=None, grad_norm=None, skipped_iter=N
     """
     if _SESSION is not None:
         _SESSION.dispatcher.end_iteration(iteration)
+        if _SESSION.live is not None:
+            _SESSION.live.end_iteration(iteration)
 
 
 def flush() -> None:
@@ -347,6 +370,8 @@ def flush() -> None:
     from ..record.recorder import Recorder
 
     session.dispatcher.close()  # the hooks, then every feature: the recorder finishes its trace
+    if session.live is not None:
+        session.live.close()
     Recorder.unwrap_optimizer(session.optimizer)
 
 
