@@ -97,19 +97,34 @@ def test_a_bug_bf16_round_off_hides_is_caught_and_localized_by_the_twin(tmp_path
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("quiet", [False, True])
-def test_each_side_prints_a_line_per_finished_iteration_unless_quiet(tmp_path, quiet):
-    """Issue #37: a long check says where it is. Rank 0 of each side prints its finished
-    iterations; ``--quiet`` leaves them out. In a process of its own, as a user runs it (the rank
-    processes of a session's fork server write to the descriptors it started with)."""
+def test_each_part_of_a_check_prints_its_progress_unless_quiet(tmp_path, quiet):
+    """Issue #37: a long check says where it is, in plain lines where stdout is not a terminal (a
+    CI log): rank 0 of each side prints its finished iterations (the reference, the candidate, the
+    localization replay), and compare its tensors; ``--quiet`` leaves them all out. In a process of
+    its own, as a user runs it (the rank processes of a session's fork server write to the
+    descriptors it started with)."""
     import subprocess
     import sys
+    import time
 
+    start = time.monotonic()
     done = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "run", "--out", str(tmp_path / "out"),
+                           "--inject", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
                            *(["--quiet"] if quiet else [])], capture_output=True, text=True, timeout=300,
                           env=dict(os.environ, COLUMNS="80"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    for side in ("reference", "candidate"):
-        assert (f"[ttrace] {side}: iteration 3/3" in done.stdout) != quiet, done.stdout[-2000:]
+    seconds = time.monotonic() - start
+    assert done.returncode == 1, done.stderr[-2000:]
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[ttrace] ")]
+    expected = ["[ttrace] reference: iteration 3/3", "[ttrace] candidate: iteration 3/3", "[ttrace] compare: ",
+                "[ttrace] replay: iteration 1/"]
+    if quiet:
+        assert not any(line.startswith(e) for line in lines for e in expected), lines
+        return
+    at = [next((i for i, line in enumerate(lines) if line.startswith(e)), None) for e in expected]
+    assert None not in at and at == sorted(at), (lines, seconds)  # each part in the order it ran
+    compared = [line for line in lines if line.startswith("[ttrace] compare: ")][-1]
+    done_n, total = compared.split()[2].split("/")
+    assert done_n == total
 
 
 def test_a_twin_that_did_not_run_or_stopped_at_the_build_says_so():

@@ -23,10 +23,39 @@ from .errors import RecipeError, RunFailed, TraceError
 EXIT_PASS, EXIT_FAIL, EXIT_ERROR = 0, 1, 2
 
 
+COMPARE_PROGRESS_EVERY_S = 5.0  # a plain progress line at most this often where stdout is not a terminal
+
+
+def _compare_progress(console: Console):
+    """How compare shows its progress: a live bar in a terminal; plain lines elsewhere (a CI log),
+    at most every COMPARE_PROGRESS_EVERY_S and at the end. A context manager giving the callback."""
+    import contextlib
+
+    if console.is_terminal:
+        @contextlib.contextmanager
+        def bar():
+            with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), console=console,
+                          transient=True) as progress:
+                task = progress.add_task("compare", total=None)
+                yield lambda done, total: progress.update(task, completed=done, total=total)
+        return bar()
+
+    start = time.monotonic()
+    last = [start]
+
+    def line(done: int, total: int) -> None:
+        now = time.monotonic()
+        if done == total or now - last[0] >= COMPARE_PROGRESS_EVERY_S:
+            last[0] = now
+            print(f"[ttrace] compare: {done}/{total} tensors ({now - start:.1f} s)", flush=True)
+    return contextlib.nullcontext(line)
+
+
 def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None,
-             perturbed: Optional[str] = None, workers: Optional[int] = None, quiet: bool = False):
-    """Compare with a progress bar, print the report (unless ``quiet``), write JSON; returns the
-    report (JSON form).
+             perturbed: Optional[str] = None, workers: Optional[int] = None, quiet: bool = False,
+             show_progress: bool = True):
+    """Compare with its progress shown (unless not ``show_progress``), print the report (unless
+    ``quiet``), write JSON; returns the report (JSON form).
 
     A candidate that compared online (``--ttrace-reference``) holds verdict sums, not tensors:
     they are combined instead (without the perturbation estimate, which needs the tensors).
@@ -39,12 +68,12 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
     if has_online_results(cand_dir) and not os.path.exists(os.path.join(cand_dir, "rank-00000", "manifest.json")):
         comparison = combine_online(cand_dir, ref_dir)
     else:
-        with Progress(TextColumn("comparing"), BarColumn(), MofNCompleteColumn(), console=console,
-                      transient=True) as progress:
-            task = progress.add_task("compare", total=None)
-            comparison = compare_traces(
-                ref_dir, cand_dir, perturbed=perturbed, workers=workers or available_cores(),
-                progress=lambda done, total: progress.update(task, completed=done, total=total))
+        import contextlib
+
+        shown = _compare_progress(console) if show_progress else contextlib.nullcontext(None)
+        with shown as progress:
+            comparison = compare_traces(ref_dir, cand_dir, perturbed=perturbed, workers=workers or available_cores(),
+                                        progress=progress)
     report = to_json(comparison)
     report["num_layers"] = int(comparison.reference_run.get("num_layers", 0))
     if not quiet:
@@ -156,7 +185,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
         # would be measured as round-off)
         timed("perturbation", run_side, REFERENCE, perturbed_dir, perturb=1, **lockstep)
     report = timed("compare", _compare, ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None),
-                   quiet=quiet)
+                   quiet=quiet, show_progress=not getattr(args, "quiet", False))
     first = report.get("first_mismatch")
     if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
         replay_dir = os.path.join(out, "replay")

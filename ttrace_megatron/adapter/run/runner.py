@@ -167,7 +167,10 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
         attach_tracer()
 
     samples = data.sampler(recipe)  # every rank alike (megatron's dataset builder synchronizes them)
-    progress = spec.role if spec.progress and rank == 0 else None
+    # each side's lines name what it is: the replay and the perturbation run are a candidate's and a
+    # reference's runs again
+    side = "replay" if spec.trace.replay else "perturbation" if spec.trace.perturb else spec.role
+    progress = side if spec.progress and rank == 0 else None
     losses, timings, close_s = _train(recipe, model, optimizer, scheduler, spec.cpu, dp_rank, dp_size, probes,
                                       attach_tracer, samples, progress)
     if probes.dump_state:
