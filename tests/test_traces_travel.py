@@ -85,3 +85,94 @@ def test_a_free_running_candidate_recorded_from_its_second_iteration_never_false
     updates = {(t["iteration"], t["tensor"]) for t in report["tensors"] if t["tolerance_source"].startswith("Adam")}
     assert updates and {i for i, _ in updates} == {3}  # from iteration 2's recorded parameters
     assert any(t.startswith("it2 ") and "[optimizer] " in t for t in report["diverged"]["tensors"])
+
+
+@pytest.mark.multiprocess
+def test_a_nan_the_candidate_computes_is_a_fail_naming_the_first_tensor_that_holds_it(tmp_path):
+    """A NaN produced by the candidate's own computation on one rank (not a synthetic trace): a FAIL,
+    not an error, whose first mismatch is the tensor that first holds it, on the rank that holds it,
+    even where the merge would take another rank's (finite) copy; the replay names its module."""
+    from conftest import RECIPES
+    from ttrace_megatron.cli import main
+
+    rc = main(["run", os.path.join(RECIPES, "gpt_tp2.yaml"), "--quiet", "--json", str(tmp_path / "r.json"),
+               "--inject", "nonfinite_output_on_rank_1:decoder.layers.1.mlp.linear_fc2"])
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert (rc, report["verdict"]) == (1, "fail")
+    first = report["first_mismatch"]
+    assert (first["module"], first["phase"], first["tensor"], first["iteration"]) == \
+        ("decoder.layers.1.mlp.linear_fc2", "forward", "output", 1)
+    assert first["error_eps"] == "inf"
+    assert "the candidate's copy on rank(s) [1] holds 1 NaN/Inf" in first["reason"]
+    assert report["culprits"][0]["module"] == "decoder.layers.1.mlp.linear_fc2"
+
+
+@pytest.mark.multiprocess
+def test_sides_of_different_megatron_core_versions_are_said_so(runs, tmp_path, capsys):
+    """A pair whose sides ran different megatron-core releases (a release check, which is allowed)
+    is judged, and the report says the versions differ, in the JSON and on the terminal."""
+    from ttrace_megatron.cli import main
+
+    ref, cand = runs.candidate(load("gpt_tp2"))
+    pair = tmp_path / "pair"
+    shutil.copytree(os.path.dirname(ref), pair)
+    cand_dir = pair / os.path.basename(cand)
+    run = json.loads((cand_dir / "run.json").read_text())
+    run["versions"]["megatron.core"] = "0.19.2"
+    (cand_dir / "run.json").write_text(json.dumps(run))
+    assert main(["compare", str(pair / "reference"), str(cand_dir), "--json", str(tmp_path / "r.json")]) == 0
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert any("megatron.core" in d and "0.19.2" in d for d in report["versions_differ"])
+    assert "the two sides ran different library versions" in capsys.readouterr().out
+
+
+@pytest.mark.multiprocess
+def test_a_rank_hung_in_a_collective_is_shown_where_it_waits(tmp_path):
+    """A candidate rank that stops answering (SIGSTOP) leaves its partner blocked in a collective:
+    past the timeout, the blocked rank is shown with its frames (inside torch.distributed) and the
+    stopped one is named as not answering."""
+    import glob
+    import signal
+    import tempfile
+    import threading
+    import time
+
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.errors import RunFailed
+
+    seed = str(tmp_path / "seed.safetensors")
+    launch(RunSpec(recipe=load("gpt_tp2", train={"iterations": 1}).to_json(), role=REFERENCE,
+                   trace=trace_options(str(tmp_path / "ref"), seed)), timeout_s=300)
+    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "ttrace-errors-*")))
+    spec = RunSpec(recipe=load("gpt_tp2", train={"iterations": 100000}).to_json(), role=CANDIDATE,
+                   trace=trace_options(str(tmp_path / "cand"), seed, iterations=[1]))
+    outcome = {}
+
+    def run():
+        try:
+            launch(spec, timeout_s=45)
+        except RunFailed as e:
+            outcome["error"] = str(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    pid, deadline = None, time.monotonic() + 40
+    while pid is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+        for d in set(glob.glob(os.path.join(tempfile.gettempdir(), "ttrace-errors-*"))) - before:
+            path = os.path.join(d, "rank1.stack")
+            if os.path.exists(path):
+                with open(path) as f:
+                    head = f.readline().split()
+                if head[3:] == [str(tmp_path / "cand")]:
+                    pid = int(head[1])
+    assert pid is not None
+    time.sleep(3.0)  # a few iterations in
+    os.kill(pid, signal.SIGSTOP)
+    thread.join(120)
+    message = outcome["error"]
+    assert "did not finish within 45 s; where its ranks were" in message
+    assert "--- candidate rank 1: no stack (it did not answer SIGUSR1) ---" in message
+    blocked = message.split("--- candidate rank 0, innermost frame first ---", 1)[1].split("---", 1)[0]
+    assert "torch/distributed" in blocked or "tensor_parallel/mappings" in blocked, blocked

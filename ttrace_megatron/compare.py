@@ -348,11 +348,15 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     diff_sq = ref_sq = 0.0
     nc = nr = compared = 0
     same = True
+    poisoned: Dict[int, int] = {}  # a replica (not the lowest rank's) with more NaN/Inf: rank -> count
     for _, copies in sorted(positions.items()):
         if len({e.digest for _, e in copies}) > 1:
             ranks = sorted(r for r, _ in copies)
             notes.append(replica_note("candidate", ranks, replica_max_abs_diff(ranks) if replica_max_abs_diff else None))
         _, first = min(copies, key=lambda c: c[0])  # the lowest rank's copy, as a merge would use
+        for rank, e in copies:
+            if e.candidate_nonfinite > first.candidate_nonfinite:
+                poisoned[rank] = poisoned.get(rank, 0) + e.candidate_nonfinite
         diff_sq += first.diff_sq
         ref_sq += first.ref_sq
         compared += first.compared
@@ -371,6 +375,12 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     else:
         error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
     nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
+    if poisoned and not overflowed:
+        # the merge takes the lowest rank's copy; another copy of the same values holds NaN/Inf: that
+        # copy is what its rank computes on, so the tensor's error is that copy's
+        error = math.inf
+        nonfinite = (f"non-finite values: the candidate's copy on rank(s) {sorted(poisoned)} holds "
+                     f"{sum(poisoned.values())} NaN/Inf" + (f"; {nonfinite}" if nonfinite else ""))
     result = decide(*args, error, "; ".join(([nonfinite] if nonfinite else []) + notes), **terms(math.sqrt(ref_sq)))
     result.reference_norm = math.sqrt(ref_sq)
     if expected_nonfinite:

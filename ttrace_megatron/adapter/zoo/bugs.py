@@ -624,6 +624,27 @@ def fp8_amax_wrong_group(chunks, pattern: str) -> None:
         emulated.groups = dict(emulated.groups, input=[layouts.axis_group(layouts.DP)])
 
 
+@bug(default_pattern="*linear_fc2")
+def nonfinite_output_on_rank_1(chunks, pattern: str) -> None:
+    """A NaN from the candidate's own computation: on global rank 1, the first element of the
+    matching RowParallelLinear's output becomes NaN in every forward (an overflowing kernel, a
+    division by zero on one GPU). Not a layout bug: the fault ttrace must report as a FAIL naming
+    the first tensor that holds it, not as an error (issue #38)."""
+    import torch.distributed as dist
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    if dist.get_rank() != 1:
+        return
+    for _, module in _modules(chunks, pattern, RowParallelLinear):
+        def poison(module, inputs, output):
+            out, bias = output
+            out = out.clone()
+            out.view(-1)[0] = float("nan")
+            return out, bias
+
+        module.register_forward_hook(poison)
+
+
 def _entry(spec: str):
     name, has_pattern, pattern = spec.partition(":")
     if name not in BUGS:
