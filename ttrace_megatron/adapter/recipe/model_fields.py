@@ -173,7 +173,10 @@ REFUSED: Dict[str, str] = {
     # fields of later releases (0.17-0.19; tests/test_model_fields.py checks every installed field has a role)
     "use_mup": _MUP, "mup_width_mult": _MUP, "mup_base_hidden_size": _MUP, "mup_base_head_dim": _MUP,
     "mup_embedding_mult": _MUP, "mup_output_mult": _MUP, "mup_attn_scale_power": _MUP,
-    "mtp_use_repeated_layer": _MTP, "mtp_hybrid_override_pattern": _MTP, "mtp_detach_heads": _MTP,
+    "mtp_use_repeated_layer": _MTP, "mtp_detach_heads": _MTP,
+    "mtp_hybrid_override_pattern": "deprecated, read by no megatron-core module (megatron/core/transformer/"
+                                   "transformer_config.py:90): Megatron-LM's arguments turn it into "
+                                   "hybrid_layer_pattern for old checkpoints; give hybrid_layer_pattern",
     "experimental_attention_variant_loss_scale_func": CALLABLE,
     "fused_residual_rmsnorm": _TE, "flash_attention_version": _TE, "use_transformer_engine_op_fuser": _TE,
     "cuda_graph_modules": _TE, "high_priority_a2a_comm_stream": _TE, "fp8_output_proj": _FP8,
@@ -184,10 +187,18 @@ REFUSED: Dict[str, str] = {
     "moe_paged_stash_buffer_size_factor_cpu": _TE, "moe_paged_stash_buffer_size_factor_cuda": _TE,
     "moe_single_grouped_weight": _GROUPED, "moe_single_grouped_bias": _GROUPED,
     "use_grouped_gemm_for_dense_mlp": _GROUPED, "use_grouped_gemm_for_shared_expert": _GROUPED,
-    "moe_mlp_glu_interleave_size": UNVERIFIED + " (an interleaved [gate; up] layout ttrace does not place)",
-    "moe_shared_expert_glu_interleave_size": UNVERIFIED + " (an interleaved [gate; up] layout ttrace does not place)",
-    "moe_router_force_biased": UNVERIFIED, "moe_router_quantile_balancing_ema": UNVERIFIED,
-    "moe_expert_rank_capacity_factor": UNVERIFIED,
+    # read only by kernels ttrace cannot build: accepting them would train a model without them
+    "moe_mlp_glu_interleave_size": "read only by TEGroupedMLP (megatron/core/transformer/moe/experts.py:292-296), "
+                                   "which needs TransformerEngine's grouped linears; the SequentialMLP experts "
+                                   "ttrace builds ignore it",
+    "moe_shared_expert_glu_interleave_size": "read only by FusedSharedExpertMLP (megatron/core/transformer/moe/"
+                                             "shared_experts.py:370, 414-419), which needs TransformerEngine; the "
+                                             "SharedExpertMLP ttrace builds ignores it",
+    "moe_expert_rank_capacity_factor": "needs moe_flex_dispatcher_backend hybridep or ncclep (megatron/core/"
+                                       "transformer/transformer_config.py:1692-1705), CUDA dispatchers",
+    "moe_router_force_biased": "replaces the router's logits with random numbers drawn per expert-parallel rank "
+                               "(megatron/core/transformer/moe/moe_utils.py:1280-1291): " + _RNG,
+    "moe_router_quantile_balancing_ema": UNVERIFIED,
     "mlp_chunks_for_training": UNVERIFIED,
     "fine_grained_offloading_max_inflight_offloads": _OFFLOAD,
     "activation_offload_fraction": _OFFLOAD, "delay_offload_until_cuda_graph": _OFFLOAD,
