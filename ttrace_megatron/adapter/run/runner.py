@@ -46,6 +46,14 @@ class RunSpec:
     # size runs for minutes between the side's first line and its verdict
     progress: bool = False
 
+    @property
+    def last_iteration(self) -> Optional[int]:
+        """Where this run may stop: a localization replay records one failing iteration, and what it
+        would train after it is never looked at (None: the recipe's every iteration)."""
+        if self.trace.replay and self.trace.iterations:
+            return max(self.trace.iterations)
+        return None
+
     def get_recipe(self) -> Recipe:
         """The recipe this side runs: the reference without the candidate's activation recomputation
         (it keeps its activations, so the check judges the recomputation), and under fp16 at the
@@ -172,7 +180,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     side = "replay" if spec.trace.replay else "perturbation" if spec.trace.perturb else spec.role
     progress = side if spec.progress and rank == 0 else None
     losses, timings, close_s = _train(recipe, model, optimizer, scheduler, spec.cpu, dp_rank, dp_size, probes,
-                                      attach_tracer, samples, progress)
+                                      attach_tracer, samples, progress, spec.last_iteration)
     if probes.dump_state:
         _dump_state(spec, rank, model, losses)
     if probes.timings:
@@ -182,12 +190,13 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
 
 
 def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int, dp_size: int, probes: Probes,
-           attach_tracer, samples, progress: Optional[str] = None):
+           attach_tracer, samples, progress: Optional[str] = None, last_iteration: Optional[int] = None):
     """The training loop of megatron.training's ``train``: zero the grad buffers, one
     ``forward_backward`` over this DP rank's microbatches, ``optimizer.step()``, the lr schedule's
     step after a successful update; the trace calls
     around it. Returns the losses per iteration and microbatch, the timings and the final flush time.
-    ``progress``: this side's name, printed with each finished iteration."""
+    ``progress``: this side's name, printed with each finished iteration. ``last_iteration``: stop
+    after it (the recipe's schedule unchanged: the lr of an iteration is the recipe's)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from . import session
@@ -222,7 +231,7 @@ def _train(recipe: Recipe, model, optimizer, scheduler, cpu: bool, dp_rank: int,
 
     losses = []
     timings = []
-    for iteration in range(1, recipe.train.iterations + 1):
+    for iteration in range(1, min(recipe.train.iterations, last_iteration or recipe.train.iterations) + 1):
         attached_now = probes.alternate_idle and iteration % 2 == 0
         if attached_now:
             attach_tracer()
