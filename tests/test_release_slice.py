@@ -55,3 +55,37 @@ def test_demo_passes(tmp_path):
 
     assert main(["run", "--out", str(tmp_path / "out"), "--json", str(tmp_path / "report.json")]) == 0
     assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "pass"
+
+
+def _has_mup() -> bool:
+    import dataclasses
+
+    from megatron.core.transformer import TransformerConfig
+
+    return "use_mup" in {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+@pytest.mark.release_slice
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _has_mup(), reason="the installed megatron-core has no μP (0.19 added use_mup)")
+def test_mup_clean_with_its_optimizer_groups_and_its_bug_caught(runs):
+    """μP at TP2+SP (width 4× its base): megatron's per-class lr and Adam ε reach both sides as
+    megatron.training sets them, each hidden matrix's update is judged with its group's ε, and a
+    logit multiplier taken from the partition's width is caught at the loss."""
+    import yaml
+
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    with open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")) as f:
+        raw = yaml.safe_load(f)
+    raw["model"].update(use_mup=True, mup_base_hidden_size=16, mup_embedding_mult=2.0)
+    recipe = recipe_from_dict(raw, "gpt_tp2_sp_mup")
+    ref, clean = runs.candidate(recipe)
+    c = compare_traces(ref, clean)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    hidden = [r for r in c.results if "the group's ε=2.5e-09" in r.tolerance_source]
+    first = [r for r in hidden if r.key.iteration == 1]
+    assert first and all("lr=0.00025" in r.tolerance_source for r in first)  # the peak lr / 4, ε / 4
+    _, buggy = runs.candidate(recipe, inject=["mup_output_mult_from_partition_width"])
+    fm = compare_traces(ref, buggy).first_mismatch
+    assert fm is not None and (fm.key.module, fm.key.tensor) == ("loss", "per_token_loss"), fm

@@ -345,24 +345,7 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
         raise TraceError(f"the candidate's pieces cover {len(set(positions) & expected)} of {len(expected)} shards "
                          f"(missing {[dict(m) for m in missing[:4]]})", path=where, tensor=str(key))
     notes = list(notes)
-    diff_sq = ref_sq = 0.0
-    nc = nr = compared = 0
-    same = True
-    poisoned: Dict[int, int] = {}  # a replica (not the lowest rank's) with more NaN/Inf: rank -> count
-    for _, copies in sorted(positions.items()):
-        if len({e.digest for _, e in copies}) > 1:
-            ranks = sorted(r for r, _ in copies)
-            notes.append(replica_note("candidate", ranks, replica_max_abs_diff(ranks) if replica_max_abs_diff else None))
-        _, first = min(copies, key=lambda c: c[0])  # the lowest rank's copy, as a merge would use
-        for rank, e in copies:
-            if e.candidate_nonfinite > first.candidate_nonfinite:
-                poisoned[rank] = poisoned.get(rank, 0) + e.candidate_nonfinite
-        diff_sq += first.diff_sq
-        ref_sq += first.ref_sq
-        compared += first.compared
-        nc += first.candidate_nonfinite
-        nr += first.reference_nonfinite
-        same = same and first.same_nonfinite
+    diff_sq, ref_sq, compared, nc, nr, same, poisoned = _lowest_copies(positions, notes, replica_max_abs_diff)
     expected_nonfinite = None
     if overflowed and nc + nr:
         expected_nonfinite = (f"{nonfinite_message(nc, nr, bool(nc and nr and same))} expected (the reference "
@@ -388,6 +371,33 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     if step is not None and not overflowed:
         step.note(key, result.error, result.reference_norm)
     return result
+
+
+def _lowest_copies(positions: Dict[Tuple, List[Tuple[int, ShardSums]]], notes: List[str],
+                   replica_max_abs_diff: Optional[Callable[[List[int]], float]]):
+    """The sums of each shard position's lowest-rank copy, as a merge takes it: (Σ diff², Σ ref²,
+    compared, candidate and reference NaN/Inf counts, whether those sit at the same positions, and
+    the ranks whose copy holds more NaN/Inf than the lowest rank's: rank -> count). Replicas that
+    differ are noted in ``notes``."""
+    diff_sq = ref_sq = 0.0
+    nc = nr = compared = 0
+    same = True
+    poisoned: Dict[int, int] = {}
+    for _, copies in sorted(positions.items()):
+        if len({e.digest for _, e in copies}) > 1:
+            ranks = sorted(r for r, _ in copies)
+            notes.append(replica_note("candidate", ranks, replica_max_abs_diff(ranks) if replica_max_abs_diff else None))
+        _, first = min(copies, key=lambda c: c[0])
+        for rank, e in copies:
+            if e.candidate_nonfinite > first.candidate_nonfinite:
+                poisoned[rank] = poisoned.get(rank, 0) + e.candidate_nonfinite
+        diff_sq += first.diff_sq
+        ref_sq += first.ref_sq
+        compared += first.compared
+        nc += first.candidate_nonfinite
+        nr += first.reference_nonfinite
+        same = same and first.same_nonfinite
+    return diff_sq, ref_sq, compared, nc, nr, same, poisoned
 
 
 def distinct_pieces(pieces: List[Tuple[RankTrace, Record]]) -> List[Tuple[RankTrace, Record]]:
@@ -849,14 +859,19 @@ class UpdateCheck:
         if missing:
             result.tolerance_source += f"; element-wise Adam check not possible: no {', '.join(missing)} recorded"
             return result
-        v = judge_adam_update(self.rule, scalars["lr"], scalars["step"], param_dtype, cand_param, ref_param,
+        rule = self.rule
+        if group:  # a group with an ε of its own (μP's hidden matrices) recorded it beside its lr
+            eps = self._scalar(TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER,
+                                         keys.step_setting(group, keys.ADAM_EPS)))
+            rule = rule if eps is None else dataclasses.replace(rule, eps=eps)
+        v = judge_adam_update(rule, scalars["lr"], scalars["step"], param_dtype, cand_param, ref_param,
                               moments[0], moments[1], k=self.k, previous=previous, weight_decay=decay or 0.0)
         ok = v.worst_ratio <= 1.0 and not result.reason
         tolerance_eps = result.error_eps / v.worst_ratio if v.worst_ratio > 0 and result.error_eps > 0 else \
             result.tolerance_eps
         source = (f"Adam update, element-wise ({how}): worst element {v.worst_ratio:.3g}× its round-off slack "
                   f"(flat index {v.worst_index}: residual {v.residual:.3g}, slack {v.slack:.3g}; lr={scalars['lr']:g}, "
-                  f"step {scalars['step']:g})")
+                  f"step {scalars['step']:g}" + ("" if rule is self.rule else f", the group's ε={rule.eps:g}") + ")")
         return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
                                    tolerance_source=source)
 

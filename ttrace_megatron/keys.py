@@ -58,7 +58,8 @@ OPTIMIZER_STATES = (EXP_AVG, EXP_AVG_SQ, MOMENTUM_BUFFER, MAIN_PARAM)
 # what the step applied to a param group (module optimizer, phase optimizer): ``{group}.{name}``
 LR = "lr"
 WEIGHT_DECAY = "weight_decay"
-STEP_SETTINGS = (LR, WEIGHT_DECAY)
+ADAM_EPS = "eps"  # recorded for a group whose Adam ε is not the optimizer's (μP's hidden matrices: ε / width)
+STEP_SETTINGS = (LR, WEIGHT_DECAY, ADAM_EPS)
 # a parameter's share of the step's grad norm (module: the parameter's, phase optimizer):
 # ``{param}.grad_norm_sq``, the sum of the squares of its main grad as the norm counted them,
 # over every rank (a rank that holds it and does not count it contributes 0)
@@ -173,7 +174,7 @@ def optimizer_state(param_name: str, state: str) -> str:
 
 
 def step_setting(group: str, setting: str) -> str:
-    """What the step applied to a param group: its lr or weight decay (module optimizer)."""
+    """What the step applied to a param group: its lr, weight decay or Adam ε (module optimizer)."""
     if setting not in STEP_SETTINGS:
         raise ValueError(f"not a step setting: {setting!r}")
     return f"{group}.{setting}"

@@ -159,7 +159,9 @@ def optimizer(recipe: Recipe, model: List[torch.nn.Module], config):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
 
-    opt = get_megatron_optimizer(cfg.optimizer_config(recipe), model)
+    opt_config = cfg.optimizer_config(recipe)
+    overrides = compat.optimizer_config_overrides(opt_config, config)
+    opt = get_megatron_optimizer(opt_config, model, **({} if overrides is None else {"config_overrides": overrides}))
     if recipe.ddp.get("overlap_grad_reduce"):
         # megatron.training: the schedule holds back each chunk's grad reduction until the last
         # microbatch's backward (no_sync), then starts it per chunk (--align-grad-reduce, its default)

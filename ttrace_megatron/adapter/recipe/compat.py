@@ -97,6 +97,22 @@ def grads_for_norm_attr(optimizer) -> str:
     return "get_grads_for_grad_norm" if hasattr(optimizer, "get_grads_for_grad_norm") else "get_main_grads_for_grad_norm"
 
 
+def optimizer_config_overrides(optimizer_config, config) -> Optional[Dict]:
+    """The param-group overrides megatron.training hands ``get_megatron_optimizer``, where they are
+    not its default: under μP (``use_mup``, 0.19 on: "MuP support", ``get_mup_config_overrides``),
+    μP's per-class lr and Adam ε over the standard ones, as Megatron-LM's ``setup_model_and_optimizer``
+    merges them (training.py, core_v0.19.0). None: megatron's own default (the standard overrides)."""
+    if not getattr(config, "use_mup", False):
+        return None
+    from megatron.core.optimizer import get_mup_config_overrides, get_standard_config_overrides
+
+    mup = get_mup_config_overrides(config=optimizer_config, mup_width_mult=config.mup_width_mult,
+                                   optimizer_type=optimizer_config.optimizer)
+    if not mup:
+        return None
+    return {**(get_standard_config_overrides(config=optimizer_config) or {}), **mup}
+
+
 def has_hybrid_model() -> bool:
     """Whether the installed megatron-core has ``HybridModel``: 0.18 added
     ``megatron.core.models.hybrid`` (MambaModel renamed: "Rename MambaModel/MambaStack to

@@ -66,6 +66,10 @@ NUMERICS = (
     "moe_token_dropping", "moe_token_dispatcher_type", "moe_expert_capacity_factor",
     "moe_pad_expert_input_to_capacity", "moe_token_drop_policy", "moe_enable_routing_replay",
     "activation_func",  # by name, as Megatron-LM's --swiglu / --squared-relu / --quick-geglu set it (config.ACTIVATIONS)
+    # μP (0.19 on): init, attention scale, embedding and logit multipliers from the global config, and the
+    # optimizer's per-class lr and Adam ε as megatron.training sets them (compat.optimizer_config_overrides)
+    "use_mup", "mup_base_hidden_size", "mup_base_head_dim", "mup_embedding_mult", "mup_output_mult",
+    "mup_attn_scale_power",
 )
 
 LAYOUT = (
@@ -91,7 +95,6 @@ _TE = "needs TransformerEngine or a CUDA kernel (ttrace runs megatron's local la
 _RNG = "draws random numbers during training: reference and candidate could not be compared"
 CALLABLE = "a Python callable: a YAML recipe cannot set it (megatron's default is used)"
 _FP8 = "TransformerEngine FP8/FP4: use `dtype: fp8`, ttrace's emulation of TE's FP8 GEMMs, on CPU"
-_MUP = "μP (maximal update parametrization) rescales init, attention and outputs: " + UNVERIFIED
 _MTP = "a multi-token prediction variant of a later release: " + UNVERIFIED
 _GROUPED = "grouped GEMM needs TransformerEngine or the grouped_gemm package; ttrace builds SequentialMLP experts"
 _MAMBA = "configures Mamba layers (M in hybrid_layer_pattern), which need the mamba_ssm CUDA kernels: not " \
@@ -171,8 +174,8 @@ REFUSED: Dict[str, str] = {
     "fine_grained_activation_offloading": _CUDA_OFFLOAD, "offload_modules": _CUDA_OFFLOAD,
     "min_offloaded_tensor_size": _CUDA_OFFLOAD,
     # fields of later releases (0.17-0.19; tests/test_model_fields.py checks every installed field has a role)
-    "use_mup": _MUP, "mup_width_mult": _MUP, "mup_base_hidden_size": _MUP, "mup_base_head_dim": _MUP,
-    "mup_embedding_mult": _MUP, "mup_output_mult": _MUP, "mup_attn_scale_power": _MUP,
+    "mup_width_mult": "derived by megatron from hidden_size / mup_base_hidden_size (megatron/core/transformer/"
+                      "transformer_config.py:2203), which overwrites any value given: set mup_base_hidden_size",
     "mtp_use_repeated_layer": _MTP, "mtp_detach_heads": _MTP,
     "mtp_hybrid_override_pattern": "deprecated, read by no megatron-core module (megatron/core/transformer/"
                                    "transformer_config.py:90): Megatron-LM's arguments turn it into "

@@ -63,10 +63,25 @@ def expected_states(optimizer_config, param: torch.Tensor) -> Tuple[str, ...]:
 GROUP_FIELDS = ("wd_mult", "lr_mult", "is_decoupled_lr")
 
 
-def group_name(group: dict) -> str:
-    """A run-independent name of a param group, e.g. ``group[wd_mult=0.0,lr_mult=1.0]``."""
-    fields = ",".join(f"{f}={group[f]}" for f in GROUP_FIELDS if f in group)
-    return f"group[{fields}]"
+def _own_settings(group: dict, optimizer_config) -> Dict[str, float]:
+    """What a group sets apart from the optimizer's config: its own peak lr and Adam ε (μP's
+    overrides, 0.19 on: ``get_mup_config_overrides``); empty for megatron's standard groups."""
+    if optimizer_config is None:
+        return {}
+    own = {}
+    if "max_lr" in group and group["max_lr"] != optimizer_config.lr:
+        own["max_lr"] = group["max_lr"]
+    if optimizer_config.optimizer == "adam" and "eps" in group and group["eps"] != optimizer_config.adam_eps:
+        own[keys.ADAM_EPS] = group["eps"]
+    return own
+
+
+def group_name(group: dict, optimizer_config=None) -> str:
+    """A run-independent name of a param group, e.g. ``group[wd_mult=0.0,lr_mult=1.0]``; with the
+    optimizer's config, a group's own peak lr and ε too (``group[...,max_lr=0.0005,eps=5e-09]``)."""
+    fields = [f"{f}={group[f]}" for f in GROUP_FIELDS if f in group]
+    fields += [f"{f}={v}" for f, v in _own_settings(group, optimizer_config).items()]
+    return f"group[{','.join(fields)}]"
 
 
 def group_settings(optimizer) -> Dict[str, Dict[str, float]]:
@@ -79,8 +94,10 @@ def group_settings(optimizer) -> Dict[str, Dict[str, float]]:
         if torch_optimizer is None:
             continue
         for group in torch_optimizer.param_groups:
-            name = group_name(group)
+            name = group_name(group, getattr(opt, "config", None))
             settings = {keys.LR: float(group.get("lr", 0.0)), keys.WEIGHT_DECAY: float(group.get("weight_decay", 0.0))}
+            if keys.ADAM_EPS in _own_settings(group, getattr(opt, "config", None)):
+                settings[keys.ADAM_EPS] = float(group["eps"])
             if out.setdefault(name, settings) != settings:
                 # two groups of one name (dense and expert) that applied different settings: both
                 # are reported, the second under a name the reference does not have
@@ -139,6 +156,7 @@ def param_groups_by_name(optimizer, chunks) -> Dict[str, str]:
     from ..recipe.naming import all_parameters, full_param_name
 
     mains = main_params(optimizer)
+    config = getattr(optimizer, "config", None)
     out = {}
     for mname, pname, _, param in all_parameters(chunks):
         main = mains.get(param)
@@ -146,7 +164,7 @@ def param_groups_by_name(optimizer, chunks) -> Dict[str, str]:
         if main is not None:
             group = next((g for g in main.optimizer.param_groups if any(p is main.main for p in g["params"])), None)
         if group is not None:
-            out[full_param_name(mname, pname)] = group_name(group)
+            out[full_param_name(mname, pname)] = group_name(group, config)
     return out
 
 

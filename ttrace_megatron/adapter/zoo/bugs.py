@@ -624,6 +624,32 @@ def fp8_amax_wrong_group(chunks, pattern: str) -> None:
         emulated.groups = dict(emulated.groups, input=[layouts.axis_group(layouts.DP)])
 
 
+@bug()
+def mup_output_mult_from_partition_width(chunks) -> None:
+    """μP (0.19 on): the logit multiplier 1/width_mult computed from the TP partition's hidden size
+    (hidden / TP) instead of the model's, so every logit is TP× too large: the per-partition-size class
+    of bug (cf. ``softmax_scale_from_partition_head_dim``), where μP's multipliers live."""
+    from megatron.core import parallel_state
+
+    from ..recipe.naming import unwrap
+
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    found = False
+    for chunk in chunks:
+        model = unwrap(chunk)
+        if not getattr(model.config, "use_mup", False) or not hasattr(model, "_scale_logits"):
+            continue
+        found = True
+        original = model._scale_logits
+
+        def scale(logits, original=original):
+            return original(logits) * tp
+
+        model._scale_logits = scale
+    if not found:
+        raise ValueError("bug injection: no μP model (model: use_mup, megatron-core 0.19 on)")
+
+
 @bug(default_pattern="*linear_fc2")
 def nonfinite_output_on_rank_1(chunks, pattern: str) -> None:
     """A NaN from the candidate's own computation: on global rank 1, the first element of the
