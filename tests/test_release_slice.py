@@ -57,17 +57,17 @@ def test_demo_passes(tmp_path):
     assert json.loads((tmp_path / "report.json").read_text())["verdict"] == "pass"
 
 
-def _has_mup() -> bool:
+def _has_field(name: str) -> bool:
     import dataclasses
 
     from megatron.core.transformer import TransformerConfig
 
-    return "use_mup" in {f.name for f in dataclasses.fields(TransformerConfig)}
+    return name in {f.name for f in dataclasses.fields(TransformerConfig)}
 
 
 @pytest.mark.release_slice
 @pytest.mark.multiprocess
-@pytest.mark.skipif(not _has_mup(), reason="the installed megatron-core has no μP (0.19 added use_mup)")
+@pytest.mark.skipif(not _has_field("use_mup"), reason="the installed megatron-core has no μP (0.19 added use_mup)")
 def test_mup_clean_with_its_optimizer_groups_and_its_bug_caught(runs):
     """μP at TP2+SP (width 4× its base): megatron's per-class lr and Adam ε reach both sides as
     megatron.training sets them, each hidden matrix's update is judged with its group's ε, and a
@@ -89,3 +89,28 @@ def test_mup_clean_with_its_optimizer_groups_and_its_bug_caught(runs):
     _, buggy = runs.candidate(recipe, inject=["mup_output_mult_from_partition_width"])
     fm = compare_traces(ref, buggy).first_mismatch
     assert fm is not None and (fm.key.module, fm.key.tensor) == ("loss", "per_token_loss"), fm
+
+
+
+@pytest.mark.release_slice
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _has_field("mtp_detach_heads"), reason="the installed megatron-core has no mtp_detach_heads "
+                                                                 "(0.19 added it)")
+def test_mtp_with_detached_heads_clean_and_its_bug_caught(runs):
+    """DeepSeek-V3-like MTP with detached heads (0.19): the heads train on their own loss and are
+    clipped by a norm of their own; clean at TP2+SP, and the MTP projection's gather bug is caught
+    and localized at the projection."""
+    import yaml
+
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    with open(os.path.join(RECIPES, "deepseek_mtp_tp2_sp.yaml")) as f:
+        raw = yaml.safe_load(f)
+    raw["model"]["mtp_detach_heads"] = True
+    recipe = recipe_from_dict(raw, "deepseek_mtp_detached_tp2_sp")
+    ref, clean = runs.candidate(recipe)
+    c = compare_traces(ref, clean)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    _, buggy = runs.candidate(recipe, inject=["mtp_projection_gather_reduces_grad"])
+    fm = compare_traces(ref, buggy).first_mismatch
+    assert fm is not None and fm.key.module == "mtp.layers.0.eh_proj", fm

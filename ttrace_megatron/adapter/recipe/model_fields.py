@@ -68,6 +68,10 @@ NUMERICS = (
     "activation_func",  # by name, as Megatron-LM's --swiglu / --squared-relu / --quick-geglu set it (config.ACTIVATIONS)
     # μP (0.19 on): init, attention scale, embedding and logit multipliers from the global config, and the
     # optimizer's per-class lr and Adam ε as megatron.training sets them (compat.optimizer_config_overrides)
+    # 0.19: the MTP heads train on their own loss only (their inputs detached), their grads clipped by a
+    # norm of their own (megatron/core/optimizer/optimizer.py:362-420); ttrace records the main norm, and the
+    # MTP parameters' clipped steps are judged through their moments and updates
+    "mtp_detach_heads",
     "use_mup", "mup_base_hidden_size", "mup_base_head_dim", "mup_embedding_mult", "mup_output_mult",
     "mup_attn_scale_power",
 )
@@ -95,7 +99,6 @@ _TE = "needs TransformerEngine or a CUDA kernel (ttrace runs megatron's local la
 _RNG = "draws random numbers during training: reference and candidate could not be compared"
 CALLABLE = "a Python callable: a YAML recipe cannot set it (megatron's default is used)"
 _FP8 = "TransformerEngine FP8/FP4: use `dtype: fp8`, ttrace's emulation of TE's FP8 GEMMs, on CPU"
-_MTP = "a multi-token prediction variant of a later release: " + UNVERIFIED
 _GROUPED = "grouped GEMM needs TransformerEngine or the grouped_gemm package; ttrace builds SequentialMLP experts"
 _MAMBA = "configures Mamba layers (M in hybrid_layer_pattern), which need the mamba_ssm CUDA kernels: not " \
          "supported by ttrace yet"
@@ -176,7 +179,9 @@ REFUSED: Dict[str, str] = {
     # fields of later releases (0.17-0.19; tests/test_model_fields.py checks every installed field has a role)
     "mup_width_mult": "derived by megatron from hidden_size / mup_base_hidden_size (megatron/core/transformer/"
                       "transformer_config.py:2203), which overwrites any value given: set mup_base_hidden_size",
-    "mtp_use_repeated_layer": _MTP, "mtp_detach_heads": _MTP,
+    "mtp_use_repeated_layer": "not supported yet: megatron builds one MTP layer and reuses it at every depth "
+                              "(megatron/core/models/gpt/gpt_layer_specs.py:779-790), and ttrace names and places "
+                              "MTP layers one per depth (tried on 0.19.2: the build check finds 1 layer for 2 depths)",
     "mtp_hybrid_override_pattern": "deprecated, read by no megatron-core module (megatron/core/transformer/"
                                    "transformer_config.py:90): Megatron-LM's arguments turn it into "
                                    "hybrid_layer_pattern for old checkpoints; give hybrid_layer_pattern",
@@ -202,7 +207,11 @@ REFUSED: Dict[str, str] = {
     "moe_router_force_biased": "replaces the router's logits with random numbers drawn per expert-parallel rank "
                                "(megatron/core/transformer/moe/moe_utils.py:1280-1291): " + _RNG,
     "moe_router_quantile_balancing_ema": UNVERIFIED,
-    "mlp_chunks_for_training": UNVERIFIED,
+    "mlp_chunks_for_training": "not supported yet: megatron runs the MLP once per chunk of the rank's sequence "
+                               "(megatron/core/transformer/transformer_layer.py:901-919), and ttrace records one call "
+                               "of a module per microbatch (tried on 0.19.2: the calls overwrite each other and a "
+                               "clean TP2+SP run fails at linear_fc1's input); under sequence parallelism each call "
+                               "also gathers one chunk of every rank's shard, tokens no one-rank call sees together",
     "fine_grained_offloading_max_inflight_offloads": _OFFLOAD,
     "activation_offload_fraction": _OFFLOAD, "delay_offload_until_cuda_graph": _OFFLOAD,
     "delta_offload_bytes_across_pp_ranks": _OFFLOAD,
