@@ -206,7 +206,10 @@ REFUSED: Dict[str, str] = {
                                        "transformer/transformer_config.py:1692-1705), CUDA dispatchers",
     "moe_router_force_biased": "replaces the router's logits with random numbers drawn per expert-parallel rank "
                                "(megatron/core/transformer/moe/moe_utils.py:1280-1291): " + _RNG,
-    "moe_router_quantile_balancing_ema": UNVERIFIED,
+    "moe_router_quantile_balancing_ema": UNVERIFIED + ": quantile balancing (0.19) runs on CPU and a clean "
+                                         "TP2+SP+EP2 check passes (tried on 0.19.2), but the per-expert bias its EMA "
+                                         "updates each step (qb_beta, megatron/core/distributed/"
+                                         "finalize_model_grads.py:408-413) is neither recorded nor judged yet",
     "mlp_chunks_for_training": "not supported yet: megatron runs the MLP once per chunk of the rank's sequence "
                                "(megatron/core/transformer/transformer_layer.py:901-919), and ttrace records one call "
                                "of a module per microbatch (tried on 0.19.2: the calls overwrite each other and a "
