@@ -63,6 +63,23 @@ def _sometimes(p: float, value: Any, otherwise: Any = None) -> Draw:
     return lambda rng, model: value if rng.random() < p else otherwise
 
 
+def _installed_fields() -> set:
+    from megatron.core.transformer import TransformerConfig
+
+    return {f.name for f in dataclasses.fields(TransformerConfig)}
+
+
+def _later(field: str, draw: Draw) -> Draw:
+    """A field of a later release (μP, 0.19's MTP variants): drawn where the installed megatron-core
+    has it, and not drawn at all (no random number taken) where it does not, so the sweep on an older
+    release draws the configurations it always drew."""
+    return lambda rng, model: draw(rng, model) if field in _installed_fields() else None
+
+
+def _mup(draw: Draw) -> Draw:
+    return lambda rng, model: draw(rng, model) if model.get("use_mup") else None
+
+
 def _moe(draw: Draw) -> Draw:
     """A draw that only applies to MoE models (None: the field is left out)."""
     return lambda rng, model: draw(rng, model) if model.get("num_moe_experts") else None
@@ -94,6 +111,25 @@ def _no_rope(rng, model):
 def _recompute(rng, model):
     # activation recomputation (issue #33), the candidate's only (MoE layers too)
     return rng.choice([None, None, None, None, "full", "selective"])
+
+
+def _recompute_modules(rng, model):
+    # selective recomputation's modules (issue #33), drawn only where the granularity is selective
+    # (no draw otherwise, so the rest of a configuration is what it was): megatron's default core_attn,
+    # the traced mlp (biasless; with biases megatron-core hangs and ttrace refuses it), moe and
+    # shared_experts, and layernorm, which needs TransformerEngine and is refused up front
+    if model.get("recompute_granularity") != "selective":
+        return None
+    if rng.random() < 0.1:
+        return ["layernorm"]  # refused up front (TransformerEngine): one draw in ten checks the refusal
+    options = [["core_attn"]]
+    if model.get("add_bias_linear") is False:  # the MLP's recomputation is traced without biases only
+        options += [["mlp"], ["core_attn", "mlp"]]
+    if model.get("num_moe_experts"):
+        options += [["moe"], ["core_attn", "moe"]]
+        if model.get("moe_shared_expert_intermediate_size"):
+            options.append(["shared_experts"])
+    return rng.choice(options)
 
 
 def _recompute_full(field: str, value: Any) -> Draw:
@@ -173,10 +209,20 @@ FIELDS: Dict[str, Draw] = {
     "window_size": _sometimes(0.15, [8, 0]),
     "window_attn_skip_freq": lambda rng, model: rng.choice([None, 2]) if model.get("window_size") else None,
     "recompute_granularity": _recompute,
+    "recompute_modules": _recompute_modules,
     "recompute_method": _recompute_full("recompute_method", "uniform"),
     "recompute_num_layers": _recompute_full("recompute_num_layers", 1),
     "mtp_num_layers": _mtp,
     "mtp_loss_scaling_factor": lambda rng, model: rng.choice([None, 0.3]) if model.get("mtp_num_layers") else None,
+    "mtp_detach_heads": _later("mtp_detach_heads", lambda rng, model: (True if rng.random() < 0.3 else None)
+                               if model.get("mtp_num_layers") else None),
+    # μP (0.19 on): widths 2-4× a base of the model's own hidden size / 2 or / 4
+    "use_mup": _later("use_mup", _sometimes(0.15, True)),
+    "mup_base_hidden_size": _later("use_mup", _mup(lambda rng, model: model["hidden_size"] // rng.choice([2, 4]))),
+    "mup_embedding_mult": _later("use_mup", _mup(_choice(None, 2.0))),
+    "mup_output_mult": _later("use_mup", _mup(_choice(None, 0.5))),
+    "mup_base_head_dim": _later("use_mup", _mup(_choice(None, 8))),
+    "mup_attn_scale_power": _later("use_mup", _mup(_choice(None, 0.5))),
     "share_embeddings_and_output_weights": _choice(True, False),
     "rotary_percent": _sometimes(0.15, 0.5),
     "rotary_base": _sometimes(0.15, 500000),
@@ -363,6 +409,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("sliding window")
     if m.get("recompute_granularity"):
         tags.append(f"recompute {m['recompute_granularity']}")
+    if m.get("recompute_modules"):
+        tags.append("recompute " + "+".join(m["recompute_modules"]))
     if m.get("mtp_num_layers"):
         tags.append("MTP")
     if groups == 1:

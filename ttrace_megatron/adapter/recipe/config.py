@@ -130,7 +130,11 @@ def validate_recipe(recipe: Recipe) -> None:
         raise RecipeError(f"{where}: {section}: '{key}' is not supported by ttrace: {why}")
     mtp = mtp_refused(recipe)
     if mtp:
-        raise RecipeError(f"{where}: model: 'mtp_num_layers' is not supported by ttrace {mtp}")
+        key = "mtp_detach_heads" if mtp.startswith(MTP_DETACHED_WITH_PP) else "mtp_num_layers"
+        raise RecipeError(f"{where}: model: '{key}' is not supported by ttrace {mtp}")
+
+
+MTP_DETACHED_WITH_PP = "with detached heads and pipeline parallelism yet"
 
 
 def mtp_refused(recipe: Recipe) -> Optional[str]:
@@ -154,6 +158,11 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
                 "(megatron/core/transformer/multi_token_prediction.py:846, _checkpointed_forward)")
     if hybrid.pattern_of(model) is not None:
         return "in a HybridModel yet (its MTP block takes its own pattern): " + model_fields.UNVERIFIED
+    if model.get("mtp_detach_heads") and parallel_sizes(recipe.parallel)["pp"] > 1:
+        return (MTP_DETACHED_WITH_PP + ": the last stage's copy of the word embeddings, "
+                "which only the detached MTP depths use, gets no grad (megatron/core/transformer/"
+                "multi_token_prediction.py:818-822), and ttrace expects its piece of the embedding grad the "
+                "pipeline stages sum (found by the configuration sweep on 0.19.2)")
     return None
 
 
