@@ -70,12 +70,14 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes without lock-step", FREE, ("free_running_9c485b8.jsonl",),
            "benchmarks/results/history/issue38_traces_that_travel.md"),
+    Source("μP at TP2+SP, 3 seeds, megatron-core 0.19.2", FREE, ("mup_seeds_b896044_mc0192.jsonl",),
+           "benchmarks/results/history/issue33_features.md"),
     Source("scale ladder (with the norm's terms)", LADDER,
            ("scale_terms_68a3b73.jsonl", "scale_terms_5f03f30.jsonl", "scale_terms_seeds23_0f41cd6.jsonl",
             "scale_terms_d32_w2048_seeds_051d7ae.jsonl"),
            "benchmarks/results/history/issue31_scale.md"),
-    Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_2befa7f.md",),
-           "benchmarks/results/history/issue31_scale.md"),
+    Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_dd31813.md",),
+           "benchmarks/results/history/issue38_traces_that_travel.md"),
     Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
@@ -201,12 +203,23 @@ def clean_rows(source: Source) -> List[CleanRow]:
 
 
 def free_rows(source: Source) -> List[CleanRow]:
+    """Clean checks one JSON line each (``verdict``, ``worst``; ``dtype`` and an fp32 twin's
+    ``twin_verdict`` / ``twin_worst`` where the file has them): a row per dtype, the twins apart."""
     out = []
     for name in source.files:
         rows = jsonl(_path(name))
-        worst = max(rows, key=lambda r: r.get("worst") or 0.0)
-        out.append(CleanRow(source.population, "fp32", len(rows), sum(r["verdict"] != "pass" for r in rows), {}, None,
-                            worst["worst"], worst["recipe"], commit_of(name), machine_of(name), source.detail))
+        for dtype in sorted({r.get("dtype", "fp32") for r in rows}):
+            group = [r for r in rows if r.get("dtype", "fp32") == dtype]
+            verdicts = [("pair" if any("twin_verdict" in r for r in group) else dtype, "verdict", "worst")]
+            if any("twin_verdict" in r for r in group):
+                verdicts.append(("fp32 twin", "twin_verdict", "twin_worst"))
+            for label, verdict, worst_key in verdicts:
+                judged = [r for r in group if verdict in r]
+                worst = max(judged, key=lambda r: r.get(worst_key) or 0.0)
+                out.append(CleanRow(source.population, dtype if label == dtype else f"{dtype} {label}", len(judged),
+                                    sum(r[verdict] != "pass" for r in judged), {}, None, worst[worst_key],
+                                    worst.get("worst_tensor") or worst["recipe"], commit_of(name), machine_of(name),
+                                    source.detail))
     return out
 
 
