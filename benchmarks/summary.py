@@ -210,8 +210,10 @@ def free_rows(source: Source) -> List[CleanRow]:
         rows = jsonl(_path(name))
         for dtype in sorted({r.get("dtype", "fp32") for r in rows}):
             group = [r for r in rows if r.get("dtype", "fp32") == dtype]
-            verdicts = [("pair" if any("twin_verdict" in r for r in group) else dtype, "verdict", "worst")]
-            if any("twin_verdict" in r for r in group):
+            twins = any("twin_verdict" in r for r in group)
+            # with a twin, "verdict" is the check's (either failing); the pair's own is "pair_verdict"
+            verdicts = [("pair" if twins else dtype, "pair_verdict" if twins else "verdict", "worst")]
+            if twins:
                 verdicts.append(("fp32 twin", "twin_verdict", "twin_worst"))
             for label, verdict, worst_key in verdicts:
                 judged = [r for r in group if verdict in r]
@@ -252,8 +254,8 @@ def bug_rows(source: Source) -> List[BugRow]:
         if rows and "fp32 twin: detected" in rows[0]:
             verdicts.append(("fp32 twin", "fp32 twin: detected", "twin: error / tolerance", "twin: replay culprit"))
         for verdict, det, err, loc in verdicts:
-            judged = [r for r in rows if r[det] in ("yes", "no", "NO")]
-            out.append(_bug_row(source, name, verdict, judged, det, err, loc,
+            # every entry counts; a twin that did not run (a bug of the dtype alone) is not detected by it
+            out.append(_bug_row(source, name, verdict, rows, det, err, loc,
                                 lambda r: f"{r['injected bug'].strip('`').split(':')[0]} ({r['dtype']})"))
     return out
 
@@ -270,6 +272,10 @@ def upstream_rows(source: Source) -> List[BugRow]:
     return out
 
 
+def _culprit_module(cell: str) -> str:
+    return cell.split(",")[0].strip()
+
+
 def _bug_row(source, name, verdict, rows, det, err, loc, label) -> BugRow:
     detected = [r for r in rows if r[det] == "yes"]
     # a ratio of 0 on a detected entry is a tensor judged exactly (replicas that must be bitwise equal,
@@ -282,8 +288,11 @@ def _bug_row(source, name, verdict, rows, det, err, loc, label) -> BugRow:
         localized = sum(r[loc] == "yes" for r in detected)
     elif loc.startswith("localized") or loc == "twin: localized":
         localized = sum(r[loc].startswith("yes") for r in detected)
-    else:  # the twin's replay culprit: localized where the twin's culprit is the injected module
-        localized = sum(r.get("twin: replay culprit", "—") not in ("—", "") for r in detected)
+    else:
+        # the zoo's twin columns hold its culprit, not whether it is the injected module: counted where
+        # it is the module the pair's culprit was found at the injected one (never more than the truth)
+        localized = sum(r["culprit is the injected module"] == "yes"
+                        and _culprit_module(r[loc]) == _culprit_module(r["replay culprit"]) for r in detected)
     return BugRow(source.population, verdict, len(rows), len(detected), localized,
                   sum(m >= GOAL_MARGIN for m, _ in margins), exact, weakest[0],
                   label(weakest[1]) if weakest[1] is not None else "—", commit_of(name), machine_of(name),
@@ -341,6 +350,9 @@ def summary() -> str:
     out += ["", "### Bugs: detected and localized", "",
             f"Margin: error / tolerance of the first mismatch; the goal is ≥ {GOAL_MARGIN:g}×. \"exact\": detected on "
             "a tensor judged exactly (replicas that must be bitwise equal, data), which has no margin.", "",
+            "Localized: the replay's culprit is the injected module (the upstream table: the module and phase its "
+            "fix changed; the zoo's twin: its culprit is the module the pair's culprit named as injected, a lower "
+            "bound, as the zoo's twin columns do not say).", "",
             "| population | verdict | entries | detected | localized | margin ≥ 10× | exact | weakest margin | "
             "commit, machine | detail |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in bugs:

@@ -184,9 +184,9 @@ def test_online_verdicts_go_out_through_megatron_lms_tensorboard_writer(tmp_path
     acc.Reload()
     tags = acc.Tags()["scalars"]
     assert "lm loss" in tags  # Megatron-LM's own writer
-    over = {e.step: e.value for e in acc.Scalars("ttrace/shards_over_tolerance")}
+    over = {e.step: e.value for e in acc.Scalars("ttrace/live/shards_over_tolerance")}
     assert sorted(over) == [1, 2, 3] and min(over.values()) > 0
-    [first] = [e for e in acc.Tensors("ttrace/first_failure/text_summary") if e.step == 1]
+    [first] = [e for e in acc.Tensors("ttrace/live/first_failure/text_summary") if e.step == 1]
     assert first.tensor_proto.string_val[0].decode().startswith("decoder.layers.1.mlp.linear_fc2, forward, output")
 
 

@@ -28,6 +28,8 @@ def _both(runs, recipe, inject=()):
     ("gpt_tp2", "fp32", ("column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",)),
     ("gpt_tp2", "fp32", ("embedding_mask_missing",)),
     ("gpt_tp2_sp", "fp32", ("sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",)),
+    # recomputed outputs: judged live against the reference's outputs (a KeyError before)
+    ("gpt_tp2_recompute", "fp32", ()),
 ])
 def test_online_verdicts_equal_offline(runs, name, dtype, inject):
     offline, online = _both(runs, load(name, dtype=dtype), inject)

@@ -23,7 +23,7 @@ def _events(path):
     tags = acc.Tags()
     values = {tag: {e.step: e.value for e in acc.Scalars(tag)} for tag in tags["scalars"]}
     texts = {e.step: e.tensor_proto.string_val[0].decode() for tag in tags["tensors"]
-             if tag.startswith(scalars.FIRST_FAILURE) for e in acc.Tensors(tag)}
+             if "first_failure" in tag for e in acc.Tensors(tag)}
     return values, texts
 
 
@@ -56,10 +56,10 @@ def test_wandb_style_writer_gets_one_log_per_iteration():
 
     w = Log()
     s = scalars.merge(scalars.iteration_scalars([_row(2, "forward", 1, 0, 4.0)], 1))
-    scalars.write(w, s, over_tag=scalars.SHARDS_OVER)
+    scalars.write(w, s, live=True)
     [(step, values)] = w.calls
-    assert step == 2 and values[scalars.SHARDS_OVER] == 1.0 and values["ttrace/worst_ratio/forward"] == 4.0
-    assert values[scalars.FIRST_FAILURE].startswith("m, forward, output (iteration 2")
+    assert step == 2 and values[scalars.SHARDS_OVER] == 1.0 and values["ttrace/live/worst_ratio/forward"] == 4.0
+    assert values["ttrace/live/first_failure"].startswith("m, forward, output (iteration 2")
 
 
 def test_online_check_writes_scalars_during_the_run_and_report_converts(tmp_path):
@@ -73,7 +73,7 @@ def test_online_check_writes_scalars_during_the_run_and_report_converts(tmp_path
     values, texts = _events(live)
     assert sorted(values[scalars.SHARDS_OVER]) == [1, 2, 3]
     assert all(n > 0 for n in values[scalars.SHARDS_OVER].values())
-    assert values["ttrace/worst_ratio/forward"][1] > 100
+    assert values["ttrace/live/worst_ratio/forward"][1] > 100
     assert texts[1].startswith("decoder.layers.1.mlp.linear_fc2, forward, output (iteration 1")
 
     report = json.loads((out / "report.json").read_text())

@@ -132,8 +132,8 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         report = combine_twin(report, twin_report, recipe.dtype)
         render_twin(report, console)
     _write_reports(report, out, json_path, getattr(args, "html", None))
-    if not args.online:  # online, the candidate wrote its scalars during the run
-        _tensorboard(report, _tensorboard_dir(args, out), console)
+    # the verdict's scalars (online, the candidate's live ones are beside them, under ttrace/live/)
+    _tensorboard(report, _tensorboard_dir(args, out), console)
     return report
 
 
@@ -310,6 +310,7 @@ def cmd_run(args, console: Console) -> int:
     from .recipe import default_recipe, load_recipe
     from .report import first_mismatch_of, headline
 
+    _check_tensorboard(args)
     targets = _recipe_paths(args.recipe) if args.recipe else [None]
     many = len(targets) > 1 or (args.recipe and os.path.isdir(args.recipe))
     out_root = args.out or tempfile.mkdtemp(prefix="ttrace-")
@@ -411,6 +412,7 @@ def cmd_compare(args, console: Console) -> int:
 def cmd_report(args, console: Console) -> int:
     from .report import render
 
+    _check_tensorboard(args)
     path = args.dir
     report_path = path if path.endswith(".json") else os.path.join(path, "report.json")
     if os.path.exists(report_path):
@@ -457,16 +459,23 @@ def _tensorboard_dir(args, out: str) -> Optional[str]:
     return os.path.abspath(os.path.join(base, FP32_TWIN) if twin else base)
 
 
+def _check_tensorboard(args) -> None:
+    """``--tensorboard`` needs the tensorboard package: said before anything runs, not after the check."""
+    if getattr(args, "tensorboard", None):
+        import importlib.util
+
+        if importlib.util.find_spec("tensorboard") is None:
+            raise RecipeError("--tensorboard needs the tensorboard package: pip install tensorboard "
+                              "(or this package's extra: pip install -e '.[tensorboard]')")
+
+
 def _tensorboard(report: dict, out: Optional[str], console: Console) -> None:
     """``--tensorboard OUT``: the report's scalars per iteration as a TensorBoard event file."""
     if not out:
         return
-    try:
-        from .scalars import write_report
+    from .scalars import write_report
 
-        n = write_report(report, out)
-    except ModuleNotFoundError as e:
-        raise RecipeError(f"--tensorboard needs the tensorboard package ({e}): pip install tensorboard") from None
+    n = write_report(report, out)
     console.print(f"TensorBoard scalars of {n} iteration(s) → {out} (tensorboard --logdir {out})", highlight=False)
 
 

@@ -137,8 +137,9 @@ class OnlineComparer:
         for e in self.entries[self._warned:]:
             if e.status != "ok" or e.key.iteration != iteration or e.ref_sq == 0.0:
                 continue
-            rec = self._reference_groups[e.key][0][1]
-            judged.append(decide(e.key, rec, num_layers, self._order.get(e.key, 0),
+            ref_key = keys.reference_key(e.key)  # a recomputed output is judged against the reference's output
+            rec = self._reference_groups[ref_key][0][1]
+            judged.append(decide(e.key, rec, num_layers, self._order.get(ref_key, math.inf),
                                  ToleranceConfig(), e.logical_shape, math.sqrt(e.diff_sq / e.ref_sq),
                                  "non-finite values" if e.candidate_nonfinite else ""))
         self._warned = len(self.entries)

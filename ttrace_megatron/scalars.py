@@ -1,7 +1,8 @@
 """A check's verdicts as scalars per iteration, where Megatron-LM users look: TensorBoard and W&B.
 
 Per iteration: the worst error / tolerance per phase and per layer, how many tensors (offline) or
-shards (online, during the run) exceed their tolerance, and the first failing tensor as text. The
+shards (online, during the run, under ``ttrace/live/``: each shard under its own bound, a heads-up
+the verdict after the run settles) exceed their tolerance, and the first failing tensor as text. The
 same :class:`IterationScalars` is written from a finished report (``ttrace report DIR
 --tensorboard OUT``) and, during an online check, from every rank's own shards (merged on the rank
 that holds Megatron-LM's writers: ``adapter/megatron_lm`` and ``adapter/run/live_scalars``).
@@ -22,11 +23,14 @@ from typing import Dict, Iterable, List, Optional
 from .keys import PHASES
 
 TAG = "ttrace"
-WORST_PHASE = TAG + "/worst_ratio/{phase}"
-WORST_LAYER = TAG + "/worst_ratio_by_layer/{layer}"
+# during an online check each rank judges its own shards under the shard's own bound (the verdict
+# combines them after the run, with the step's bounds): those scalars go under their own prefix
+LIVE_TAG = "ttrace/live"
+WORST_PHASE = "{tag}/worst_ratio/{phase}"
+WORST_LAYER = "{tag}/worst_ratio_by_layer/{layer}"
 TENSORS_OVER = TAG + "/tensors_over_tolerance"  # a finished report: logical tensors
-SHARDS_OVER = TAG + "/shards_over_tolerance"  # during an online check: the ranks' own shards
-FIRST_FAILURE = TAG + "/first_failure"
+SHARDS_OVER = LIVE_TAG + "/shards_over_tolerance"  # during an online check: the ranks' own shards
+FIRST_FAILURE = "{tag}/first_failure"
 FAIL = "fail"
 
 
@@ -119,24 +123,27 @@ def merge(parts: Iterable[IterationScalars]) -> Optional[IterationScalars]:
     return merged
 
 
-def write(writer, s: IterationScalars, over_tag: str = TENSORS_OVER) -> None:
-    """``s`` through a TensorBoard ``SummaryWriter`` or W&B's ``log``, at step ``s.iteration``."""
+def write(writer, s: IterationScalars, live: bool = False) -> None:
+    """``s`` through a TensorBoard ``SummaryWriter`` or W&B's ``log``, at step ``s.iteration``;
+    ``live``: an online check's shards during the run (under ``ttrace/live/``)."""
+    tag = LIVE_TAG if live else TAG
     values: Dict[str, float] = {}
     for phase in PHASES:
         if phase in s.worst_by_phase:
-            values[WORST_PHASE.format(phase=phase)] = s.worst_by_phase[phase]
+            values[WORST_PHASE.format(tag=tag, phase=phase)] = s.worst_by_phase[phase]
     for layer, v in s.worst_by_layer.items():
-        values[WORST_LAYER.format(layer=_tag_part(layer))] = v
-    values[over_tag] = float(s.over_tolerance)
+        values[WORST_LAYER.format(tag=tag, layer=_tag_part(layer))] = v
+    values[SHARDS_OVER if live else TENSORS_OVER] = float(s.over_tolerance)
+    first = FIRST_FAILURE.format(tag=tag)
     if hasattr(writer, "add_scalar"):
-        for tag, v in values.items():
-            writer.add_scalar(tag, v, s.iteration)
+        for name, v in values.items():
+            writer.add_scalar(name, v, s.iteration)
         if s.first_failure:
-            writer.add_text(FIRST_FAILURE, s.first_failure, s.iteration)
+            writer.add_text(first, s.first_failure, s.iteration)
     else:
         logged = dict(values)
         if s.first_failure:
-            logged[FIRST_FAILURE] = s.first_failure
+            logged[first] = s.first_failure
         writer.log(logged, step=s.iteration)
 
 

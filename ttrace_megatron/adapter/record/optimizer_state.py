@@ -156,7 +156,9 @@ def param_groups_by_name(optimizer, chunks) -> Dict[str, str]:
     from ..recipe.naming import all_parameters, full_param_name
 
     mains = main_params(optimizer)
-    config = getattr(optimizer, "config", None)
+    # each part's own config names its groups, as group_settings names them
+    configs = {id(getattr(opt, "optimizer", None)): getattr(opt, "config", None)
+               for opt in getattr(optimizer, "chained_optimizers", None) or [optimizer]}
     out = {}
     for mname, pname, _, param in all_parameters(chunks):
         main = mains.get(param)
@@ -164,7 +166,7 @@ def param_groups_by_name(optimizer, chunks) -> Dict[str, str]:
         if main is not None:
             group = next((g for g in main.optimizer.param_groups if any(p is main.main for p in g["params"])), None)
         if group is not None:
-            out[full_param_name(mname, pname)] = group_name(group, config)
+            out[full_param_name(mname, pname)] = group_name(group, configs.get(id(main.optimizer)))
     return out
 
 

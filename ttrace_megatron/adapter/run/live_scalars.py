@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Callable, List, Optional
 
-from ...scalars import SHARDS_OVER, IterationScalars, merge, write
+from ...scalars import IterationScalars, merge, write
 
 
 def megatron_lm_writers() -> List:
@@ -81,7 +81,7 @@ class LiveScalars:
             parts = [IterationScalars(**p) for p in gathered]
         merged = merge(parts)
         for writer in self.writers():
-            write(writer, merged, over_tag=SHARDS_OVER)
+            write(writer, merged, live=True)
             if hasattr(writer, "flush"):
                 writer.flush()
         return merged

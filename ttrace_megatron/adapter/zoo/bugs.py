@@ -634,6 +634,9 @@ def mup_output_mult_from_partition_width(chunks) -> None:
     from ..recipe.naming import unwrap
 
     tp = parallel_state.get_tensor_model_parallel_world_size()
+    if tp == 1:
+        raise ValueError("bug injection: mup_output_mult_from_partition_width needs TP > 1 (at TP 1 the partition is "
+                         "the model)")
     found = False
     for chunk in chunks:
         model = unwrap(chunk)
@@ -659,6 +662,8 @@ def nonfinite_output_on_rank_1(chunks, pattern: str) -> None:
     import torch.distributed as dist
     from megatron.core.tensor_parallel.layers import RowParallelLinear
 
+    if dist.get_world_size() < 2:
+        raise ValueError("bug injection: nonfinite_output_on_rank_1 needs a candidate of 2 ranks or more")
     if dist.get_rank() != 1:
         return
     for _, module in _modules(chunks, pattern, RowParallelLinear):
