@@ -120,6 +120,7 @@ def widen(raw: dict, size: Optional[dict] = None) -> dict:
     model, data = raw["model"], raw["data"]
     scale = size["hidden_size"] / model["hidden_size"]
     heads = model["num_attention_heads"]
+    shipped_layers = model["num_layers"]
     model["num_layers"] = max(model["num_layers"], size["num_layers"])
     model["hidden_size"] = size["hidden_size"]
     for field in ("ffn_hidden_size", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "kv_channels"):
@@ -132,7 +133,18 @@ def widen(raw: dict, size: Optional[dict] = None) -> dict:
     for key in ("moe_layer_freq",):  # a per-layer pattern names the shipped depth
         if isinstance(model.get(key), list):
             model[key] = (model[key] * size["num_layers"])[:model["num_layers"]]
+    if isinstance(model.get("no_rope_freq"), list):
+        # NoPE layers keep their place in the depth (the first layer of the second pipeline stage stays
+        # so), not tiled: a pattern that repeats with the stage length would hide a stage-local layer number
+        nope = [i * model["num_layers"] // shipped_layers for i, v in enumerate(model["no_rope_freq"]) if v]
+        model["no_rope_freq"] = [1 if i in nope else 0 for i in range(model["num_layers"])]
     return raw
+
+
+def first_nope_layer_module(r) -> str:
+    """Where ``attention_layer_number_stage_local`` shows: the first NoPE layer's attention output
+    (layers.2 as shipped, layers.4 at 8 layers: ``widen`` keeps it the second stage's first layer)."""
+    return f"decoder.layers.{r.model['no_rope_freq'].index(1)}.self_attention.linear_proj"
 
 
 def chunk_boundary_module(r) -> str:
@@ -145,7 +157,8 @@ def chunk_boundary_module(r) -> str:
 
 
 # entries whose module depends on the recipe's depth: the module is computed from the recipe run
-EXPECTED_AT = {"vpp_batched_p2p_at_pp2": chunk_boundary_module}
+EXPECTED_AT = {"vpp_batched_p2p_at_pp2": chunk_boundary_module,
+               "attention_layer_number_stage_local": first_nope_layer_module}
 
 
 SEED_INIT = None  # --seed-init: every recipe's train.seed_init (None: as it ships)
