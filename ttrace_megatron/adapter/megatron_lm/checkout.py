@@ -288,6 +288,8 @@ def trace_args(trace: TraceOptions, recipe: Optional[Recipe] = None) -> List[str
             argv += ["--tensorboard-dir", trace.tensorboard]
     if trace.replay:
         argv += ["--ttrace-replay", trace.replay]
+        if trace.iterations:  # a replay records one failing iteration: Megatron-LM's loop stops after it
+            argv += ["--exit-interval", str(max(trace.iterations))]
     if trace.perturb:  # the perturbation estimate: the reference again, with round-off-sized noise
         argv += ["--ttrace-perturb", str(trace.perturb)]
     if trace.iterations:
