@@ -74,7 +74,7 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue33_features.md"),
     Source("scale ladder (with the norm's terms)", LADDER,
            ("scale_terms_68a3b73.jsonl", "scale_terms_5f03f30.jsonl", "scale_terms_seeds23_0f41cd6.jsonl",
-            "scale_terms_d32_w2048_seeds_051d7ae.jsonl"),
+            "scale_terms_d32_w2048_seeds_051d7ae.jsonl", "scale_terms_seeds23_d8_h512layouts_effd963.jsonl"),
            "benchmarks/results/history/issue31_scale.md"),
     Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_dd31813.md",),
            "benchmarks/results/history/issue38_traces_that_travel.md"),
