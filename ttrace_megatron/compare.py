@@ -75,7 +75,8 @@ class Comparison:
     def coverage(self) -> dict:
         """Which of the model's parameters were judged, by module type (:mod:`.coverage`)."""
         return coverage.summary(coverage.param_coverage(self.reference_run, self.candidate_run,
-                                                        (r.key for r in self.results)))
+                                                        (r.key for r in self.results)),
+                                coverage.not_the_models(self.candidate_run))
 
     @property
     def failures(self) -> List[TensorResult]:

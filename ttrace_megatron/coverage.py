@@ -76,8 +76,15 @@ def param_coverage(reference_run: dict, candidate_run: dict, judged_keys: Iterab
     return out
 
 
-def summary(params: Sequence[ParamCoverage]) -> dict:
-    """The JSON form: totals, by module type, and every parameter not judged with why."""
+def not_the_models(candidate_run: dict) -> List[dict]:
+    """``run.json`` ``unused_params``: parameters a side holds that are not the model's (megatron
+    allocates them and no output depends on them), each {param, where, why}: listed, never judged."""
+    return list(candidate_run.get("unused_params", []))
+
+
+def summary(params: Sequence[ParamCoverage], unused: Sequence[dict] = ()) -> dict:
+    """The JSON form: totals, by module type, every parameter not judged with why, and the
+    parameters a side holds that are not the model's (``not_the_models``)."""
     by_type: Dict[str, Dict[str, int]] = {}
     for p in params:
         row = by_type.setdefault(p.module_type, dict(params=0, params_judged=0, elements=0, elements_judged=0))
@@ -90,7 +97,8 @@ def summary(params: Sequence[ParamCoverage]) -> dict:
                  elements=sum(p.numel for p in params), elements_judged=sum(p.numel for p in params if p.judged))
     return {"total": total, "by_module_type": dict(sorted(by_type.items())),
             "not_judged": [{"param": p.param, "module_type": p.module_type, "why": p.why}
-                           for p in params if not p.judged]}
+                           for p in params if not p.judged],
+            "not_the_models": list(unused)}
 
 
 def headline(cov: dict) -> str:

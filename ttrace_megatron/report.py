@@ -245,6 +245,8 @@ def render_coverage(cov: Optional[dict], console: Console, max_rows: int = 10) -
             console.print(f"  [yellow]not judged[/] {entry['param']} ({entry['module_type']}): {entry['why']}")
         if len(cov["not_judged"]) > max_rows:
             console.print(f"  … and {len(cov['not_judged']) - max_rows} more (report.json: coverage.not_judged)")
+    for entry in cov.get("not_the_models", []):
+        console.print(f"  [yellow]not the model's[/] {entry['param']} ({entry['where']}): {entry['why']}")
 
 
 def _coverage_html(cov: Optional[dict]) -> str:

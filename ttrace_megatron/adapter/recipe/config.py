@@ -142,11 +142,6 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
     model = recipe.model
     if not model.get("mtp_num_layers"):
         return None
-    if parallel_sizes(recipe.parallel)["pp"] > 1 and model.get("share_embeddings_and_output_weights"):
-        return ("with pipeline parallelism and tied embeddings yet: megatron-core allocates an output_layer.weight "
-                "on the last stage that the model never uses (megatron/core/models/gpt/gpt_model.py:249, "
-                "skip_weight_param_allocation by pre_process; the MTP stage projects with its embedding copy), a "
-                "parameter the one-rank reference does not have; untied embeddings (DeepSeek-V3's) are traced")
     if recipe.dtype == "fp8":
         return ("with dtype fp8 yet: ttrace emulates TE's FP8 GEMMs in the decoder's layers only, and TE runs the "
                 "MTP layers' GEMMs in FP8 too (megatron/core/transformer/multi_token_prediction.py, "

@@ -116,11 +116,32 @@ def canonical_parameters(chunk: torch.nn.Module) -> Iterator[Tuple[str, str, tor
     two stages' copies are replicas of one logical parameter.
     """
     names = canonical_module_names(chunk)
+    unused = unused_output_weight(chunk)
     for module, mname in names.items():
         for pname, param in module.named_parameters(recurse=False):
+            if param is unused:
+                continue  # a parameter megatron allocates and never uses: no logical tensor of the model
             if mname == OUTPUT_LAYER and pname == "weight" and getattr(param, "shared_embedding", False):
                 mname = TIED_EMBEDDING
             yield mname, pname, module, param
+
+
+UNUSED_OUTPUT_WEIGHT = (
+    "allocated by megatron-core and never used: with tied embeddings and multi-token prediction the last "
+    "pipeline stage projects with its copy of the word embeddings (gpt_model.py, shared_embedding_or_output_weight), "
+    "yet its output layer allocates a weight of its own, since skip_weight_param_allocation is pre_process and "
+    "tied (gpt_model.py:249 at 0.16.1); no output depends on it, so there is nothing to judge")
+
+
+def unused_output_weight(chunk: torch.nn.Module) -> Optional[torch.nn.Parameter]:
+    """The output layer's weight of a last pipeline stage that runs multi-token prediction with tied
+    embeddings: megatron allocates it and projects with the embedding copy instead (UNUSED_OUTPUT_WEIGHT)."""
+    model = unwrap(chunk)
+    if (getattr(model, "share_embeddings_and_output_weights", False) and getattr(model, "mtp_process", False)
+            and getattr(model, "post_process", False) and not getattr(model, "pre_process", True)):
+        layer = getattr(model, "output_layer", None)
+        return getattr(layer, "weight", None)
+    return None
 
 
 def full_param_name(module_name: str, param_name: str) -> str:

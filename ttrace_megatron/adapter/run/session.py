@@ -274,6 +274,21 @@ def run_id_of(trace_dir: str) -> Optional[str]:
     return run.get("run_id") if isinstance(run, dict) else None
 
 
+def _unused_params(chunks: List, config, sizes: Dict[str, int]) -> List[Dict[str, str]]:
+    """Parameters some rank holds that are not the model's (rank 0 writes run.json, so they are
+    found from the layout, not the rank's own chunks): with tied embeddings and multi-token
+    prediction under PP, the last stage's output-layer weight (naming.UNUSED_OUTPUT_WEIGHT)."""
+    from ..recipe.naming import UNUSED_OUTPUT_WEIGHT, unwrap
+
+    model = unwrap(chunks[0])
+    if (getattr(model, "share_embeddings_and_output_weights", False) and getattr(config, "mtp_num_layers", None)
+            and sizes["pp"] > 1):
+        print(f"[ttrace] not the model's, not judged: output_layer.weight of the last pipeline stage: "
+              f"{UNUSED_OUTPUT_WEIGHT}", flush=True)
+        return [{"param": "output_layer.weight", "where": "the last pipeline stage", "why": UNUSED_OUTPUT_WEIGHT}]
+    return []
+
+
 def _unobserved(chunks: List, config, facts, sizes: Dict[str, int]) -> Dict[str, Any]:
     """What this run cannot record or judge, with why (the report lists it; the parameters' part
     is printed now): MoE routing choices, expert tokens, parameters no gradient reaches. Coverage
@@ -296,6 +311,7 @@ def _unobserved(chunks: List, config, facts, sizes: Dict[str, int]) -> Dict[str,
                            "module_type": type(module).__name__, "numel": int(p.numel()),
                            "requires_grad": bool(p.requires_grad)}
                           for m, n, module, p in all_parameters(chunks)]
+    info["unused_params"] = _unused_params(chunks, config, sizes)
     info["unjudged_params"] = [{"param": name, "why": why}
                                for name, why in layouts.zero_gradient_params(chunks, facts).items()]
     by_why: Dict[str, List[str]] = {}
