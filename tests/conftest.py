@@ -103,3 +103,45 @@ def load(name, **overrides):
         raw[field] = {**raw.get(field, {}), **value} if isinstance(value, dict) else value
     raw.setdefault("name", name)
     return recipe_from_dict(raw, source=path)
+
+
+def error_dirs():
+    """The rank error directories (``ttrace-errors-*``) that exist now: a test takes them before a
+    launch, and :func:`rank_pid` looks only at the ones made after."""
+    import glob
+    import tempfile
+
+    return set(glob.glob(os.path.join(tempfile.gettempdir(), "ttrace-errors-*")))
+
+
+def rank_pid(before, trace_dir, rank):
+    """The pid of ``rank`` of the run writing ``trace_dir`` (its stack file's head: "pid N trace DIR"),
+    among the error directories made since ``before``; None while it has not started."""
+    for d in error_dirs() - before:
+        path = os.path.join(d, f"rank{rank}.stack")
+        if os.path.exists(path):
+            with open(path) as f:
+                head = f.readline().split()
+            if head[3:] == [str(trace_dir)]:  # this run's rank, not a run beside it
+                return int(head[1])
+    return None
+
+
+def launch_in_thread(spec, timeout_s):
+    """``launch(spec)`` on a thread: (the thread, a dict that gets the RunFailed message as "error")."""
+    import threading
+
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.errors import RunFailed
+
+    outcome = {}
+
+    def run():
+        try:
+            launch(spec, timeout_s=timeout_s)
+        except RunFailed as e:
+            outcome["error"] = str(e)
+
+    thread = threading.Thread(target=run)
+    thread.start()
+    return thread, outcome

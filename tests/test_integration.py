@@ -258,40 +258,21 @@ def test_a_rank_past_its_timeout_is_shown_where_it_was(tmp_path):
 def test_a_killed_rank_is_named_with_its_signal_and_position(tmp_path):
     """A rank killed mid-run (SIGKILL, as the OOM killer does) is named: side, rank, signal, and the
     last whole iteration its trace reached (issue #38)."""
-    import glob
     import signal
-    import tempfile
-    import threading
     import time
 
-    from conftest import load
-    from ttrace_megatron.adapter.run.launch import launch
+    from conftest import error_dirs, launch_in_thread, load, rank_pid
     from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
-    from ttrace_megatron.errors import RunFailed
 
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "ttrace-errors-*")))
+    before = error_dirs()
     spec = RunSpec(recipe=load("gpt_tp2", train={"iterations": 1000}).to_json(), role=REFERENCE,
                    trace=trace_options(str(tmp_path / "ref"), str(tmp_path / "seed.safetensors")))
-    outcome = {}
-
-    def run():
-        try:
-            launch(spec, timeout_s=300)
-        except RunFailed as e:
-            outcome["error"] = str(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, outcome = launch_in_thread(spec, timeout_s=300)
     manifest = tmp_path / "ref" / "rank-00000" / "manifest.json"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and not (manifest.exists() and "iter-000002" in manifest.read_text()):
         time.sleep(0.2)
-    pid = None
-    for d in set(glob.glob(os.path.join(tempfile.gettempdir(), "ttrace-errors-*"))) - before:
-        with open(os.path.join(d, "rank0.stack")) as f:
-            head = f.readline().split()
-        if head[3:] == [str(tmp_path / "ref")]:  # "pid N trace DIR": this run's rank, not a run beside it
-            pid = int(head[1])
+    pid = rank_pid(before, tmp_path / "ref", 0)
     os.kill(pid, signal.SIGKILL)
     thread.join(120)
     message = outcome["error"]

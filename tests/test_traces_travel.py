@@ -129,44 +129,26 @@ def test_sides_of_different_megatron_core_versions_are_said_so(runs, tmp_path, c
 @pytest.mark.multiprocess
 def test_a_rank_hung_in_a_collective_is_shown_where_it_waits(tmp_path):
     """A candidate rank that stops answering (SIGSTOP) leaves its partner blocked in a collective:
-    past the timeout, the blocked rank is shown with its frames (inside torch.distributed) and the
+    past the timeout, the blocked rank is shown with its frames (waiting in a collective) and the
     stopped one is named as not answering."""
-    import glob
     import signal
-    import tempfile
-    import threading
     import time
 
+    from conftest import error_dirs, launch_in_thread, rank_pid
     from ttrace_megatron.adapter.run.launch import launch
     from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
-    from ttrace_megatron.errors import RunFailed
 
     seed = str(tmp_path / "seed.safetensors")
     launch(RunSpec(recipe=load("gpt_tp2", train={"iterations": 1}).to_json(), role=REFERENCE,
                    trace=trace_options(str(tmp_path / "ref"), seed)), timeout_s=300)
-    before = set(glob.glob(os.path.join(tempfile.gettempdir(), "ttrace-errors-*")))
+    before = error_dirs()
     spec = RunSpec(recipe=load("gpt_tp2", train={"iterations": 100000}).to_json(), role=CANDIDATE,
                    trace=trace_options(str(tmp_path / "cand"), seed, iterations=[1]))
-    outcome = {}
-
-    def run():
-        try:
-            launch(spec, timeout_s=45)
-        except RunFailed as e:
-            outcome["error"] = str(e)
-
-    thread = threading.Thread(target=run)
-    thread.start()
+    thread, outcome = launch_in_thread(spec, timeout_s=45)
     pid, deadline = None, time.monotonic() + 40
     while pid is None and time.monotonic() < deadline:
         time.sleep(0.5)
-        for d in set(glob.glob(os.path.join(tempfile.gettempdir(), "ttrace-errors-*"))) - before:
-            path = os.path.join(d, "rank1.stack")
-            if os.path.exists(path):
-                with open(path) as f:
-                    head = f.readline().split()
-                if head[3:] == [str(tmp_path / "cand")]:
-                    pid = int(head[1])
+        pid = rank_pid(before, tmp_path / "cand", 1)
     assert pid is not None
     time.sleep(3.0)  # a few iterations in
     os.kill(pid, signal.SIGSTOP)
