@@ -113,8 +113,7 @@ def merge(parts: Iterable[IterationScalars]) -> Optional[IterationScalars]:
         return None
     merged = IterationScalars(parts[0].iteration, {}, {}, 0, "")
     for p in parts:
-        for name, target, source in (("phase", merged.worst_by_phase, p.worst_by_phase),
-                                     ("layer", merged.worst_by_layer, p.worst_by_layer)):
+        for target, source in ((merged.worst_by_phase, p.worst_by_phase), (merged.worst_by_layer, p.worst_by_layer)):
             for k, v in source.items():
                 target[k] = max(target.get(k, 0.0), v)
         merged.over_tolerance += p.over_tolerance
