@@ -77,7 +77,7 @@ CURRENT: Tuple[Source, ...] = (
             "scale_terms_d32_w2048_seeds_051d7ae.jsonl", "scale_terms_seeds23_d8_h512layouts_effd963.jsonl",
             "scale_terms_mixtral_w2048_seeds23_effd963.jsonl"),
            "benchmarks/results/history/issue31_scale.md"),
-    Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_dd31813.md",),
+    Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_1a073b7.md",),
            "benchmarks/results/history/issue38_traces_that_travel.md"),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_05409b1_60ee444.md",),
            "benchmarks/results/history/issue31_scale.md"),
