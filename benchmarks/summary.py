@@ -60,7 +60,7 @@ class Source:
 
 
 CURRENT: Tuple[Source, ...] = (
-    Source("shipped recipes, fp32", CLEAN, ("calibration_fp32_3d02126.md",),
+    Source("shipped recipes, fp32", CLEAN, ("calibration_fp32_3d02126.md", "calibration_fp32_1a073b7.md"),
            "benchmarks/results/history/issue38_traces_that_travel.md"),
     Source("shipped recipes, bf16 with the fp32 twin", CLEAN, ("calibration_bf16_twin_7421a72.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
