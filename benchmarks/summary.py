@@ -42,6 +42,7 @@ WORKERS = "workers"      # compare_workers.py rows (jsonl)
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
 H200 = "NVIDIA H200"
+H100 = "NVIDIA H100"
 LADDER_KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "norm terms", "clip", "moments",
                 "update", "loss", "routing")
 # Clean recipes that fail on stock megatron-core because of a live megatron bug (each an entry of
@@ -89,6 +90,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("the fp32 twin's cost", TWIN_COST, ("twin_cost_7194ac9.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
+    Source("the fp32 twin's cost on a GPU, one rank a side", TWIN_COST, ("twin_cost_gpu_10b7b6f_h100.jsonl",),
+           "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("compare on N processes", WORKERS, ("compare_workers_e2ac6c3_h200.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
 )
@@ -107,7 +110,8 @@ def commit_of(name: str) -> str:
 
 
 def machine_of(name: str) -> str:
-    return H200 if name.endswith("_h200.jsonl") or name.endswith("_h200.md") else CPU
+    stem = os.path.splitext(name)[0]
+    return H200 if stem.endswith("_h200") else H100 if stem.endswith("_h100") else CPU
 
 
 def markdown_tables(path: str) -> List[List[Dict[str, str]]]:
@@ -379,8 +383,11 @@ def summary() -> str:
         rows = [r for f in s.files for r in jsonl(_path(f))]
         if s.kind == TWIN_COST:
             ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
+            failed = [f"{r['recipe']} {r['size']}" for r in rows if r.get("ratio") is None]
             out.append(f"- {s.population}: the twin adds {min(ratios):.2f}–{max(ratios):.2f}× the low-precision "
-                       f"check's time over {len(rows)} checks ({_files(s)}; {CPU}).")
+                       f"check's time over {len(ratios)} checks"
+                       + (f" ({len(failed)} did not run: {', '.join(failed)})" if failed else "")
+                       + f" ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == WORKERS:
             one = next(r for r in rows if r["workers"] == 1)
             best = min(rows, key=lambda r: r["seconds"])

@@ -102,6 +102,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     except RecipeError as e:
         raise RecipeError(f"the fp32 twin of this recipe cannot run: {e} (--no-fp32-twin leaves the twin out)") \
             from None
+    _check_disk(recipe, out, args, console)
     start = time.monotonic()
     try:
         report = _run_and_compare(recipe, out, args, console, run_side)
@@ -409,6 +410,103 @@ def cmd_compare(args, console: Console) -> int:
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 
 
+PLAN_FLAGS = ("online", "no_fp32_twin", "perturb", "no_lockstep")  # run's flags that change what a check writes
+
+
+def _plan_of(recipe, args, keep: bool, shape=None):
+    """The plan of ``ttrace run`` of ``recipe`` with ``args``'s flags (in this process: it builds
+    the model on the meta device, with megatron's parallel state of one rank)."""
+    from .adapter.run.plan import Selection, check_plan
+
+    lockstep = not getattr(args, "no_lockstep", False)
+    selection = Selection(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
+    return check_plan(recipe, online=args.online, perturb=True if args.perturb else None,
+                      twin=not args.no_fp32_twin, keep=keep, selection=selection, reference_everything=lockstep,
+                      shape=shape)
+
+
+# the selections `ttrace plan --budget` offers, each as run's flags: fewer iterations, one microbatch,
+# the online check, both sides free-running, no twin (what each leaves unjudged is the user's choice)
+BUDGET_OPTIONS = (
+    ("--iters 1 (in lock-step the reference still records every iteration)", dict(iters=[1])),
+    ("--iters 1 --microbatches 0", dict(iters=[1], microbatches=[0])),
+    ("--online", dict(online=True)),
+    ("--online --iters 1 --microbatches 0", dict(online=True, iters=[1], microbatches=[0])),
+    ("--no-lockstep --iters 1 --microbatches 0", dict(no_lockstep=True, iters=[1], microbatches=[0])),
+    ("--no-fp32-twin (the layout's logic then judged in the recipe's dtype only)", dict(no_fp32_twin=True)),
+)
+
+
+def cmd_plan(args, console: Console) -> int:
+    """What ``ttrace run`` of a recipe with these flags will write, before anything runs."""
+    from . import plan as core
+    from .adapter.run.plan import model_shape
+    from .recipe import default_recipe, load_recipe
+
+    recipe = load_recipe(args.recipe) if args.recipe else default_recipe()
+    shape = model_shape(recipe)
+    plan = _plan_of(recipe, args, keep=bool(args.out), shape=shape)
+    where = args.out or tempfile.gettempdir()
+    free = core.free_bytes(where)
+    bandwidth = core.measure_write_bandwidth(where if os.path.isdir(where) else tempfile.gettempdir()) \
+        if args.measure_disk else None
+    budget = core.parse_bytes(args.budget) if args.budget else None
+    options = [("as asked", plan)] + [
+        (flags, _plan_of(recipe, argparse.Namespace(**dict(vars(args), **change)), keep=bool(args.out), shape=shape))
+        for flags, change in BUDGET_OPTIONS if budget is not None]
+    planned = dict(plan.to_json(), free_bytes=free, where=os.path.abspath(where),
+                   options=[dict(flags=flags, disk_needed=p.disk_needed()) for flags, p in options])
+    if args.json == "-":
+        print(json.dumps(planned, indent=1))
+        return EXIT_PASS
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(planned, f, indent=1)
+    for line in core.format_plan(plan, free=free, budget=budget, write_bandwidth=bandwidth, options=options):
+        console.print(line, highlight=False, markup=False, overflow="ignore", crop=False)
+    return EXIT_PASS
+
+
+def _check_disk(recipe, out: str, args, console: Console) -> None:
+    """Refuse a check whose traces would not fit the disk under ``out``, with the numbers, before
+    anything runs (``--no-disk-check`` runs it anyway). The plan is made in a process of its own:
+    it starts megatron's parallel state, which this process must not hold."""
+    import subprocess
+
+    from . import plan as core
+
+    if getattr(args, "no_disk_check", False):
+        return
+    with tempfile.TemporaryDirectory(prefix="ttrace-plan-") as tmp:
+        recipe_path, plan_path = os.path.join(tmp, "recipe.yaml"), os.path.join(tmp, "plan.json")
+        with open(recipe_path, "w") as f:
+            json.dump(dict(recipe.to_json(), name=recipe.name), f)  # JSON is YAML
+        cmd = [sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe_path, "--json", plan_path]
+        cmd += [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag, False)]
+        for flag in ("iters", "microbatches"):
+            if getattr(args, flag, None):
+                cmd += [f"--{flag}", ",".join(map(str, getattr(args, flag)))]
+        for pattern in getattr(args, "modules", None) or []:
+            cmd += ["--modules", pattern]
+        if getattr(args, "out", None):
+            cmd += ["--out", out]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0 or not os.path.exists(plan_path):
+            console.print(f"[yellow]the disk check could not plan this check ({_last_line(proc.stderr)}); "
+                          f"running without it[/]", highlight=False)
+            return
+        with open(plan_path) as f:
+            planned = json.load(f)
+    need, free = planned["disk_needed"], core.free_bytes(out)
+    if need > free:
+        raise RecipeError(core.disk_refusal_text(recipe.name, need, free, out))
+
+
+def _last_line(text: str) -> str:
+    lines = [line for line in text.strip().splitlines() if line.strip()]
+    return lines[-1] if lines else "no output"
+
+
 def cmd_report(args, console: Console) -> int:
     from .report import render
 
@@ -540,6 +638,8 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--modules", action="append", metavar="PATTERN",
                      help="record only modules matching this fnmatch pattern (repeatable), e.g. 'decoder.layers.1.*'")
     run.add_argument("--microbatches", type=_int_list, help="record only these global microbatch ids, e.g. 0")
+    run.add_argument("--no-disk-check", action="store_true",
+                     help="run even if `ttrace plan` predicts more trace bytes than the disk under --out has free")
     run.add_argument("--workers", type=int, metavar="N",
                      help="compare on this many processes (default: the cores this process may use); the verdict is the same "
                           "bit for bit")
@@ -551,6 +651,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     _add_run_arguments(sub.add_parser("run", help="run the reference and the candidate of a recipe, then compare"))
+
+    plan = sub.add_parser("plan", help="what `ttrace run` of a recipe will write (bytes per side, iteration and "
+                                       "tensor kind, disk needed), before anything runs")
+    plan.add_argument("recipe", nargs="?", help="recipe YAML (default: the embedded tiny GPT)")
+    plan.add_argument("--out", help="where the traces would go, as run's --out (all sides kept); default: a "
+                                    "temporary directory, whose pair is removed before the fp32 twin runs")
+    plan.add_argument("--budget", metavar="SIZE", help="suggest a selective recording that fits SIZE (e.g. 200GB)")
+    plan.add_argument("--measure-disk", action="store_true",
+                      help="time a 256 MiB write where the traces go, and estimate the write time")
+    plan.add_argument("--json", help="write the plan here as JSON ('-': nothing printed)")
+    for flag, text in (("--online", "as run --online"), ("--no-fp32-twin", "as run --no-fp32-twin"),
+                       ("--perturb", "as run --perturb"), ("--no-lockstep", "as run --no-lockstep")):
+        plan.add_argument(flag, action="store_true", help=text)
+    plan.add_argument("--iters", type=_int_list, help="as run --iters")
+    plan.add_argument("--modules", action="append", metavar="PATTERN", help="as run --modules")
+    plan.add_argument("--microbatches", type=_int_list, help="as run --microbatches")
 
     cmp_ = sub.add_parser("compare", help="compare a candidate trace against a reference trace")
     cmp_.add_argument("reference")
@@ -589,7 +705,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     quiet_warnings()
     console = Console()
-    commands = {"run": cmd_run, "compare": cmd_compare, "report": cmd_report, "localize": cmd_localize}
+    commands = {"run": cmd_run, "compare": cmd_compare, "report": cmd_report, "localize": cmd_localize,
+                "plan": cmd_plan}
     try:
         return commands[args.command](args, console)
     except (TraceError, RecipeError, RunFailed, ValueError) as e:

@@ -110,6 +110,14 @@ Placement = Union[Shard, Replicate, Partial, RangeShard]
 SHARDING = (Shard, RangeShard)  # placements whose ranks hold different parts of the tensor
 
 
+def stored_copies(placements: Sequence[Placement], sizes: Mapping[str, int]) -> int:
+    """How many times the ranks of the listed axes together store a tensor's logical elements: a
+    Shard or RangeShard splits them over its axis (once), a Replicate or Partial keeps them whole on
+    every rank of it (the axis size). Padding of uneven shards is not counted. What a trace of the
+    tensor costs on disk, summed over ranks (``plan``)."""
+    return math.prod(1 if isinstance(p, SHARDING) else int(sizes.get(p.axis, 1)) for p in placements)
+
+
 def _range_shard(layout: "Layout") -> Optional[RangeShard]:
     last = layout.placements[-1] if layout.placements else None
     return last if isinstance(last, RangeShard) else None

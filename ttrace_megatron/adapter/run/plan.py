@@ -1,0 +1,260 @@
+"""A check's trace bytes from its recipe, before anything runs (``ttrace plan``, the disk check).
+
+The model is built as the reference builds it, on the ``meta`` device (no memory, no weights, a
+few seconds even at a 70B model's width), and its parameters and recorded modules are read off
+it. Each recorded tensor then becomes a :class:`plan.TensorGroup` with the placements the recorder
+gives it on each side (``adapter.record.layouts``): for the reference every axis has size 1; for
+the candidate the recipe's layout sizes them. The core turns groups into bytes.
+
+What each recorded module writes per microbatch follows the recorder (``record.recorder``):
+linears and the embedding their input and output and both grads, the router its scores and
+choices, the MoE layer its input and output; every parameter its per-microbatch grad, its main
+grad once, and the optimizer's state (Adam: the parameter, fp32 master where the parameter is not,
+both moments). An expert sees ``topk`` / experts of the microbatch's tokens on average.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import math
+import os
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from ... import plan as core
+from ...placement import Partial, Placement, RangeShard, Replicate, Shard
+from ...recipe import Recipe, fp32_twin
+from ..record.layouts import DP, EDP, ETP, TP, expert_tokens_unmatched, is_expert
+from ..recipe import config as cfg
+
+CP = "cp"
+TIED_COPIES = "tied"  # the word embeddings' copies: the first stage's, and the last stage's output layer
+SIDE_REFERENCE = "reference"
+SIDE_CANDIDATE = "candidate"
+SIDE_PERTURBED = "reference-perturbed"
+TWIN = "fp32_twin/"
+
+_ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # activations and model grads (FP8 GEMMs keep bf16 I/O)
+FP32, FP64, INT64 = 4, 8, 8
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamShape:
+    module: str  # canonical module name
+    name: str  # full canonical parameter name
+    numel: int
+    tp_sharded: bool
+    expert: bool
+    trainable: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class SiteShape:
+    module: str
+    kind: str  # one of the SITE_* below
+    in_features: int
+    out_features: int
+    tp_sharded: bool  # the weight is split over TP (or expert-TP)
+    expert: bool
+
+
+WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+SITE_COLUMN, SITE_ROW, SITE_EMBEDDING, SITE_ROUTER, SITE_MOE = "column", "row", "embedding", "router", "moe"
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    params: Tuple[ParamShape, ...]
+    sites: Tuple[SiteShape, ...]
+    tied_embeddings: bool = False  # the output layer uses the word embeddings' weight
+
+
+def model_shape(recipe: Recipe) -> ModelShape:
+    """The reference's model as megatron builds it, on the meta device, in this process.
+
+    Needs a process of its own: it starts a 1-rank gloo group and megatron's parallel state."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.router import Router
+
+    from ..cpu import cuda_shim
+    from ..record.hooks import hooked_modules
+    from ..recipe.build import gpt_chunks
+    from ..recipe.naming import all_parameters, full_param_name
+
+    cuda_shim.install()
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel()
+    with torch.device("meta"):
+        chunks, _ = gpt_chunks(recipe, {}, cpu=True)
+    params = tuple(ParamShape(module=mname, name=full_param_name(mname, pname), numel=p.numel(),
+                              tp_sharded=bool(getattr(p, "tensor_model_parallel", False)),
+                              expert=is_expert(module), trainable=p.requires_grad)
+                   for mname, pname, module, p in all_parameters(chunks))
+    sites, tied = [], False
+    for site in hooked_modules(chunks):
+        m = site.module
+        weight = getattr(m, "weight", None)
+        sharded = bool(getattr(weight, "tensor_model_parallel", False))
+        expert = is_expert(m)
+        if isinstance(m, ColumnParallelLinear) and weight is None:  # the output layer of tied embeddings
+            kind, in_f, out_f, sharded = SITE_COLUMN, recipe.model["hidden_size"], cfg.padded_vocab_size(recipe), True
+            tied = True
+        elif isinstance(m, (ColumnParallelLinear, RowParallelLinear)):
+            out_f, in_f = weight.shape
+            kind = SITE_COLUMN if isinstance(m, ColumnParallelLinear) else SITE_ROW
+        elif isinstance(m, VocabParallelEmbedding):
+            kind, in_f, out_f = SITE_EMBEDDING, 1, weight.shape[1]
+        elif isinstance(m, Router):
+            kind, (out_f, in_f) = SITE_ROUTER, weight.shape
+        elif isinstance(m, MoELayer):
+            kind, in_f, out_f = SITE_MOE, recipe.model["hidden_size"], recipe.model["hidden_size"]
+        else:
+            continue
+        sites.append(SiteShape(site.module_name, kind, int(in_f), int(out_f), sharded, expert))
+    return ModelShape(params, tuple(sites), tied)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """``--iters``, ``--modules``, ``--microbatches`` of ``ttrace run``."""
+
+    iterations: Optional[Sequence[int]] = None
+    modules: Sequence[str] = ("*",)
+    microbatches: Optional[Sequence[int]] = None
+
+    def wants(self, module: str) -> bool:
+        return any(fnmatch.fnmatchcase(module, p) for p in self.modules)
+
+
+def side_sizes(recipe: Recipe, world_size: int) -> Dict[str, int]:
+    """Mesh axis sizes of a side that runs ``recipe``'s layout on ``world_size`` ranks."""
+    s = cfg.parallel_sizes(recipe.parallel)
+    model_parallel = s["tp"] * s["pp"] * s["cp"]
+    dp = max(1, world_size // model_parallel)
+    edp = max(1, s["tp"] * s["cp"] * dp // (s["ep"] * s["etp"]))
+    return {TP: s["tp"], DP: dp * s["cp"], CP: s["cp"], ETP: s["etp"], EDP: edp, "ep": s["ep"], "pp": s["pp"],
+            TIED_COPIES: 2 if s["pp"] > 1 else 1}
+
+
+def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], selection: Selection = Selection()
+                ) -> List[core.TensorGroup]:
+    """The tensors one iteration of a side records, as groups with that side's placements."""
+    data, model = recipe.data, recipe.model
+    act = _ITEMSIZE[recipe.dtype]
+    mp_dtype = recipe.dtype != "fp32"
+    micro = data.global_batch_size // data.micro_batch_size
+    if selection.microbatches is not None:
+        micro = min(micro, len(selection.microbatches))
+    tokens = data.micro_batch_size * data.seq_length
+    sp = bool(recipe.parallel.get("sequence_parallel", False)) and sizes[TP] > 1
+    distopt = bool(recipe.optimizer.get("use_distributed_optimizer", False))
+    adam = recipe.optimizer.get("optimizer", "adam") == "adam"
+    topk = int(model.get("moe_router_topk", 2) or 2)
+    experts = int(model.get("num_moe_experts") or 1)
+    out: List[core.TensorGroup] = []
+
+    def add(kind, elements, itemsize, records, placements):
+        if elements and records:
+            out.append(core.TensorGroup(kind, int(elements), itemsize, int(records), tuple(placements)))
+
+    seq_split = (Shard(0, TP),) if sp else (Replicate(TP),)
+    # the recorder's rule: where an expert's tokens on a rank are no placement of the reference's,
+    # only its main grads and parameters are recorded
+    experts_unrecorded = expert_tokens_unmatched(sizes["ep"] * sizes[ETP], sizes[TP], sp) is not None
+    for s in shape.sites:
+        if not selection.wants(s.module) or (s.expert and experts_unrecorded):
+            continue
+        if s.expert:  # a fraction of the tokens, over expert-TP
+            t = tokens * topk / experts
+            split = (Shard(-1, ETP),) if s.tp_sharded else (Replicate(ETP),)
+            whole = (Replicate(ETP),) if s.kind == SITE_COLUMN else (Partial(ETP),)
+            ins, outs = (whole, split) if s.kind == SITE_COLUMN else (split, whole)
+            for elements, placements in ((t * s.in_features, ins), (t * s.out_features, outs)):
+                add(core.ACTIVATIONS, elements, act, 2 * micro, placements)  # forward value and its grad
+        elif s.kind in (SITE_COLUMN, SITE_ROW):
+            split = (Shard(-1, TP),) if s.tp_sharded else (Replicate(TP),)
+            ins, outs = (seq_split, split) if s.kind == SITE_COLUMN else (split, seq_split)
+            if not s.tp_sharded:  # a replicated linear (MLA's down projections): whole on every rank
+                ins = outs = seq_split
+            add(core.ACTIVATIONS, tokens * s.in_features, act, 2 * micro, ins)
+            add(core.ACTIVATIONS, tokens * s.out_features, act, 2 * micro, outs)
+        elif s.kind == SITE_EMBEDDING:
+            add(core.ACTIVATIONS, tokens, INT64, micro, (Replicate(TP),))  # token ids
+            add(core.ACTIVATIONS, tokens * s.out_features, act, 2 * micro, seq_split)  # output, its grad
+        elif s.kind == SITE_MOE:
+            add(core.ACTIVATIONS, tokens * s.in_features, act, 4 * micro, seq_split)  # in, out, both grads
+        elif s.kind == SITE_ROUTER:
+            add(core.ACTIVATIONS, tokens * s.in_features, act, 2 * micro, seq_split)  # input, its grad
+            balancing = model.get("moe_router_load_balancing_type", "aux_loss") not in ("none", None)
+            routed = 4 + (2 if balancing else 0)  # output, its grad, top-k scores and choice (+ balancing's)
+            add(core.ROUTING, tokens * s.out_features, FP32, routed * micro, seq_split)
+    if selection.wants("loss"):
+        add(core.LOSS, tokens, FP32, 2 * micro, (Replicate(TP),))  # per-token loss, loss mask
+    for p in shape.params:
+        if not selection.wants(p.module) or not p.trainable:
+            continue
+        tp_axis, dp_axis = (ETP, EDP) if p.expert else (TP, DP)
+        split = (Shard(0, tp_axis),) if p.tp_sharded else (Replicate(tp_axis),)
+        if shape.tied_embeddings and p.name == WORD_EMBEDDINGS:  # with PP, the last stage's copy too
+            split += (Replicate(TIED_COPIES),)
+        if not (p.expert and experts_unrecorded):
+            add(core.WEIGHT_GRADS, p.numel, act, micro, split)
+        owned = (RangeShard(dp_axis, (0, p.numel), (p.numel,)),) if distopt else (Replicate(dp_axis),)
+        add(core.MAIN_GRADS, p.numel, FP32, 1, split + owned)
+        add(core.OPTIMIZER, p.numel, act, 1, (Replicate(dp_axis),) + split)  # the parameter itself
+        states = (2 if adam else 1) + (1 if mp_dtype else 0)  # moments, and the fp32 master copy
+        add(core.OPTIMIZER, p.numel, FP32, states, split + owned)
+    return out
+
+
+def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] = None, twin: bool = True,
+               keep: bool = True, selection: Selection = Selection(), reference_everything: bool = True,
+               shape: Optional[ModelShape] = None) -> core.Plan:
+    """What ``ttrace run`` of ``recipe`` writes with these options. ``keep``: ``--out`` keeps every
+    side's traces (else a pair's traces go before its twin runs). ``reference_everything``: in
+    lock-step the reference records every iteration, module and microbatch whatever the selection
+    (the candidate takes its weights after each step)."""
+    shape = shape or model_shape(recipe)
+    iterations = len(selection.iterations) if selection.iterations else recipe.train.iterations
+    ref_selection = Selection() if reference_everything else selection
+    ref_iterations = recipe.train.iterations if reference_everything else iterations
+    sides, notes = [], []
+    with_perturbation = (recipe.tolerance.perturbation if perturb is None else perturb) and not online
+    twin_recipe = fp32_twin(recipe) if twin else None
+    for prefix, r in (("", recipe), (TWIN, twin_recipe)):
+        if r is None:
+            continue
+        ref_sizes = side_sizes(dataclasses.replace(r, parallel={}), 1)
+        cand_sizes = side_sizes(r, r.world_size)
+        sides.append(core.SidePlan(prefix + SIDE_REFERENCE, 1, ref_sizes, ref_iterations,
+                                   side_groups(dataclasses.replace(r, parallel={}), shape, ref_sizes, ref_selection)))
+        cand = [] if online else side_groups(r, shape, cand_sizes, selection)
+        sides.append(core.SidePlan(prefix + SIDE_CANDIDATE, r.world_size, cand_sizes, iterations, cand))
+        if with_perturbation and not prefix:
+            sides.append(core.SidePlan(SIDE_PERTURBED, 1, ref_sizes, ref_iterations, sides[0].groups))
+    pair = tuple(s.name for s in sides if not s.name.startswith(TWIN))
+    twin_sides = tuple(s.name for s in sides if s.name.startswith(TWIN))
+    peak = (pair + twin_sides,) if keep or not twin_sides else (pair, twin_sides)
+    seed = sum(p.numel for p in shape.params) * _ITEMSIZE[recipe.dtype]  # the model's own dtype
+    if any(p.expert for p in shape.params):
+        notes.append("MoE: expert activations assume tokens spread evenly over the experts (their total is exact)")
+    notes.append("a failing check also writes a replay of the candidate up to the failing iteration "
+                 "(at most the candidate's bytes again)")
+    return core.Plan(recipe.name, sides, seed, peak, notes)

@@ -1,0 +1,215 @@
+"""What a check will write, before it writes it: ``ttrace plan`` and ``ttrace run``'s disk check.
+
+The adapter describes each side of a check as groups of recorded tensors: the logical elements of
+one record, its bytes per element, how many records an iteration writes, and its placements over
+the mesh axes. This module turns that into bytes with the placement vocabulary
+(:func:`placement.stored_copies`): a Shard splits a tensor's elements over its axis, a Replicate or
+Partial stores them on every rank of it. Nothing here knows megatron.
+
+Why a prediction rather than a probe run: a user checking a layout of a wide model on GPUs wants
+to know whether the traces fit, and for how many iterations, before a GPU is held. The prediction
+ignores padding of uneven shards and the few scalars per iteration (grad norm, lr); the
+per-microbatch routing of MoE tokens is taken as even over the experts (the total is exact: every
+token goes to ``topk`` experts). ``benchmarks/plan_check.py`` measures it against real traces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import shutil
+from typing import Dict, List, Mapping, Optional, Sequence, Tuple
+
+from .placement import Placement, stored_copies
+
+# tensor kinds, as the plan's table lists them
+ACTIVATIONS = "activations and their grads"
+WEIGHT_GRADS = "per-microbatch weight grads"
+MAIN_GRADS = "main grads"
+OPTIMIZER = "optimizer (params, moments)"
+LOSS = "loss and masks"
+ROUTING = "routing"
+KINDS = (ACTIVATIONS, WEIGHT_GRADS, MAIN_GRADS, OPTIMIZER, LOSS, ROUTING)
+COLUMN = {ACTIVATIONS: "activations", WEIGHT_GRADS: "wgrad/mb", MAIN_GRADS: "main grads", OPTIMIZER: "optimizer",
+          LOSS: "loss", ROUTING: "routing"}  # the plan table's column headers
+
+# each record's entry in its iteration file's safetensors header and in the manifest (its key,
+# layout and checksum): 700-1100 bytes measured on the shipped recipes; it matters at toy sizes only
+HEADER_BYTES_PER_RECORD = 900
+SEED_CHECKPOINT = "seed checkpoint"
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorGroup:
+    """Records of one shape, written ``records`` times an iteration (microbatches × modules)."""
+
+    kind: str
+    elements: int  # of one logical record
+    itemsize: int
+    records: int
+    placements: Tuple[Placement, ...] = ()
+
+    def bytes(self, sizes: Mapping[str, int]) -> int:
+        """Bytes over every rank of the side, one iteration."""
+        return self.elements * self.itemsize * self.records * stored_copies(self.placements, sizes)
+
+    def record_count(self, sizes: Mapping[str, int]) -> int:
+        """Records over every rank: a sharded record is one file entry on each rank too."""
+        return self.records * math.prod(sizes.get(p.axis, 1) for p in self.placements)
+
+
+@dataclasses.dataclass
+class SidePlan:
+    """One trace directory: the reference, the candidate, the perturbation run, a twin's sides."""
+
+    name: str
+    ranks: int
+    sizes: Dict[str, int]  # mesh axis -> size, for the placements
+    iterations: int
+    groups: List[TensorGroup]
+
+    def bytes_per_iteration(self) -> Dict[str, int]:
+        out = {k: 0 for k in KINDS}
+        for g in self.groups:
+            out[g.kind] += g.bytes(self.sizes) + HEADER_BYTES_PER_RECORD * g.record_count(self.sizes)
+        return out
+
+    def total(self) -> int:
+        return sum(self.bytes_per_iteration().values()) * self.iterations
+
+
+@dataclasses.dataclass
+class Plan:
+    recipe: str
+    sides: List[SidePlan]
+    seed_checkpoint_bytes: int
+    peak_sides: Tuple[Tuple[str, ...], ...]  # the sides on disk together at the peak, e.g. the pair, then a twin
+    notes: List[str] = dataclasses.field(default_factory=list)
+
+    def side(self, name: str) -> SidePlan:
+        return next(s for s in self.sides if s.name == name)
+
+    def disk_needed(self) -> int:
+        """The peak: the largest set of sides on disk together, and the seed checkpoint."""
+        return self.seed_checkpoint_bytes + max(sum(self.side(n).total() for n in names) for names in self.peak_sides)
+
+    def all_bytes(self) -> int:
+        return self.seed_checkpoint_bytes + sum(s.total() for s in self.sides)
+
+    def to_json(self) -> dict:
+        return {"recipe": self.recipe, "disk_needed": self.disk_needed(), "all_bytes": self.all_bytes(),
+                "seed_checkpoint_bytes": self.seed_checkpoint_bytes, "notes": self.notes,
+                "sides": [{"name": s.name, "ranks": s.ranks, "iterations": s.iterations, "total": s.total(),
+                           "per_iteration": s.bytes_per_iteration(),
+                           "per_rank_per_iteration": sum(s.bytes_per_iteration().values()) // s.ranks}
+                          for s in self.sides]}
+
+
+def human(n: float) -> str:
+    for unit in ("B", "kB", "MB", "GB", "TB", "PB"):
+        if abs(n) < 1000 or unit == "PB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} PB"
+
+
+def parse_bytes(text: str) -> int:
+    """``200GB``, ``1.5TB``, ``500MB`` or a plain number of bytes (decimal units, as ``df -H``)."""
+    t = text.strip().upper().replace(" ", "").removesuffix("B")
+    scale = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+    try:
+        if t and t[-1] in scale:
+            return int(float(t[:-1]) * scale[t[-1]])
+        return int(float(t))
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size (examples: 200GB, 1.5TB, 500MB)") from None
+
+
+def free_bytes(path: str) -> int:
+    """Free space of the filesystem that will hold ``path`` (its nearest existing parent)."""
+    probe = os.path.abspath(path)
+    while not os.path.exists(probe):
+        probe = os.path.dirname(probe)
+    return shutil.disk_usage(probe).free
+
+
+def disk_refusal_text(name: str, need: int, free: int, out: str) -> str:
+    """Why ``ttrace run`` refuses a check whose traces would not fit, with the numbers."""
+    return (f"{name}: this check writes about {human(need)} under {os.path.abspath(out)}, and only {human(free)} "
+            f"are free there. Record fewer iterations (--iters), modules (--modules) or microbatches "
+            f"(--microbatches), judge online (--online), or point --out at a larger disk; `ttrace plan` shows "
+            f"where the bytes go and `--budget` suggests a selection (--no-disk-check runs it anyway)")
+
+
+def suggest(options: Sequence[Tuple[str, "Plan"]], budget: int) -> List[str]:
+    """Each selective recording offered (flags, its plan) with the disk it needs, the ones within
+    ``budget`` marked. What a selection leaves unjudged is the user's choice, so every option is
+    named with its flags, never applied for them."""
+    out = []
+    for flags, p in options:
+        need = p.disk_needed()
+        out.append(f"{'fits' if need <= budget else 'over'}  {human(need):>9}  {flags}")
+    return out
+
+
+def measured_bytes(trace_dir: str) -> int:
+    """What a trace directory holds on disk (for checking a plan against a run)."""
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(trace_dir) for f in files)
+
+
+def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = None,
+                write_bandwidth: Optional[float] = None, options: Sequence[Tuple[str, Plan]] = ()) -> List[str]:
+    """The plan as plain lines (no colour: it goes into logs and CI output too)."""
+    lines = [f"{plan.recipe}: what this check writes (predicted)"]
+    head = f"{'side':22} {'ranks':>5} {'iters':>5} " + " ".join(f"{COLUMN[k]:>11}" for k in KINDS) + \
+        f" {'per iter':>10} {'total':>10}"
+    lines.append(head)
+    for s in plan.sides:
+        per = s.bytes_per_iteration()
+        lines.append(f"{s.name:22} {s.ranks:>5} {s.iterations:>5} "
+                     + " ".join(f"{human(per[k]):>11}" for k in KINDS)
+                     + f" {human(sum(per.values())):>10} {human(s.total()):>10}")
+    lines.append(f"{SEED_CHECKPOINT:22} {'':>5} {'':>5} " + " " * (12 * len(KINDS))
+                 + f"{'':>10} {human(plan.seed_checkpoint_bytes):>10}")
+    lines.append(f"disk needed at the peak: {human(plan.disk_needed())}"
+                 + (f" (all sides kept with --out: {human(plan.all_bytes())})" if plan.all_bytes() != plan.disk_needed()
+                    else ""))
+    busiest = max(plan.sides, key=lambda s: sum(s.bytes_per_iteration().values()) / s.ranks)
+    lines.append(f"the most one rank writes in an iteration: {human(sum(busiest.bytes_per_iteration().values()) / busiest.ranks)}"
+                 f" (a rank of {busiest.name}; a mean over its ranks)")
+    if write_bandwidth:
+        lines.append(f"writing it at this disk's measured {human(write_bandwidth)}/s: about "
+                     f"{plan.all_bytes() / write_bandwidth:.0f} s")
+    if free is not None:
+        lines.append(f"free where the traces go: {human(free)}"
+                     + ("" if plan.disk_needed() <= free else " — NOT ENOUGH"))
+    if budget is not None:
+        lines.append(f"within {human(budget)}:")
+        lines += [f"  {s}" for s in suggest(options, budget)]
+    lines += [f"note: {n}" for n in plan.notes]
+    return lines
+
+
+def measure_write_bandwidth(directory: str, nbytes: int = 1 << 28) -> float:
+    """Bytes per second of one sequential write with fsync in ``directory`` (removed after)."""
+    import tempfile
+    import time
+
+    os.makedirs(directory, exist_ok=True)
+    block = os.urandom(1 << 20)
+    fd, path = tempfile.mkstemp(dir=directory, prefix=".ttrace-plan-")
+    try:
+        start = time.monotonic()
+        with os.fdopen(fd, "wb") as f:
+            for _ in range(nbytes // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+        return nbytes / max(time.monotonic() - start, 1e-9)
+    finally:
+        os.remove(path)
+
+
+def summed(groups: Sequence[TensorGroup], sizes: Mapping[str, int]) -> int:
+    return sum(g.bytes(sizes) for g in groups)
