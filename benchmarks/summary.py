@@ -38,6 +38,7 @@ LADDER = "ladder"        # scale.py rows (jsonl)
 FREE = "free_running"    # free_running.py rows (jsonl)
 TWIN_COST = "twin_cost"  # twin_cost.py rows (jsonl)
 WORKERS = "workers"      # compare_workers.py rows (jsonl)
+PLAN = "plan"            # plan_check.py rows (jsonl): ttrace plan's bytes against a real check's
 
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
@@ -92,6 +93,10 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("the fp32 twin's cost on a GPU, one rank a side", TWIN_COST, ("twin_cost_gpu_10b7b6f_h100.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
+    Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
+           "benchmarks/results/history/issue36_bf16_twin.md"),
+    Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_2f644cd.jsonl",),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("compare on N processes", WORKERS, ("compare_workers_e2ac6c3_h200.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
 )
@@ -388,6 +393,10 @@ def summary() -> str:
                        f"check's time over {len(ratios)} checks"
                        + (f" ({len(failed)} did not run: {', '.join(failed)})" if failed else "")
                        + f" ({_files(s)}; {machine_of(s.files[0])}).")
+        elif s.kind == PLAN:
+            ratios = [r["ratio"] for r in rows]
+            out.append(f"- {s.population}: predicted / measured bytes {min(ratios):.3f}–{max(ratios):.3f} over "
+                       f"{len(rows)} checks, nothing run to predict them ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == WORKERS:
             one = next(r for r in rows if r["workers"] == 1)
             best = min(rows, key=lambda r: r["seconds"])

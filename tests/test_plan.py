@@ -1,0 +1,132 @@
+"""``ttrace plan`` and ``ttrace run``'s disk check (issue #35): a check's trace bytes predicted from
+its recipe before anything runs, held against the bytes a real check writes, and a check that would
+not fit the disk refused with the numbers before any side starts.
+
+The plan builds the model on the meta device with megatron's parallel state of one rank, so it runs
+in a process of its own here, as ``ttrace run`` runs it."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import RECIPES
+from ttrace_megatron import cli
+from ttrace_megatron import plan as core
+from ttrace_megatron.errors import RecipeError
+from ttrace_megatron.placement import Partial, RangeShard, Replicate, Shard, stored_copies
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_stored_copies_count_what_every_rank_keeps():
+    sizes = {"dp": 2, "tp": 4}
+    assert stored_copies((Shard(0, "tp"),), sizes) == 1
+    assert stored_copies((Replicate("tp"),), sizes) == 4
+    assert stored_copies((Partial("tp"), Partial("dp")), sizes) == 8
+    assert stored_copies((Shard(0, "tp"), RangeShard("dp", (0, 3, 6), (6,))), sizes) == 1
+    assert stored_copies((Replicate("dp"), Shard(1, "tp")), sizes) == 2
+
+
+def _side(name, ranks, sizes, groups, iterations=3):
+    return core.SidePlan(name, ranks, sizes, iterations, groups)
+
+
+def test_peak_is_the_largest_set_of_sides_on_disk_together():
+    g = core.TensorGroup(core.ACTIVATIONS, 1000, 4, 2, (Replicate("tp"),))
+    sides = [_side("reference", 1, {"tp": 1}, [g]), _side("candidate", 2, {"tp": 2}, [g]),
+             _side("fp32_twin/reference", 1, {"tp": 1}, [g]), _side("fp32_twin/candidate", 2, {"tp": 2}, [g])]
+    per = 1000 * 4 * 2 + core.HEADER_BYTES_PER_RECORD * 2
+    assert sides[0].total() == 3 * per
+    assert sides[1].total() == 3 * 2 * per  # replicated over TP: every rank writes it whole
+    kept = core.Plan("r", sides, 100, (tuple(s.name for s in sides),))
+    dropped = core.Plan("r", sides, 100, (("reference", "candidate"), ("fp32_twin/reference", "fp32_twin/candidate")))
+    assert kept.disk_needed() == 100 + 18 * per == kept.all_bytes()
+    assert dropped.disk_needed() == 100 + 9 * per < kept.disk_needed()
+    text = "\n".join(core.format_plan(kept, free=10, budget=10 ** 9, options=[("as asked", kept)]))
+    assert "NOT ENOUGH" in text and "fits" in text
+
+
+def test_sizes_parse_in_decimal_units():
+    assert core.parse_bytes("200GB") == 200 * 10 ** 9
+    assert core.parse_bytes("1.5TB") == 1.5 * 10 ** 12
+    assert core.parse_bytes("4096") == 4096
+    with pytest.raises(ValueError, match="not a size"):
+        core.parse_bytes("lots")
+
+
+def _plan_json(*args):
+    proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "plan", *args, "--json", "-"],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("recipe,dtype", [("moe_tp2_sp_ep2", "bf16"),
+                                          ("gpt_pp2", "fp32"), ("gpt_dp2_distopt", "fp32")])
+def test_the_plan_holds_within_5_percent_of_what_a_check_writes(tmp_path, recipe, dtype):
+    """Every side of a real check (twin and perturbation run included) against its prediction. At
+    these toy sizes the records' headers are a tenth of the bytes; the ladder's rungs, where the
+    tensors dominate, hold within 1.1 % (benchmarks/plan_check.py)."""
+    import yaml
+
+    raw = yaml.safe_load(open(os.path.join(RECIPES, recipe + ".yaml")))
+    raw.update(dtype=dtype, name=recipe)
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    out = tmp_path / "out"
+    planned = _plan_json(str(path), "--out", str(out))
+    proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "run", str(path), "--out", str(out), "--quiet",
+                           "--no-localize"], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    names = {s["name"] for s in planned["sides"]}
+    assert names == {d for d in ("reference", "candidate", "reference-perturbed") if (out / d).is_dir()} | \
+        {"fp32_twin/" + d for d in ("reference", "candidate") if (out / "fp32_twin" / d).is_dir()}
+    for side in planned["sides"]:
+        measured = core.measured_bytes(str(out / side["name"]))
+        assert abs(side["total"] / measured - 1) <= 0.05, (side["name"], side["total"], measured)
+    seed = os.path.getsize(out / "seed_checkpoint.safetensors")
+    assert abs(planned["seed_checkpoint_bytes"] / seed - 1) <= 0.05
+
+
+@pytest.mark.multiprocess
+def test_a_70b_wide_layout_is_planned_without_its_memory():
+    """Llama-3-70B's width at TP8: built on the meta device, planned in seconds, with the selections
+    that fit a budget named (the check of that size needs far more than this machine's disk)."""
+    raw = dict(name="wide", model=dict(num_layers=2, hidden_size=8192, num_attention_heads=64, num_query_groups=8,
+                                       ffn_hidden_size=28672, normalization="RMSNorm", gated_linear_unit=True,
+                                       activation_func="silu", add_bias_linear=False, position_embedding_type="rope"),
+               parallel=dict(tensor_model_parallel_size=8, sequence_parallel=True), world_size=8,
+               optimizer=dict(optimizer="adam", lr=1e-4),
+               data=dict(seed=1, vocab_size=128256, seq_length=4096, micro_batch_size=1, global_batch_size=2),
+               train=dict(iterations=3), dtype="bf16")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"ttrace-plan-wide-{os.getpid()}.yaml")
+    with open(path, "w") as f:
+        json.dump(raw, f)
+    try:
+        planned = _plan_json(path, "--budget", "500GB")
+    finally:
+        os.remove(path)
+    ref = next(s for s in planned["sides"] if s["name"] == "reference")
+    # the parameters alone: 2 layers × (4 attention + 3 MLP matrices) + embeddings and output layer
+    params = 2 * (8192 * (8192 + 2 * 1024) + 8192 * 8192 + 3 * 8192 * 28672) + 2 * 128256 * 8192
+    assert planned["seed_checkpoint_bytes"] >= 2 * params  # bf16, plus the norms
+    assert ref["per_iteration"][core.MAIN_GRADS] >= 4 * params
+    assert planned["disk_needed"] > 5e11
+    assert any(o["disk_needed"] < 5e11 for o in planned["options"])
+
+
+@pytest.mark.multiprocess
+def test_a_check_that_would_not_fit_is_refused_before_anything_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(core, "free_bytes", lambda path: 1000)
+    out = tmp_path / "out"
+    assert cli.main(["run", os.path.join(RECIPES, "gpt_tp2_sp.yaml"), "--out", str(out), "--quiet"]) == cli.EXIT_ERROR
+    assert not (out / "reference").exists() and not (out / "candidate").exists()
+    from ttrace_megatron.recipe import load_recipe
+
+    args = cli.build_parser().parse_args(["run", "x", "--out", str(out)])
+    with pytest.raises(RecipeError, match=r"writes about [\d.]+ MB under .* and only 1\.0 kB are free"):
+        cli._check_disk(load_recipe(os.path.join(RECIPES, "gpt_tp2_sp.yaml")), str(out), args, None)
