@@ -443,7 +443,10 @@ def cmd_plan(args, console: Console) -> int:
     from .adapter.run.plan import model_shape
     from .recipe import default_recipe, load_recipe
 
+    from .adapter.recipe.config import validate_recipe
+
     recipe = load_recipe(args.recipe) if args.recipe else default_recipe()
+    validate_recipe(recipe)  # what run refuses, plan refuses alike
     shape = model_shape(recipe)
     plan = _plan_of(recipe, args, keep=bool(args.out), shape=shape)
     where = args.out or tempfile.gettempdir()
