@@ -209,7 +209,3 @@ def measure_write_bandwidth(directory: str, nbytes: int = 1 << 28) -> float:
         return nbytes / max(time.monotonic() - start, 1e-9)
     finally:
         os.remove(path)
-
-
-def summed(groups: Sequence[TensorGroup], sizes: Mapping[str, int]) -> int:
-    return sum(g.bytes(sizes) for g in groups)

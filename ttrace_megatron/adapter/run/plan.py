@@ -216,12 +216,18 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
             split += (Replicate(TIED_COPIES),)
         if not (p.expert and experts_unrecorded):
             add(core.WEIGHT_GRADS, p.numel, act, micro, split)
-        owned = (RangeShard(dp_axis, (0, p.numel), (p.numel,)),) if distopt else (Replicate(dp_axis),)
+        owned = (_even_ranges(dp_axis, p.numel, sizes[dp_axis]),) if distopt else (Replicate(dp_axis),)
         add(core.MAIN_GRADS, p.numel, FP32, 1, split + owned)
         add(core.OPTIMIZER, p.numel, act, 1, (Replicate(dp_axis),) + split)  # the parameter itself
         states = (2 if adam else 1) + (1 if mp_dtype else 0)  # moments, and the fp32 master copy
         add(core.OPTIMIZER, p.numel, FP32, states, split + owned)
     return out
+
+
+def _even_ranges(axis: str, numel: int, n: int) -> RangeShard:
+    """The distributed optimizer's ownership of a parameter's flat range, taken as even (its buckets
+    place the bounds elsewhere; the bytes summed over the ranks are the same)."""
+    return RangeShard(axis, tuple(numel * i // n for i in range(n + 1)), (numel,))
 
 
 def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] = None, twin: bool = True,
