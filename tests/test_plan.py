@@ -130,3 +130,42 @@ def test_a_check_that_would_not_fit_is_refused_before_anything_runs(tmp_path, mo
     args = cli.build_parser().parse_args(["run", "x", "--out", str(out)])
     with pytest.raises(RecipeError, match=r"writes about [\d.]+ MB under .* and only 1\.0 kB are free"):
         cli._check_disk(load_recipe(os.path.join(RECIPES, "gpt_tp2_sp.yaml")), str(out), args, None)
+
+
+@pytest.mark.parametrize("name", ["gpt_tp2_sp", "moe_tp2_sp_ep2", "gpt3_pp2_dp2", "gpt_pp2", "llama3_tp2_sp"])
+def test_a_megatron_lm_command_line_reads_back_as_the_recipe_it_came_from(name):
+    """``ttrace plan --megatron-lm-args`` reads the flags ``--megatron-lm`` writes for a recipe back
+    into that recipe's model, layout, batch, dtype and iterations (the same tables, both ways)."""
+    from ttrace_megatron.adapter.megatron_lm.checkout import training_args
+    from ttrace_megatron.adapter.megatron_lm.plan_args import recipe_from_args
+    from ttrace_megatron.adapter.run.runner import CANDIDATE
+    from ttrace_megatron.recipe import load_recipe, recipe_from_dict
+
+    recipe = load_recipe(os.path.join(RECIPES, name + ".yaml"))
+    argv = training_args(recipe, CANDIDATE, recipe.parallel, release="0.19.0")
+    raw, not_read = recipe_from_args(argv, recipe.world_size)
+    back = recipe_from_dict(raw)
+    tied = recipe.model.get("share_embeddings_and_output_weights", False)  # ttrace's default: untied
+
+    def model(r):  # attention_softmax_in_fp32 is a loop flag, changing no recorded byte
+        m = {"make_vocab_size_divisible_by": 128, "add_bias_linear": True, **r.model, "share_embeddings_and_output_weights": tied}
+        return {k: v for k, v in m.items() if k != "attention_softmax_in_fp32"}
+
+    assert model(back) == model(recipe)
+    assert back.parallel == recipe.parallel and back.world_size == recipe.world_size
+    assert (back.data.vocab_size, back.data.seq_length, back.data.micro_batch_size, back.data.global_batch_size) == \
+        (recipe.data.vocab_size, recipe.data.seq_length, recipe.data.micro_batch_size, recipe.data.global_batch_size)
+    assert back.dtype == recipe.dtype and back.train.iterations == recipe.train.iterations
+    assert bool(back.optimizer.get("use_distributed_optimizer")) == bool(recipe.optimizer.get("use_distributed_optimizer"))
+    assert "--lr" in not_read and "--mock-data" in not_read
+
+
+def test_a_megatron_lm_flag_the_plan_cannot_read_is_refused_by_name():
+    from ttrace_megatron.adapter.megatron_lm.plan_args import recipe_from_args
+
+    base = ["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
+            "--micro-batch-size", "1", "--global-batch-size", "2", "--train-iters", "1"]
+    with pytest.raises(RecipeError, match="--vocab-size"):
+        recipe_from_args(base, 2)
+    with pytest.raises(RecipeError, match="--multi-latent-attention is not read"):
+        recipe_from_args(base + ["--vocab-size", "128", "--multi-latent-attention"], 2)

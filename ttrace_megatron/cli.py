@@ -437,18 +437,39 @@ BUDGET_OPTIONS = (
 )
 
 
+def _plan_recipe(args):
+    """(recipe, notes): the recipe file, the embedded recipe, or one read off a Megatron-LM command line."""
+    import shlex
+
+    from .recipe import default_recipe, load_recipe, recipe_from_dict
+
+    if not args.megatron_lm_args:
+        if args.world_size:
+            raise RecipeError("--world-size goes with --megatron-lm-args (a recipe names its own)")
+        return (load_recipe(args.recipe) if args.recipe else default_recipe()), []
+    from .adapter.megatron_lm.plan_args import SOURCE, recipe_from_args
+
+    if args.recipe:
+        raise RecipeError("give a recipe or --megatron-lm-args, not both")
+    if not args.world_size:
+        raise RecipeError("--megatron-lm-args needs --world-size N: the ranks the candidate runs on")
+    raw, not_read = recipe_from_args(shlex.split(args.megatron_lm_args), args.world_size)
+    notes = [f"read from the Megatron-LM arguments; not read (they change no recorded byte): "
+             f"{' '.join(not_read)}"] if not_read else []
+    return recipe_from_dict(raw, source=SOURCE), notes
+
+
 def cmd_plan(args, console: Console) -> int:
     """What ``ttrace run`` of a recipe with these flags will write, before anything runs."""
     from . import plan as core
-    from .adapter.run.plan import model_shape
-    from .recipe import default_recipe, load_recipe
-
     from .adapter.recipe.config import validate_recipe
+    from .adapter.run.plan import model_shape
 
-    recipe = load_recipe(args.recipe) if args.recipe else default_recipe()
+    recipe, notes = _plan_recipe(args)
     validate_recipe(recipe)  # what run refuses, plan refuses alike
     shape = model_shape(recipe)
     plan = _plan_of(recipe, args, keep=bool(args.out), shape=shape)
+    plan.notes += notes
     where = args.out or tempfile.gettempdir()
     free = core.free_bytes(where)
     bandwidth = core.measure_write_bandwidth(where if os.path.isdir(where) else tempfile.gettempdir()) \
@@ -660,6 +681,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("recipe", nargs="?", help="recipe YAML (default: the embedded tiny GPT)")
     plan.add_argument("--out", help="where the traces would go, as run's --out (all sides kept); default: a "
                                     "temporary directory, whose pair is removed before the fp32 twin runs")
+    plan.add_argument("--megatron-lm-args", metavar="ARGS",
+                      help="plan the check of a pretrain_gpt.py run from its flags (one quoted string) instead of a "
+                           "recipe; with --world-size")
+    plan.add_argument("--world-size", type=int, metavar="N", help="the ranks of the run --megatron-lm-args describes")
     plan.add_argument("--budget", metavar="SIZE", help="suggest a selective recording that fits SIZE (e.g. 200GB)")
     plan.add_argument("--measure-disk", action="store_true",
                       help="time a 256 MiB write where the traces go, and estimate the write time")
