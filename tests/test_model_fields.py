@@ -236,3 +236,20 @@ def test_layout_dependent_routing_is_refused_with_megatrons_line():
                                              moe_router_topk_limited_devices=1), "world_size": 1})
     with pytest.raises(RecipeError, match="transformer_config.py:1668"):
         validate_recipe(recipe)
+
+
+def test_routing_megatron_hands_its_top_k_as_indices_is_listed_as_unjudged():
+    """Quantile balancing (0.19) and sinkhorn choose experts outside the top-k hook ttrace records,
+    judges and follows routing by: the run says so instead of judging nothing silently."""
+    from types import SimpleNamespace
+
+    from ttrace_megatron.adapter.record.routing import QUANTILE_BALANCING, unobserved_routing
+
+    def config(balancing):
+        return SimpleNamespace(num_moe_experts=4, moe_router_load_balancing_type=balancing, moe_router_fusion=False,
+                               moe_router_group_topk=None, moe_expert_capacity_factor=None)
+
+    assert "precomputed_indices" in unobserved_routing(config(QUANTILE_BALANCING))
+    assert "precomputed_indices" in unobserved_routing(config(["aux_loss", QUANTILE_BALANCING]))
+    assert "sinkhorn" in unobserved_routing(config("sinkhorn"))
+    assert unobserved_routing(SimpleNamespace(num_moe_experts=None)) is None

@@ -209,7 +209,10 @@ REFUSED: Dict[str, str] = {
     "moe_router_quantile_balancing_ema": UNVERIFIED + ": quantile balancing (0.19) runs on CPU and a clean "
                                          "TP2+SP+EP2 check passes (tried on 0.19.2), but the per-expert bias its EMA "
                                          "updates each step (qb_beta, megatron/core/distributed/"
-                                         "finalize_model_grads.py:408-413) is neither recorded nor judged yet",
+                                         "finalize_model_grads.py:408-413) is neither recorded nor judged yet, and the "
+                                         "choice it makes reaches megatron's top-k as precomputed indices, past the "
+                                         "hook ttrace records, judges and follows routing by (the run lists it as "
+                                         "unjudged)",
     "mlp_chunks_for_training": "not supported yet: megatron runs the MLP once per chunk of the rank's sequence "
                                "(megatron/core/transformer/transformer_layer.py:901-919), and ttrace records one call "
                                "of a module per microbatch (tried on 0.19.2: the calls overwrite each other and a "

@@ -49,12 +49,21 @@ from .layouts import Site, is_router
 from ..recipe.naming import canonical_module_names
 
 
+QUANTILE_BALANCING = "quantile_balancing"  # megatron-core 0.19's routing by a per-expert bias (qb_beta)
+
+
 def unobserved_routing(config) -> Optional[str]:
     """Why the routers' choices of this model cannot be recorded, or None when they can."""
     if getattr(config, "num_moe_experts", None) is None:
         return None
-    if getattr(config, "moe_router_load_balancing_type", "") == "sinkhorn":
+    balancing = getattr(config, "moe_router_load_balancing_type", "")
+    balancing = balancing if isinstance(balancing, list) else [balancing]
+    if "sinkhorn" in balancing:
         return "moe_router_load_balancing_type=sinkhorn routes outside megatron's top-k hook"
+    if QUANTILE_BALANCING in balancing:
+        return (f"moe_router_load_balancing_type={QUANTILE_BALANCING} picks each token's experts from its scores "
+                f"minus a per-expert bias (qb_dual_update, megatron/core/transformer/moe/moe_utils.py at 0.19) and "
+                f"hands the indices to megatron's top-k function (precomputed_indices), past its hook")
     if getattr(config, "moe_router_fusion", False):
         return "moe_router_fusion: TE's fused top-k kernel has no hook"
     if getattr(config, "moe_router_group_topk", None):
