@@ -65,9 +65,11 @@ def _plan_json(*args):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("recipe,dtype", [("moe_tp2_sp_ep2", "bf16"),
-                                          ("gpt_pp2", "fp32"), ("gpt_dp2_distopt", "fp32")])
-def test_the_plan_holds_within_5_percent_of_what_a_check_writes(tmp_path, recipe, dtype):
+@pytest.mark.parametrize("recipe,dtype,flags", [
+    ("moe_tp2_sp_ep2", "bf16", ()), ("gpt_pp2", "fp32", ()), ("gpt_dp2_distopt_overlap", "fp32", ()),
+    ("gpt_tp2_recompute", "fp32", ()), ("deepseek_mtp_tp2_sp", "fp32", ()),
+    ("gpt_tp2_sp", "bf16", ("--perturb", "--iters", "2"))])
+def test_the_plan_holds_within_5_percent_of_what_a_check_writes(tmp_path, recipe, dtype, flags):
     """Every side of a real check (twin and perturbation run included) against its prediction. At
     these toy sizes the records' headers are a tenth of the bytes; the ladder's rungs, where the
     tensors dominate, hold within 1.1 % (benchmarks/plan_check.py)."""
@@ -78,13 +80,13 @@ def test_the_plan_holds_within_5_percent_of_what_a_check_writes(tmp_path, recipe
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(raw))
     out = tmp_path / "out"
-    planned = _plan_json(str(path), "--out", str(out))
+    planned = _plan_json(str(path), "--out", str(out), *flags)
     proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "run", str(path), "--out", str(out), "--quiet",
-                           "--no-localize"], capture_output=True, text=True, cwd=REPO)
+                           "--no-localize", *flags], capture_output=True, text=True, cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    names = {s["name"] for s in planned["sides"]}
-    assert names == {d for d in ("reference", "candidate", "reference-perturbed") if (out / d).is_dir()} | \
-        {"fp32_twin/" + d for d in ("reference", "candidate") if (out / "fp32_twin" / d).is_dir()}
+    sides = ("reference", "candidate", "reference-perturbed")
+    assert {s["name"] for s in planned["sides"]} == {d for d in sides if (out / d).is_dir()} | \
+        {"fp32_twin/" + d for d in sides if (out / "fp32_twin" / d).is_dir()}
     for side in planned["sides"]:
         measured = core.measured_bytes(str(out / side["name"]))
         assert abs(side["total"] / measured - 1) <= 0.05, (side["name"], side["total"], measured)
@@ -145,11 +147,12 @@ def test_a_megatron_lm_command_line_reads_back_as_the_recipe_it_came_from(name):
     argv = training_args(recipe, CANDIDATE, recipe.parallel, release="0.19.0")
     raw, not_read = recipe_from_args(argv, recipe.world_size)
     back = recipe_from_dict(raw)
-    tied = recipe.model.get("share_embeddings_and_output_weights", False)  # ttrace's default: untied
+    tied = "share_embeddings_and_output_weights"
+    assert back.model[tied] == recipe.model.get(tied, False)  # ttrace's default is untied, Megatron-LM's tied
 
     def model(r):  # attention_softmax_in_fp32 is a loop flag, changing no recorded byte
-        m = {"make_vocab_size_divisible_by": 128, "add_bias_linear": True, **r.model, "share_embeddings_and_output_weights": tied}
-        return {k: v for k, v in m.items() if k != "attention_softmax_in_fp32"}
+        m = {"make_vocab_size_divisible_by": 128, "add_bias_linear": True, **r.model}
+        return {k: v for k, v in m.items() if k not in ("attention_softmax_in_fp32", tied)}
 
     assert model(back) == model(recipe)
     assert back.parallel == recipe.parallel and back.world_size == recipe.world_size
@@ -169,3 +172,23 @@ def test_a_megatron_lm_flag_the_plan_cannot_read_is_refused_by_name():
         recipe_from_args(base, 2)
     with pytest.raises(RecipeError, match="--multi-latent-attention is not read"):
         recipe_from_args(base + ["--vocab-size", "128", "--multi-latent-attention"], 2)
+    with pytest.raises(RecipeError, match="local layers only"):
+        recipe_from_args(base + ["--vocab-size", "128", "--transformer-impl", "transformer_engine"], 2)
+    with pytest.raises(RecipeError, match="--ttrace-iters: give ttrace plan its own"):
+        recipe_from_args(base + ["--vocab-size", "128", "--ttrace-iters", "1"], 2)
+    raw, not_read = recipe_from_args(base + ["--vocab-size", "128", "--num-query-groups", "2", "--fp8-format",
+                                             "hybrid", "--bf16", "--exit-interval", "1"], 2)
+    assert "num_query_groups" not in raw["model"] and any("--num-query-groups" in f for f in not_read)
+    assert raw["dtype"] == "fp8" and raw["train"]["iterations"] == 1
+
+
+def test_the_disk_check_plans_with_the_flags_that_change_what_a_check_writes():
+    args = cli.build_parser().parse_args(["run", "r.yaml", "--out", "o", "--online", "--no-fp32-twin", "--perturb",
+                                          "--no-lockstep", "--iters", "1,3", "--microbatches", "0",
+                                          "--modules", "decoder.*", "--quiet", "--workers", "2"])
+    cmd = cli._plan_command("r.json", "p.json", "o", args)
+    assert cmd[cmd.index("plan"):] == ["plan", "r.json", "--json", "p.json", "--online", "--no-fp32-twin", "--perturb",
+                                       "--no-lockstep", "--iters", "1,3", "--microbatches", "0", "--modules",
+                                       "decoder.*", "--out", "o"]
+    # and the plan command takes every one of them
+    cli.build_parser().parse_args(cmd[cmd.index("plan"):])

@@ -472,8 +472,7 @@ def cmd_plan(args, console: Console) -> int:
     plan.notes += notes
     where = args.out or tempfile.gettempdir()
     free = core.free_bytes(where)
-    bandwidth = core.measure_write_bandwidth(where if os.path.isdir(where) else tempfile.gettempdir()) \
-        if args.measure_disk else None
+    bandwidth = core.measure_write_bandwidth(core.existing_parent(where)) if args.measure_disk else None
     budget = core.parse_bytes(args.budget) if args.budget else None
     options = [("as asked", plan)] + [
         (flags, _plan_of(recipe, argparse.Namespace(**dict(vars(args), **change)), keep=bool(args.out), shape=shape))
@@ -491,10 +490,28 @@ def cmd_plan(args, console: Console) -> int:
     return EXIT_PASS
 
 
+PLAN_TIMEOUT_S = 300  # the disk check's plan: a build on the meta device takes seconds; never wait on a hang
+
+
+def _plan_command(recipe_path: str, plan_path: str, out: str, args) -> List[str]:
+    """``ttrace plan`` with the flags of ``ttrace run`` that change what a check writes."""
+    cmd = [sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe_path, "--json", plan_path]
+    cmd += [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag, False)]
+    for flag in ("iters", "microbatches"):
+        if getattr(args, flag, None):
+            cmd += [f"--{flag}", ",".join(map(str, getattr(args, flag)))]
+    for pattern in getattr(args, "modules", None) or []:
+        cmd += ["--modules", pattern]
+    if getattr(args, "out", None):
+        cmd += ["--out", out]
+    return cmd
+
+
 def _check_disk(recipe, out: str, args, console: Console) -> None:
     """Refuse a check whose traces would not fit the disk under ``out``, with the numbers, before
     anything runs (``--no-disk-check`` runs it anyway). The plan is made in a process of its own:
-    it starts megatron's parallel state, which this process must not hold."""
+    it starts megatron's parallel state, which this process must not hold. A plan that fails or
+    hangs never stops the check: it runs without the disk check, and says so."""
     import subprocess
 
     from . import plan as core
@@ -505,24 +522,20 @@ def _check_disk(recipe, out: str, args, console: Console) -> None:
         recipe_path, plan_path = os.path.join(tmp, "recipe.yaml"), os.path.join(tmp, "plan.json")
         with open(recipe_path, "w") as f:
             json.dump(dict(recipe.to_json(), name=recipe.name), f)  # JSON is YAML
-        cmd = [sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe_path, "--json", plan_path]
-        cmd += [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag, False)]
-        for flag in ("iters", "microbatches"):
-            if getattr(args, flag, None):
-                cmd += [f"--{flag}", ",".join(map(str, getattr(args, flag)))]
-        for pattern in getattr(args, "modules", None) or []:
-            cmd += ["--modules", pattern]
-        if getattr(args, "out", None):
-            cmd += ["--out", out]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        if proc.returncode != 0 or not os.path.exists(plan_path):
-            console.print(f"[yellow]the disk check could not plan this check ({_last_line(proc.stderr)}); "
-                          f"running without it[/]", highlight=False)
+        try:
+            proc = subprocess.run(_plan_command(recipe_path, plan_path, out, args), capture_output=True, text=True,
+                                  timeout=PLAN_TIMEOUT_S)
+            failed = None if proc.returncode == 0 and os.path.exists(plan_path) else _last_line(proc.stderr)
+        except subprocess.TimeoutExpired:
+            failed = f"no plan within {PLAN_TIMEOUT_S} s"
+        if failed:
+            console.print(f"[yellow]the disk check could not plan this check ({failed}); running without it[/]",
+                          highlight=False)
             return
         with open(plan_path) as f:
             planned = json.load(f)
     need, free = planned["disk_needed"], core.free_bytes(out)
-    if need > free:
+    if need > core.DISK_HEADROOM * free:
         raise RecipeError(core.disk_refusal_text(recipe.name, need, free, out))
 
 

@@ -27,17 +27,22 @@ NOT_READ_PREFIXES = (
     "--log-", "--tensorboard", "--wandb-", "--timing-log", "--logging-level",
     "--data-path", "--train-data-path", "--valid-data-path", "--test-data-path", "--split", "--mock-data",
     "--tokenizer-", "--vocab-file", "--merge-file", "--dataloader-type", "--num-workers", "--data-cache-path",
-    "--eval-", "--exit-", "--distributed-backend", "--distributed-timeout-minutes", "--transformer-impl",
+    "--eval-", "--exit-duration-in-mins", "--exit-signal-handler", "--distributed-backend",
+    "--distributed-timeout-minutes",
     "--hidden-dropout", "--attention-dropout", "--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion",
     "--no-bias-gelu-fusion", "--no-bias-swiglu-fusion", "--no-bias-dropout-fusion", "--no-rope-fusion",
     "--no-persist-layer-norm", "--use-cpu-initialization", "--attention-softmax-in-fp32", "--init-method-std",
     "--norm-epsilon", "--rotary-base", "--rotary-percent", "--max-position-embeddings", "--use-mcore-models",
-    "--use-flash-attn", "--attention-backend", "--overlap-grad-reduce", "--overlap-param-gather",
-    "--recompute-", "--ttrace", "--seed", "--accumulate-allreduce-grads-in-fp32", "--use-checkpoint-args",
+    "--use-flash-attn", "--attention-backend", "--overlap-grad-reduce", "--seed",
+    "--accumulate-allreduce-grads-in-fp32", "--use-checkpoint-args",
     "--manual-gc", "--no-create-attention-mask-in-dataloader", "--profile",
     "--eod-mask-loss", "--reset-position-ids", "--reset-attention-mask",  # mask values, not their bytes
 )
 _DTYPES = {"--bf16": "bf16", "--fp16": "fp16"}
+# ttrace's own flags that do not change what a side records; the others are the plan's own options
+TTRACE_NOT_READ = ("--ttrace", "--ttrace-dir", "--ttrace-seed-checkpoint", "--ttrace-role", "--ttrace-lockstep")
+_RECOMPUTE = {"--recompute-granularity": "recompute_granularity", "--recompute-method": "recompute_method",
+              "--recompute-num-layers": "recompute_num_layers"}
 
 
 def _tokens(argv: Sequence[str]) -> List[Tuple[str, List[str]]]:
@@ -84,7 +89,9 @@ def recipe_from_args(argv: Sequence[str], world_size: int) -> Tuple[Dict, List[s
     optimizer: Dict = {"optimizer": "adam"}
     raw: Dict = dict(name="megatron_lm_args", description=f"planned from {len(argv)} Megatron-LM arguments",
                      dtype="fp32", world_size=world_size)
-    iterations = None
+    iterations = exit_interval = None
+    gqa = fp8 = False
+    groups = None
     not_read: List[str] = []
     for flag, values in _tokens(argv):
         if flag in model_of:
@@ -98,9 +105,27 @@ def recipe_from_args(argv: Sequence[str], world_size: int) -> Tuple[Dict, List[s
         elif flag == "--context-parallel-size":
             parallel["context_parallel_size"] = int(_one(flag, values))
         elif flag == "--num-query-groups":
-            model["num_query_groups"] = int(_one(flag, values))
+            groups = int(_one(flag, values))  # read only with --group-query-attention, as Megatron-LM does
         elif flag == "--group-query-attention":
-            pass  # the number of groups is --num-query-groups
+            gqa = True
+        elif flag in _RECOMPUTE:
+            value = _one(flag, values)
+            model[_RECOMPUTE[flag]] = int(value) if flag == "--recompute-num-layers" else value
+        elif flag == "--recompute-modules":
+            model["recompute_modules"] = list(values)
+        elif flag == "--overlap-param-gather":
+            raw.setdefault("ddp", {})["overlap_param_gather"] = True
+        elif flag == "--transformer-impl":
+            if _one(flag, values) != "local":
+                raise RecipeError(f"{SOURCE}: --transformer-impl {values[0]}: ttrace traces megatron's local layers "
+                                  f"only (TransformerEngine's are not recorded); plan with --transformer-impl local")
+        elif flag == "--exit-interval":
+            exit_interval = int(_one(flag, values))
+        elif flag in TTRACE_NOT_READ:
+            not_read.append(flag)
+        elif flag.startswith("--ttrace"):
+            raise RecipeError(f"{SOURCE}: {flag}: give ttrace plan its own --iters, --modules, --microbatches, "
+                              f"--perturb or --online instead")
         elif flag == "--disable-bias-linear":
             model["add_bias_linear"] = False
         elif flag == "--swiglu":
@@ -118,9 +143,9 @@ def recipe_from_args(argv: Sequence[str], world_size: int) -> Tuple[Dict, List[s
         elif flag == "--optimizer":
             optimizer["optimizer"] = _one(flag, values)
         elif flag in _DTYPES:
-            raw["dtype"] = _DTYPES[flag]
-        elif flag == "--fp8-format":
-            raw["dtype"] = "fp8"
+            raw["dtype"] = "fp8" if fp8 else _DTYPES[flag]
+        elif flag == "--fp8-format":  # FP8 GEMMs in a bf16 run: whichever order the flags come in
+            raw["dtype"], fp8 = "fp8", True
         elif flag in ("--seq-length", "--micro-batch-size", "--global-batch-size", "--vocab-size"):
             data[flag[2:].replace("-", "_")] = int(_one(flag, values))
         elif flag == "--train-iters":
@@ -138,6 +163,12 @@ def recipe_from_args(argv: Sequence[str], world_size: int) -> Tuple[Dict, List[s
                                  "open)" if field == "vocab_size" else ""))
     if iterations is None:
         raise RecipeError(f"{SOURCE}: give --train-iters: the iterations a check records")
+    if exit_interval:
+        iterations = min(iterations, exit_interval)
+    if gqa and groups:
+        model["num_query_groups"] = groups
+    elif groups:
+        not_read.append("--num-query-groups (without --group-query-attention Megatron-LM ignores it)")
     raw.update(model=model, parallel=parallel, data=dict(data, seed=1), optimizer=optimizer,
                train=dict(iterations=iterations))
     return raw, not_read

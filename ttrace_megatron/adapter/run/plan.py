@@ -17,24 +17,25 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
-import math
-import os
+import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from ... import keys
 from ... import plan as core
-from ...placement import Partial, Placement, RangeShard, Replicate, Shard
-from ...recipe import Recipe, fp32_twin
-from ..record.layouts import DP, EDP, ETP, TP, expert_tokens_unmatched, is_expert
+from ...errors import RecipeError
+from ...placement import Partial, RangeShard, Replicate, Shard
+from ...recipe import FP32_TWIN, Recipe, fp32_twin
+from ...trace_store import CANDIDATE, REFERENCE
+from ..record.layouts import DP, EDP, ETP, PP, TP, expert_tokens_unmatched, is_expert
 from ..recipe import config as cfg
+from ..recipe.naming import OUTPUT_LAYER, TIED_EMBEDDING
 
-CP = "cp"
+EP = "ep"
 TIED_COPIES = "tied"  # the word embeddings' copies: the first stage's, and the last stage's output layer
-SIDE_REFERENCE = "reference"
-SIDE_CANDIDATE = "candidate"
-SIDE_PERTURBED = "reference-perturbed"
-TWIN = "fp32_twin/"
+PERTURBED = "reference-perturbed"  # cli's directory of the perturbation run
+TWIN = FP32_TWIN + "/"
 
 _ITEMSIZE = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # activations and model grads (FP8 GEMMs keep bf16 I/O)
 FP32, FP64, INT64 = 4, 8, 8
@@ -42,6 +43,8 @@ FP32, FP64, INT64 = 4, 8, 8
 
 @dataclasses.dataclass(frozen=True)
 class ParamShape:
+    """One parameter of the logical (one-rank) model: its size and how megatron splits it."""
+
     module: str  # canonical module name
     name: str  # full canonical parameter name
     numel: int
@@ -52,6 +55,8 @@ class ParamShape:
 
 @dataclasses.dataclass(frozen=True)
 class SiteShape:
+    """One module whose tensors are recorded per microbatch, with its features on one rank."""
+
     module: str
     kind: str  # one of the SITE_* below
     in_features: int
@@ -60,12 +65,14 @@ class SiteShape:
     expert: bool
 
 
-WORD_EMBEDDINGS = "embedding.word_embeddings.weight"
+WORD_EMBEDDINGS = TIED_EMBEDDING + ".weight"
 SITE_COLUMN, SITE_ROW, SITE_EMBEDDING, SITE_ROUTER, SITE_MOE = "column", "row", "embedding", "router", "moe"
 
 
 @dataclasses.dataclass(frozen=True)
 class ModelShape:
+    """What the plan needs of the model: read once off the meta-device build, reused for every side."""
+
     params: Tuple[ParamShape, ...]
     sites: Tuple[SiteShape, ...]
     tied_embeddings: bool = False  # the output layer uses the word embeddings' weight
@@ -87,10 +94,8 @@ def model_shape(recipe: Recipe) -> ModelShape:
     from ..recipe.naming import all_parameters, full_param_name
 
     cuda_shim.install()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        dist.init_process_group("gloo", rank=0, world_size=1)
+    if not dist.is_initialized():  # a store of its own: under torchrun or SLURM the launcher's port is taken
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel()
     with torch.device("meta"):
@@ -123,14 +128,6 @@ def model_shape(recipe: Recipe) -> ModelShape:
     return ModelShape(params, tuple(sites), tied)
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclasses.dataclass(frozen=True)
 class Selection:
     """``--iters``, ``--modules``, ``--microbatches`` of ``ttrace run``."""
@@ -146,28 +143,57 @@ class Selection:
 def side_sizes(recipe: Recipe, world_size: int) -> Dict[str, int]:
     """Mesh axis sizes of a side that runs ``recipe``'s layout on ``world_size`` ranks."""
     s = cfg.parallel_sizes(recipe.parallel)
-    model_parallel = s["tp"] * s["pp"] * s["cp"]
-    dp = max(1, world_size // model_parallel)
-    edp = max(1, s["tp"] * s["cp"] * dp // (s["ep"] * s["etp"]))
-    return {TP: s["tp"], DP: dp * s["cp"], CP: s["cp"], ETP: s["etp"], EDP: edp, "ep": s["ep"], "pp": s["pp"],
+    if s["cp"] > 1:  # as the run refuses it (session._refuse_unsupported)
+        raise RecipeError(f"{recipe.source}: parallel: context_parallel_size {s['cp']}: ttrace cannot trace context "
+                          f"parallelism yet, so there is no check to plan")
+    dp = max(1, world_size // (s["tp"] * s["pp"]))
+    edp = max(1, s["tp"] * dp // (s["ep"] * s["etp"]))
+    return {TP: s["tp"], DP: dp, ETP: s["etp"], EDP: edp, EP: s["ep"], PP: s["pp"],
             TIED_COPIES: 2 if s["pp"] > 1 else 1}
 
 
-def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], selection: Selection = Selection()
-                ) -> List[core.TensorGroup]:
+def recomputed(recipe: Recipe, module: str) -> bool:
+    """Whether the candidate recomputes this recorded module's forward in its backward (recorded
+    again as ``keys.RECOMPUTED_OUTPUT``; the reference does not recompute). Full recomputation:
+    every layer (``uniform``) or the first ``recompute_num_layers`` of each model chunk (``block``);
+    selective: the modules ``recompute_modules`` names that hold recorded modules (core attention
+    and the norms hold none)."""
+    model = recipe.model
+    granularity = model.get("recompute_granularity")
+    layer = re.match(r"^(?:decoder|mtp)\.layers\.(\d+)\.(.*)$", module)
+    if not granularity or layer is None:
+        return False
+    if granularity == "full":
+        if model.get("recompute_method") != "block":
+            return True
+        s = cfg.parallel_sizes(recipe.parallel)
+        per_chunk = max(1, model["num_layers"] // (s["pp"] * s["vpp"]))
+        return module.startswith("decoder.") and int(layer.group(1)) % per_chunk < int(model.get("recompute_num_layers", 1))
+    inner = layer.group(2)
+    wanted = set(model.get("recompute_modules") or ("core_attn",))
+    moe = bool(model.get("num_moe_experts"))
+    return (("mlp" in wanted and not moe and inner.startswith("mlp"))
+            or ("moe" in wanted and moe and inner.startswith("mlp"))
+            or ("shared_experts" in wanted and ".shared_experts." in f".{inner}."))
+
+
+def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], selection: Selection = Selection(),
+                role: str = CANDIDATE) -> List[core.TensorGroup]:
     """The tensors one iteration of a side records, as groups with that side's placements."""
     data, model = recipe.data, recipe.model
     act = _ITEMSIZE[recipe.dtype]
-    mp_dtype = recipe.dtype != "fp32"
     micro = data.global_batch_size // data.micro_batch_size
     if selection.microbatches is not None:
         micro = min(micro, len(selection.microbatches))
     tokens = data.micro_batch_size * data.seq_length
     sp = bool(recipe.parallel.get("sequence_parallel", False)) and sizes[TP] > 1
     distopt = bool(recipe.optimizer.get("use_distributed_optimizer", False))
-    adam = recipe.optimizer.get("optimizer", "adam") == "adam"
+    ddp = cfg.ddp_config(recipe)
     topk = int(model.get("moe_router_topk", 2) or 2)
     experts = int(model.get("num_moe_experts") or 1)
+    # with multi-token prediction the word embeddings and the output layer run once more per depth
+    # (naming.call_name), and each depth has a loss of its own
+    calls = 1 + int(model.get("mtp_num_layers") or 0)
     out: List[core.TensorGroup] = []
 
     def add(kind, elements, itemsize, records, placements):
@@ -177,36 +203,42 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
     seq_split = (Shard(0, TP),) if sp else (Replicate(TP),)
     # the recorder's rule: where an expert's tokens on a rank are no placement of the reference's,
     # only its main grads and parameters are recorded
-    experts_unrecorded = expert_tokens_unmatched(sizes["ep"] * sizes[ETP], sizes[TP], sp) is not None
+    experts_unrecorded = expert_tokens_unmatched(sizes[EP] * sizes[ETP], sizes[TP], sp) is not None
     for s in shape.sites:
         if not selection.wants(s.module) or (s.expert and experts_unrecorded):
             continue
+        per_micro = micro * (calls if s.module in (TIED_EMBEDDING, OUTPUT_LAYER) else 1)
+        again = 1 if role == CANDIDATE and recomputed(recipe, s.module) else 0  # its output, recomputed
         if s.expert:  # a fraction of the tokens, over expert-TP
             t = tokens * topk / experts
             split = (Shard(-1, ETP),) if s.tp_sharded else (Replicate(ETP),)
             whole = (Replicate(ETP),) if s.kind == SITE_COLUMN else (Partial(ETP),)
             ins, outs = (whole, split) if s.kind == SITE_COLUMN else (split, whole)
-            for elements, placements in ((t * s.in_features, ins), (t * s.out_features, outs)):
-                add(core.ACTIVATIONS, elements, act, 2 * micro, placements)  # forward value and its grad
+            add(core.ACTIVATIONS, t * s.in_features, act, 2 * per_micro, ins)  # input, its grad
+            add(core.ACTIVATIONS, t * s.out_features, act, (2 + again) * per_micro, outs)
         elif s.kind in (SITE_COLUMN, SITE_ROW):
             split = (Shard(-1, TP),) if s.tp_sharded else (Replicate(TP),)
             ins, outs = (seq_split, split) if s.kind == SITE_COLUMN else (split, seq_split)
             if not s.tp_sharded:  # a replicated linear (MLA's down projections): whole on every rank
                 ins = outs = seq_split
-            add(core.ACTIVATIONS, tokens * s.in_features, act, 2 * micro, ins)
-            add(core.ACTIVATIONS, tokens * s.out_features, act, 2 * micro, outs)
+            add(core.ACTIVATIONS, tokens * s.in_features, act, 2 * per_micro, ins)
+            add(core.ACTIVATIONS, tokens * s.out_features, act, (2 + again) * per_micro, outs)
         elif s.kind == SITE_EMBEDDING:
-            add(core.ACTIVATIONS, tokens, INT64, micro, (Replicate(TP),))  # token ids
-            add(core.ACTIVATIONS, tokens * s.out_features, act, 2 * micro, seq_split)  # output, its grad
+            add(core.ACTIVATIONS, tokens, INT64, per_micro, (Replicate(TP),))  # token ids
+            add(core.ACTIVATIONS, tokens * s.out_features, act, 2 * per_micro, seq_split)  # output, its grad
         elif s.kind == SITE_MOE:
-            add(core.ACTIVATIONS, tokens * s.in_features, act, 4 * micro, seq_split)  # in, out, both grads
+            add(core.ACTIVATIONS, tokens * s.in_features, act, (4 + again) * per_micro, seq_split)  # in, out, grads
         elif s.kind == SITE_ROUTER:
-            add(core.ACTIVATIONS, tokens * s.in_features, act, 2 * micro, seq_split)  # input, its grad
+            add(core.ACTIVATIONS, tokens * s.in_features, act, 2 * per_micro, seq_split)  # input, its grad
             balancing = model.get("moe_router_load_balancing_type", "aux_loss") not in ("none", None)
-            routed = 4 + (2 if balancing else 0)  # output, its grad, top-k scores and choice (+ balancing's)
-            add(core.ROUTING, tokens * s.out_features, FP32, routed * micro, seq_split)
-    if selection.wants("loss"):
-        add(core.LOSS, tokens, FP32, 2 * micro, (Replicate(TP),))  # per-token loss, loss mask
+            routed = 4 + (2 if balancing else 0) + again  # output, its grad, top-k scores and choice (+ balancing's)
+            add(core.ROUTING, tokens * s.out_features, FP32, routed * per_micro, seq_split)
+    if selection.wants(keys.LOSS_MODULE):
+        add(core.LOSS, tokens, FP32, 2 * micro * calls, (Replicate(TP),))  # per-token loss, loss mask (per depth)
+    main_grad = FP32 if ddp.grad_reduce_in_fp32 else act
+    opt = recipe.optimizer.get("optimizer", "adam")
+    states = 2 if opt == "adam" else (1 if float(recipe.optimizer.get("sgd_momentum", 0.9)) else 0)
+    states += 1 if recipe.dtype != "fp32" else 0  # the fp32 master copy of a low-precision parameter
     for p in shape.params:
         if not selection.wants(p.module) or not p.trainable:
             continue
@@ -217,9 +249,10 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
         if not (p.expert and experts_unrecorded):
             add(core.WEIGHT_GRADS, p.numel, act, micro, split)
         owned = (_even_ranges(dp_axis, p.numel, sizes[dp_axis]),) if distopt else (Replicate(dp_axis),)
-        add(core.MAIN_GRADS, p.numel, FP32, 1, split + owned)
-        add(core.OPTIMIZER, p.numel, act, 1, (Replicate(dp_axis),) + split)  # the parameter itself
-        states = (2 if adam else 1) + (1 if mp_dtype else 0)  # moments, and the fp32 master copy
+        add(core.MAIN_GRADS, p.numel, main_grad, 1, split + owned)
+        # the updated parameter: whole on every replica, or its owned range under overlap_param_gather
+        updated = split + owned if distopt and ddp.overlap_param_gather else (Replicate(dp_axis),) + split
+        add(core.OPTIMIZER, p.numel, act, 1, updated)
         add(core.OPTIMIZER, p.numel, FP32, states, split + owned)
     return out
 
@@ -242,25 +275,30 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
     ref_selection = Selection() if reference_everything else selection
     ref_iterations = recipe.train.iterations if reference_everything else iterations
     sides, notes = [], []
-    with_perturbation = (recipe.tolerance.perturbation if perturb is None else perturb) and not online
     twin_recipe = fp32_twin(recipe) if twin else None
     for prefix, r in (("", recipe), (TWIN, twin_recipe)):
         if r is None:
             continue
-        ref_sizes = side_sizes(dataclasses.replace(r, parallel={}), 1)
+        reference = dataclasses.replace(r, parallel={})
+        ref_sizes = side_sizes(reference, 1)
         cand_sizes = side_sizes(r, r.world_size)
-        sides.append(core.SidePlan(prefix + SIDE_REFERENCE, 1, ref_sizes, ref_iterations,
-                                   side_groups(dataclasses.replace(r, parallel={}), shape, ref_sizes, ref_selection)))
-        cand = [] if online else side_groups(r, shape, cand_sizes, selection)
-        sides.append(core.SidePlan(prefix + SIDE_CANDIDATE, r.world_size, cand_sizes, iterations, cand))
-        if with_perturbation and not prefix:
-            sides.append(core.SidePlan(SIDE_PERTURBED, 1, ref_sizes, ref_iterations, sides[0].groups))
+        sides.append(core.SidePlan(prefix + REFERENCE, 1, ref_sizes, ref_iterations,
+                                   side_groups(reference, shape, ref_sizes, ref_selection, REFERENCE)))
+        cand = [] if online else side_groups(r, shape, cand_sizes, selection, CANDIDATE)
+        sides.append(core.SidePlan(prefix + CANDIDATE, r.world_size, cand_sizes, iterations, cand))
+        if (bool(perturb) or r.tolerance.perturbation) and not online:
+            # the reference again, recording what the candidate records (cli: the selection applies)
+            sides.append(core.SidePlan(prefix + PERTURBED, 1, ref_sizes, iterations,
+                                       side_groups(reference, shape, ref_sizes, selection, REFERENCE)))
     pair = tuple(s.name for s in sides if not s.name.startswith(TWIN))
     twin_sides = tuple(s.name for s in sides if s.name.startswith(TWIN))
     peak = (pair + twin_sides,) if keep or not twin_sides else (pair, twin_sides)
     seed = sum(p.numel for p in shape.params) * _ITEMSIZE[recipe.dtype]  # the model's own dtype
     if any(p.expert for p in shape.params):
         notes.append("MoE: expert activations assume tokens spread evenly over the experts (their total is exact)")
+    if recipe.dtype == "fp16":
+        notes.append("fp16: a step the loss scaler skips records no optimizer moments, which the plan counts (an "
+                     "upper bound: the first steps of a dynamic scaler usually skip)")
     notes.append("a failing check also writes a replay of the candidate up to the failing iteration "
                  "(at most the candidate's bytes again)")
     return core.Plan(recipe.name, sides, seed, peak, notes)
