@@ -74,84 +74,92 @@ def _one(flag: str, values: List[str]) -> str:
     return values[0]
 
 
+_MODEL_OF = {flag: field for field, flag in _VALUE_FLAGS.items()}
+_SWITCH_OF = {flag: field for field, flag in _SWITCH_FLAGS.items()}
+_PARALLEL_OF = {flag: field for field, flag in _PARALLEL_FLAGS.items()}
+
+
+def _model_flag(flag: str, values: List[str], model: Dict, seen: Dict) -> bool:
+    """Read one flag of the model's shape into ``model`` (``seen``: what later flags qualify);
+    False if it is no model flag."""
+    if flag in _MODEL_OF:
+        model[_MODEL_OF[flag]] = _number(_one(flag, values))
+    elif flag in _SWITCH_OF:
+        model[_SWITCH_OF[flag]] = True
+    elif flag == "--num-query-groups":
+        seen["groups"] = int(_one(flag, values))  # read only with --group-query-attention, as Megatron-LM does
+    elif flag == "--group-query-attention":
+        seen["gqa"] = True
+    elif flag in _RECOMPUTE:
+        value = _one(flag, values)
+        model[_RECOMPUTE[flag]] = int(value) if flag == "--recompute-num-layers" else value
+    elif flag == "--recompute-activations":  # Megatron-LM's shorthand for selective recomputation
+        model["recompute_granularity"] = "selective"
+    elif flag == "--recompute-modules":
+        model["recompute_modules"] = list(values)
+    elif flag == "--disable-bias-linear":
+        model["add_bias_linear"] = False
+    elif flag == "--swiglu":
+        model.update(gated_linear_unit=True, activation_func="silu")
+    elif flag == "--untie-embeddings-and-output-weights":
+        model["share_embeddings_and_output_weights"] = False
+    elif flag == "--moe-layer-freq":
+        value = _one(flag, values)
+        model["moe_layer_freq"] = [int(x) for x in value.strip("[]").split(",")] if value.startswith("[") \
+            else int(value)
+    elif flag == "--make-vocab-size-divisible-by":
+        model["make_vocab_size_divisible_by"] = int(_one(flag, values))
+    elif flag == "--transformer-impl":
+        if _one(flag, values) != "local":
+            raise RecipeError(f"{SOURCE}: --transformer-impl {values[0]}: ttrace traces megatron's local layers "
+                              f"only (TransformerEngine's are not recorded); plan with --transformer-impl local")
+    else:
+        return False
+    return True
+
+
 def recipe_from_args(argv: Sequence[str], world_size: int) -> Tuple[Dict, List[str]]:
     """(raw recipe, flags not read) for the run ``argv`` describes on ``world_size`` ranks.
 
     Raises RecipeError naming a flag that may change the model and has no reading here, or a
     field the plan needs and the flags do not give (the vocabulary: Megatron-LM takes it from the
     tokenizer, which the plan does not open; pass ``--vocab-size``)."""
-    model_of = {flag: field for field, flag in _VALUE_FLAGS.items()}
-    switch_of = {flag: field for field, flag in _SWITCH_FLAGS.items()}
-    parallel_of = {flag: field for field, flag in _PARALLEL_FLAGS.items()}
     model: Dict = {"share_embeddings_and_output_weights": True}  # Megatron-LM ties them unless told not to
     parallel: Dict = {}
     data: Dict = {}
     optimizer: Dict = {"optimizer": "adam"}
     raw: Dict = dict(name="megatron_lm_args", description=f"planned from {len(argv)} Megatron-LM arguments",
                      dtype="fp32", world_size=world_size)
-    iterations = exit_interval = None
-    gqa = fp8 = False
-    groups = None
+    seen: Dict = {}
     not_read: List[str] = []
     for flag, values in _tokens(argv):
-        if flag in model_of:
-            model[model_of[flag]] = _number(_one(flag, values))
-        elif flag in switch_of:
-            model[switch_of[flag]] = True
-        elif flag in parallel_of:
-            parallel[parallel_of[flag]] = int(_one(flag, values))
+        if _model_flag(flag, values, model, seen):
+            continue
+        if flag in _PARALLEL_OF:
+            parallel[_PARALLEL_OF[flag]] = int(_one(flag, values))
         elif flag == "--sequence-parallel":
             parallel["sequence_parallel"] = True
         elif flag == "--context-parallel-size":
             parallel["context_parallel_size"] = int(_one(flag, values))
-        elif flag == "--num-query-groups":
-            groups = int(_one(flag, values))  # read only with --group-query-attention, as Megatron-LM does
-        elif flag == "--group-query-attention":
-            gqa = True
-        elif flag in _RECOMPUTE:
-            value = _one(flag, values)
-            model[_RECOMPUTE[flag]] = int(value) if flag == "--recompute-num-layers" else value
-        elif flag == "--recompute-modules":
-            model["recompute_modules"] = list(values)
         elif flag == "--overlap-param-gather":
             raw.setdefault("ddp", {})["overlap_param_gather"] = True
-        elif flag == "--transformer-impl":
-            if _one(flag, values) != "local":
-                raise RecipeError(f"{SOURCE}: --transformer-impl {values[0]}: ttrace traces megatron's local layers "
-                                  f"only (TransformerEngine's are not recorded); plan with --transformer-impl local")
-        elif flag == "--exit-interval":
-            exit_interval = int(_one(flag, values))
-        elif flag in TTRACE_NOT_READ:
-            not_read.append(flag)
-        elif flag.startswith("--ttrace"):
-            raise RecipeError(f"{SOURCE}: {flag}: give ttrace plan its own --iters, --modules, --microbatches, "
-                              f"--perturb or --online instead")
-        elif flag == "--disable-bias-linear":
-            model["add_bias_linear"] = False
-        elif flag == "--swiglu":
-            model.update(gated_linear_unit=True, activation_func="silu")
-        elif flag == "--untie-embeddings-and-output-weights":
-            model["share_embeddings_and_output_weights"] = False
-        elif flag == "--moe-layer-freq":
-            value = _one(flag, values)
-            model["moe_layer_freq"] = [int(x) for x in value.strip("[]").split(",")] if value.startswith("[") \
-                else int(value)
-        elif flag == "--make-vocab-size-divisible-by":
-            model["make_vocab_size_divisible_by"] = int(_one(flag, values))
         elif flag == "--use-distributed-optimizer":
             optimizer["use_distributed_optimizer"] = True
         elif flag == "--optimizer":
             optimizer["optimizer"] = _one(flag, values)
         elif flag in _DTYPES:
-            raw["dtype"] = "fp8" if fp8 else _DTYPES[flag]
+            raw["dtype"] = "fp8" if seen.get("fp8") else _DTYPES[flag]
         elif flag == "--fp8-format":  # FP8 GEMMs in a bf16 run: whichever order the flags come in
-            raw["dtype"], fp8 = "fp8", True
+            raw["dtype"] = seen["fp8"] = "fp8"
         elif flag in ("--seq-length", "--micro-batch-size", "--global-batch-size", "--vocab-size"):
             data[flag[2:].replace("-", "_")] = int(_one(flag, values))
-        elif flag == "--train-iters":
-            iterations = int(_one(flag, values))
-        elif flag.startswith(NOT_READ_PREFIXES):
+        elif flag in ("--train-iters", "--exit-interval"):
+            seen[flag] = int(_one(flag, values))
+        elif flag in TTRACE_NOT_READ or flag.startswith(NOT_READ_PREFIXES):
             not_read.append(flag)
+        elif flag.startswith("--ttrace"):
+            raise RecipeError(f"{SOURCE}: {flag}: give ttrace plan its own --iters, --modules, --microbatches, "
+                              f"--perturb or --online instead")
         else:
             raise RecipeError(f"{SOURCE}: {flag} is not read by `ttrace plan` and may change the model or what "
                               f"is recorded; leave it out to plan without it")
@@ -161,14 +169,13 @@ def recipe_from_args(argv: Sequence[str], world_size: int) -> Tuple[Dict, List[s
             raise RecipeError(f"{SOURCE}: give {flag}: the plan needs it"
                               + (" (Megatron-LM reads the vocabulary from the tokenizer, which the plan does not "
                                  "open)" if field == "vocab_size" else ""))
-    if iterations is None:
+    if "--train-iters" not in seen:
         raise RecipeError(f"{SOURCE}: give --train-iters: the iterations a check records")
-    if exit_interval:
-        iterations = min(iterations, exit_interval)
-    if gqa and groups:
-        model["num_query_groups"] = groups
-    elif groups:
+    if seen.get("gqa") and seen.get("groups"):
+        model["num_query_groups"] = seen["groups"]
+    elif seen.get("groups"):
         not_read.append("--num-query-groups (without --group-query-attention Megatron-LM ignores it)")
+    iterations = min(seen["--train-iters"], seen.get("--exit-interval") or seen["--train-iters"])
     raw.update(model=model, parallel=parallel, data=dict(data, seed=1), optimizer=optimizer,
                train=dict(iterations=iterations))
     return raw, not_read
