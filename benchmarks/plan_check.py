@@ -14,6 +14,7 @@ compared with its side's prediction.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import platform
@@ -61,9 +62,17 @@ def recipe_rows(paths):
     from ttrace_megatron.adapter.run import plan as planner
     from ttrace_megatron.recipe import load_recipe
 
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.errors import RecipeError
+
     for path in paths:
         recipe = load_recipe(path)
-        plan = planner.check_plan(recipe)
+        try:
+            validate_recipe(recipe)  # what the run refuses (HybridModel on a release without it) has no plan
+            plan = planner.check_plan(recipe)
+        except RecipeError as e:
+            yield {"recipe": recipe.name, "dtype": recipe.dtype, "refused": str(e)[:200]}
+            continue
         tmp = tempfile.mkdtemp(prefix="plan-check-")
         try:
             out = os.path.join(tmp, "out")
@@ -92,7 +101,7 @@ def main():
     args = ap.parse_args()
     meta = dict(commit=_commit(), machine=f"{os.cpu_count()} CPU cores ({platform.processor() or platform.machine()})")
     rows = []
-    for row in list(ladder_rows(args.ladder)) + list(recipe_rows(args.recipes)):
+    for row in itertools.chain(ladder_rows(args.ladder), recipe_rows(args.recipes)):
         row.update(meta)
         rows.append(row)
         print(json.dumps(row), flush=True)
