@@ -34,6 +34,7 @@ import dataclasses
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import tempfile
@@ -593,7 +594,12 @@ def main():
     parser.add_argument("--shard", default="0/1", help="K/N: only the configurations whose index is K mod N (run N "
                                                        "shards side by side, then --table on their JSONL files)")
     parser.add_argument("--table", nargs="*", help="print the table of these JSONL files and exit")
+    parser.add_argument("--refusals", action="store_true",
+                        help="run nothing: the share of the population ttrace refuses before any run, by field")
     args = parser.parse_args()
+    if args.refusals:
+        refusals(args.n, args.seed)
+        return
     if args.table:
         rows = []
         for path in args.table:
@@ -628,6 +634,33 @@ def main():
             with open(args.jsonl, "a") as f:
                 f.write(json.dumps({"recipe": raw, "outcome": dataclasses.asdict(out)}) + "\n")
     report(rows)
+
+
+def refusals(n: int, seed: int) -> None:
+    """The share of ``n`` configurations that ``validate_recipe`` refuses before any run (the
+    up-front refusals; the run's own, at rank start, are not counted), and by which field: what
+    the domain leaves unchecked, measured without running anything."""
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.errors import RecipeError
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    configs, rejected = population(n, seed)
+    by_field: Dict[str, int] = {}
+    for raw in configs:
+        try:
+            validate_recipe(recipe_from_dict(raw, source=raw["name"]))
+        except RecipeError as e:
+            field = re.search(r"'([a-z0-9_]+)'", str(e))
+            key = field.group(1) if field else str(e)[:60]
+            by_field[key] = by_field.get(key, 0) + 1
+    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True).stdout.strip()
+    refused = sum(by_field.values())
+    print(f"commit {commit}; sweep seed {seed}: {len(configs)} configurations megatron-core accepts ({rejected} "
+          f"more rejected by its config rules); refused before any run: {refused} / {len(configs)} "
+          f"({100 * refused / len(configs):.0f} %)")
+    for field, count in sorted(by_field.items(), key=lambda kv: -kv[1]):
+        print(f"  {field}: {count}")
 
 
 def report(rows: List[Tuple[Dict[str, Any], Outcome]]) -> None:
