@@ -95,7 +95,9 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
-    Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_2f644cd.jsonl",),
+    Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_bc42628.jsonl",),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("`ttrace plan` against each side of every shipped recipe's check", PLAN, ("plan_recipes_f7d53dd.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("compare on N processes", WORKERS, ("compare_workers_e2ac6c3_h200.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
@@ -394,9 +396,12 @@ def summary() -> str:
                        + (f" ({len(failed)} did not run: {', '.join(failed)})" if failed else "")
                        + f" ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == PLAN:
-            ratios = [r["ratio"] for r in rows]
+            ratios = [r["ratio"] for r in rows if r.get("ratio")]
+            refused = sorted({r["recipe"] for r in rows if r.get("refused")})
             out.append(f"- {s.population}: predicted / measured bytes {min(ratios):.3f}–{max(ratios):.3f} over "
-                       f"{len(rows)} checks, nothing run to predict them ({_files(s)}; {machine_of(s.files[0])}).")
+                       f"{len(ratios)} trace directories, nothing run to predict them"
+                       + (f" ({len(refused)} recipes refused by plan and run alike: {', '.join(refused)})"
+                          if refused else "") + f" ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == WORKERS:
             one = next(r for r in rows if r["workers"] == 1)
             best = min(rows, key=lambda r: r["seconds"])
