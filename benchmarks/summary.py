@@ -83,6 +83,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue38_traces_that_travel.md"),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_05409b1_60ee444.md",),
            "benchmarks/results/history/issue31_scale.md"),
+    Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
+           "benchmarks/results/history/issue31_scale.md"),
     Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
