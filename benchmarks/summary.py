@@ -101,6 +101,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("`ttrace plan` against each side of every shipped recipe's check", PLAN, ("plan_recipes_f7d53dd.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
+    Source("`ttrace plan` against the HybridModel recipes' checks on megatron-core 0.19.2", PLAN,
+           ("plan_recipes_hybrid_2ddabf8_mc0192.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("compare on N processes", WORKERS, ("compare_workers_e2ac6c3_h200.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
 )
