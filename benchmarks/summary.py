@@ -89,6 +89,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
+    Source("upstream Megatron-LM bugs, fp32, at width (8 layers, h512, V32k)", UPSTREAM,
+           ("upstream_fp32_wide_59bf492.md",), "benchmarks/results/history/issue31_scale.md"),
     Source("upstream Megatron-LM bugs, bf16 with the fp32 twin", UPSTREAM, ("upstream_bf16_twin_7421a72.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("the fp32 twin's cost", TWIN_COST, ("twin_cost_7194ac9.jsonl",),
