@@ -31,10 +31,6 @@ DEFAULT = ("gpt_tp2_sp:bf16", "gpt_pp2:bf16", "moe_tp2_sp_ep2:bf16", "gpt_tp2_sp
 WIDE = dict(num_layers=4, hidden_size=512, vocab_size=32768)
 
 
-def _bytes(path: str) -> int:
-    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
-
-
 def _size_label(size) -> str:
     return f"{size['num_layers']}×{size['hidden_size']}, V {size['vocab_size'] // 1024}k" if size else "as shipped"
 
@@ -52,6 +48,7 @@ def measure(name: str, dtype: str, size, single_rank: bool) -> dict:
 
     import margins
     from ttrace_megatron.cli import main
+    from ttrace_megatron.plan import measured_bytes as _bytes
 
     raw = yaml.safe_load(open(os.path.join(REPO, "recipes", name + ".yaml")))
     if size:

@@ -535,7 +535,7 @@ def _check_disk(recipe, out: str, args, console: Console) -> None:
         with open(plan_path) as f:
             planned = json.load(f)
     need, free = planned["disk_needed"], core.free_bytes(out)
-    if need > core.DISK_HEADROOM * free:
+    if not core.fits(need, free):
         raise RecipeError(core.disk_refusal_text(recipe.name, need, free, out))
 
 

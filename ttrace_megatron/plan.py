@@ -131,6 +131,11 @@ def parse_bytes(text: str) -> int:
 DISK_HEADROOM = 0.95
 
 
+def fits(need: int, free: int) -> bool:
+    """The disk check's one rule: a check may plan to fill ``DISK_HEADROOM`` of the free space."""
+    return need <= DISK_HEADROOM * free
+
+
 def existing_parent(path: str) -> str:
     """``path`` or its nearest existing parent: where a directory about to be made will live."""
     probe = os.path.abspath(path)
@@ -193,7 +198,7 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
                      f"{plan.all_bytes() / write_bandwidth:.0f} s")
     if free is not None:
         lines.append(f"free where the traces go: {human(free)}"
-                     + ("" if plan.disk_needed() <= DISK_HEADROOM * free else
+                     + ("" if fits(plan.disk_needed(), free) else
                         f" — NOT ENOUGH (ttrace run refuses above {DISK_HEADROOM:.0%} of it)"))
     if budget is not None:
         lines.append(f"within {human(budget)}:")
