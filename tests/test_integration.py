@@ -166,21 +166,29 @@ def test_unsupported_modes_are_named():
     _refuse_unsupported(plain, dict(sizes, cp=1), [torch.nn.Linear(1, 1)], TraceOptions(enabled=True))
 
 
-def test_fp32_check_with_tf32_gemms_is_refused_on_the_gpu_only(monkeypatch):
+def test_fp32_check_with_tf32_gemms_is_refused_on_the_gpu_only():
     """TF32 GEMMs amplify fp32 round-off 20-65× per GEMM (measured on an H200): an fp32 check refuses
-    them, naming the switch; a bf16 run, a CPU run and NVIDIA_TF32_OVERRIDE=0 are not refused."""
+    them, naming the switch; a bf16 run, a CPU run and NVIDIA_TF32_OVERRIDE=0 are not refused.
+
+    The switch is set and restored by hand: torch serves ``allow_tf32`` through its module's
+    ``__getattr__``, which pytest ≥ 9.2's monkeypatch takes for a missing attribute and deletes on undo."""
     from ttrace_megatron.adapter.run import session
 
     fp32, bf16 = types.SimpleNamespace(bf16=False, fp16=False), types.SimpleNamespace(bf16=True, fp16=False)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", True, raising=False)
-    assert "TF32" in session.tf32_refusal(fp32, "cuda", environ={})
-    assert "NVIDIA_TF32_OVERRIDE=0" in session.tf32_refusal(fp32, "cuda", environ={})
-    assert session.tf32_refusal(fp32, "cuda", environ={"NVIDIA_TF32_OVERRIDE": "0"}) == ""
-    assert session.tf32_refusal(bf16, "cuda", environ={}) == ""
-    assert session.tf32_refusal(fp32, "cpu", environ={}) == ""
-    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False, raising=False)
-    if getattr(torch.backends.cuda.matmul, "fp32_precision", None) != "tf32":
-        assert session.tf32_refusal(fp32, "cuda", environ={}) == ""
+    matmul = torch.backends.cuda.matmul
+    before = matmul.allow_tf32
+    try:
+        matmul.allow_tf32 = True
+        assert "TF32" in session.tf32_refusal(fp32, "cuda", environ={})
+        assert "NVIDIA_TF32_OVERRIDE=0" in session.tf32_refusal(fp32, "cuda", environ={})
+        assert session.tf32_refusal(fp32, "cuda", environ={"NVIDIA_TF32_OVERRIDE": "0"}) == ""
+        assert session.tf32_refusal(bf16, "cuda", environ={}) == ""
+        assert session.tf32_refusal(fp32, "cpu", environ={}) == ""
+        matmul.allow_tf32 = False
+        if getattr(matmul, "fp32_precision", None) != "tf32":
+            assert session.tf32_refusal(fp32, "cuda", environ={}) == ""
+    finally:
+        matmul.allow_tf32 = before
 
 
 @pytest.mark.multiprocess
