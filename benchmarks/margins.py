@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import fnmatch
+import json
 import os
 import subprocess
 import sys
@@ -21,7 +22,10 @@ from typing import Optional, Union
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-BUGS = [  # (recipe, bug spec, expected module (a glob), expected phase of the end-to-end first mismatch[, dtypes])
+# an entry's expected module is where the bug reports acting (``bugs.TOUCHED_ENV``): the layout decides it
+REPORTED = "<reported by the bug>"
+
+BUGS = [  # (recipe, bug spec, expected module (a glob, or REPORTED), expected phase of the end-to-end first mismatch[, dtypes])
     ("gpt_tp2_sp", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2", "forward"),
     ("gpt_tp2", "row_allreduce_dropped:decoder.layers.0.self_attention.linear_proj",
      "decoder.layers.0.self_attention.linear_proj", "forward"),
@@ -57,7 +61,8 @@ BUGS = [  # (recipe, bug spec, expected module (a glob), expected phase of the e
     # overlap_param_gather (issue #33): the first module of a bucket runs before its gather
     ("gpt_dp2_distopt_overlap", "param_gather_hook_missing", "embedding.word_embeddings", "forward"),
     ("gpt_pp2", "tied_embedding_grads_not_synced", "embedding.word_embeddings", "main_grad"),
-    ("gpt_dp2_distopt", "distopt_grad_shard_offset", "embedding.word_embeddings", "optimizer"),
+    # the distributed optimizer's shard bugs act where the shard layout puts them: the bug reports it
+    ("gpt_dp2_distopt", "distopt_grad_shard_offset", REPORTED, "optimizer"),
     ("gpt_pp2_vpp", "vpp_batched_p2p_at_pp2", "decoder.layers.1.mlp.linear_fc2", "backward"),
     ("moe_tp2_sp_ep2", "moe_aux_loss_scaled_by_tp", "decoder.layers.0.mlp.router", "forward"),
     ("gpt_dp2", "dp_grad_not_averaged", "embedding.word_embeddings", "main_grad"),
@@ -82,7 +87,7 @@ BUGS += [  # the optimizer (issue #16), under Adam with megatron's defaults
     ("gpt_tp2_dp2_adam", "weight_decay_ignores_param_groups", "optimizer", "optimizer"),
     ("gpt_tp2_dp2_adam", "lr_schedule_skipped_on_one_rank", "optimizer", "optimizer"),
     ("gpt_dp2_distopt", "param_allgather_skipped", "embedding.word_embeddings", "optimizer"),
-    ("gpt_dp2_distopt", "adam_state_stepped_on_wrong_shard", "decoder.layers.0.self_attention.linear_qkv", "optimizer"),
+    ("gpt_dp2_distopt", "adam_state_stepped_on_wrong_shard", REPORTED, "optimizer"),
     # issue #34: a data path that drops a mask on one rank, a router not told of the padding
     ("masked_dp2_distopt", "loss_mask_dropped_on_dp_rank_1", "loss", "forward"),
     ("packed_dp2_distopt", "document_mask_dropped_on_dp_rank_1", "decoder.layers.0.self_attention.linear_proj",
@@ -156,6 +161,19 @@ def chunk_boundary_module(r) -> str:
     return f"decoder.layers.{2 * per_chunk - 1}.mlp.linear_fc2"
 
 
+def expected_module(module: str, touched: str):
+    """module name -> whether it is where the entry's bug acts: ``module``'s glob, or for
+    :data:`REPORTED` one of the modules the bug reported to ``touched`` (none reported: no module)."""
+    if module != REPORTED:
+        return lambda name: fnmatch.fnmatchcase(name, module)
+    reported = set()
+    if os.path.exists(touched):
+        with open(touched) as f:
+            for line in f:
+                reported.update(json.loads(line)["modules"])
+    return reported.__contains__
+
+
 # entries whose module depends on the recipe's depth: the module is computed from the recipe run
 EXPECTED_AT = {"vpp_batched_p2p_at_pp2": chunk_boundary_module,
                "attention_layer_number_stage_local": first_nope_layer_module}
@@ -221,6 +239,7 @@ def pair(r, tmp, inject=(), calibrate=False, lockstep=True, seed=None):
 
 def main():
     warnings.filterwarnings("ignore")
+    from ttrace_megatron.adapter.zoo.bugs import TOUCHED_ENV
     from ttrace_megatron.compare import phase_label
     from ttrace_megatron.recipe import fp32_twin
 
@@ -244,6 +263,9 @@ def main():
     parser.add_argument("--families", action="store_true", help="the model-family recipes, as they ship (no "
                         "calibration runs: the last two columns are left empty)")
     args = parser.parse_args()
+    # one file for the whole run, named before the first launch: the worker processes are forked
+    # from a server that keeps the environment it started with
+    touched = os.environ.setdefault(TOUCHED_ENV, os.path.join(tempfile.mkdtemp(prefix="ttrace_zoo_"), "touched.jsonl"))
     global SEED_INIT
     SEED_INIT = args.seed_init
     if args.size:
@@ -313,7 +335,9 @@ def main():
                 module = EXPECTED_AT[bug](r)
             twin_cells = ""
             with tempfile.TemporaryDirectory() as tmp:
+                open(touched, "w").close()  # this entry's reports only
                 c, loc, _ = pair(r, tmp, [bug], lockstep=not args.no_lockstep)
+                matches = expected_module(module, touched)
                 twin = fp32_twin(r) if args.twin else None
                 if twin is not None:
                     tdir = os.path.join(tmp, "fp32_twin")
@@ -336,11 +360,11 @@ def main():
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"
-            localized = bool(fm) and fnmatch.fnmatchcase(fm.key.module, module) and fm.key.phase == phase
+            localized = bool(fm) and matches(fm.key.module) and fm.key.phase == phase
             ratio = f"{fm.ratio:.3g}" if fm else "—"
             cu = loc.culprit
             culprit = f"{cu.key.module}, {phase_label(cu.key)}, {cu.key.tensor}" if cu else "—"
-            right = bool(cu) and fnmatch.fnmatchcase(cu.key.module, module)
+            right = bool(cu) and matches(cu.key.module)
             print(f"| {name} | {dtype} | `{bug}` | {'yes' if detected else 'NO'} | {where} | "
                   f"{'yes' if localized else 'NO'} | {ratio} | {culprit} | {'yes' if right else 'NO'} | "
                   f"{f'{cu.ratio:.3g}' if cu else '—'} |" + twin_cells, flush=True)

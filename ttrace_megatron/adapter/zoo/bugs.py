@@ -11,12 +11,19 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
+import os
 from typing import Callable, Dict, List, Optional
 
 import torch
 
 from ..recipe import compat
-from ..recipe.naming import named_modules
+from ..recipe.naming import canonical_module_names, named_modules
+
+# a file the zoo's benchmarks name: a bug whose place the layout decides (which parameters a
+# distributed-optimizer shard holds) appends where it acted, one JSON line per rank, so the replay's
+# culprit is judged against where the bug really acted, not against a name written for one layout
+TOUCHED_ENV = "TTRACE_ZOO_TOUCHED"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +65,39 @@ def _pipeline_size() -> int:
     from megatron.core import parallel_state
 
     return parallel_state.get_pipeline_model_parallel_world_size()
+
+
+def _param_modules(chunks) -> Dict[int, str]:
+    """id(parameter) -> the canonical name of the module that holds it."""
+    out: Dict[int, str] = {}
+    for chunk in chunks:
+        for module, name in canonical_module_names(chunk).items():
+            for p in module.parameters(recurse=False):
+                out.setdefault(id(p), name)
+    return out
+
+
+def _report_touched(bug_name: str, modules) -> None:
+    """Append the modules ``bug_name`` acted on to the file :data:`TOUCHED_ENV` names (nothing
+    without it)."""
+    path = os.environ.get(TOUCHED_ENV)
+    if not path:
+        return
+    from megatron.core import parallel_state
+
+    line = json.dumps({"bug": bug_name, "rank": torch.distributed.get_rank(),
+                       "dp_rank": parallel_state.get_data_parallel_rank(), "modules": sorted(set(modules))})
+    with open(path, "a") as f:
+        f.write(line + "\n")
+
+
+def _model_and_shard_params(optimizer):
+    """(model parameter, its main-parameter shard) for every parameter a DistributedOptimizer steps."""
+    pairs = ((optimizer.model_float16_groups, optimizer.shard_fp32_from_float16_groups),
+             (optimizer.model_fp32_groups, optimizer.shard_fp32_groups))
+    return [(m, s) for model_groups, shard_groups in pairs
+            for model_group, shard_group in zip(model_groups, shard_groups)
+            for m, s in zip(model_group, shard_group)]
 
 
 def _during_forward(module, layers_attr: str, replacement):
@@ -438,21 +478,24 @@ def hybrid_segment_offset_from_next_stage() -> None:
 def distopt_grad_shard_offset(chunks) -> None:
     """The distributed optimizer reads each parameter's owned range of the reduced grad buffer one
     element off (a shard-offset bug, like a bucket offset applied twice): the grad reduction is
-    right, the step uses shifted grads."""
+    right, the step uses shifted grads. Every parameter's shard is shifted: each one is where it
+    acts (reported to :data:`TOUCHED_ENV`)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
         raise ValueError("bug injection: distopt_grad_shard_offset needs the distributed optimizer")
+    names = _param_modules(chunks)
+    reported = []
 
     def copy_model_grads_to_main_grads(self):
-        pairs = ((self.model_float16_groups, self.shard_fp32_from_float16_groups),
-                 (self.model_fp32_groups, self.shard_fp32_groups))
-        for model_groups, shard_groups in pairs:
-            for model_group, shard_group in zip(model_groups, shard_groups):
-                for model_param, shard_param in zip(model_group, shard_group):
-                    owned = self._get_model_param_range_map(model_param)["param"]
-                    shifted = model_param.main_grad.view(-1).roll(-1)  # the bug: one element off
-                    shard_param.grad = shifted[owned.start:owned.end].float()
+        pairs = _model_and_shard_params(self)
+        for model_param, shard_param in pairs:
+            owned = self._get_model_param_range_map(model_param)["param"]
+            shifted = model_param.main_grad.view(-1).roll(-1)  # the bug: one element off
+            shard_param.grad = shifted[owned.start:owned.end].float()
+        if not reported:
+            reported.append(True)
+            _report_touched("distopt_grad_shard_offset", (names[id(m)] for m, s in pairs if s.numel()))
 
     DistributedOptimizer._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
 
@@ -797,26 +840,33 @@ def param_gather_hook_missing(chunks, pattern: str) -> None:
 @bug()
 def adam_state_stepped_on_wrong_shard(chunks) -> None:
     """The distributed optimizer on DP rank 1 hands two of its main-parameter shards each other's
-    grads: their Adam moments and updates accumulate the wrong shard's gradient."""
+    grads: their Adam moments and updates accumulate the wrong shard's gradient. Which two depends on
+    the shard layout (the first two of the same shape): their modules are reported to
+    :data:`TOUCHED_ENV`."""
     from megatron.core import parallel_state
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     if not any(getattr(getattr(c, "ddp_config", None), "use_distributed_optimizer", False) for c in chunks):
         raise ValueError("bug injection: adam_state_stepped_on_wrong_shard needs the distributed optimizer")
     original = DistributedOptimizer._copy_model_grads_to_main_grads
+    names = _param_modules(chunks)
+    reported = []
 
     def copy_model_grads_to_main_grads(self):
         original(self)
         if parallel_state.get_data_parallel_rank() != 1:
             return
-        shards = [p for group in self.shard_fp32_from_float16_groups + self.shard_fp32_groups for p in group
-                  if p.grad is not None]
         by_shape = {}
-        for p in shards:
-            by_shape.setdefault(tuple(p.shape), []).append(p)
+        for model_param, shard in _model_and_shard_params(self):
+            if shard.grad is not None:
+                by_shape.setdefault(tuple(shard.shape), []).append((model_param, shard))
         pair = next((ps for ps in by_shape.values() if len(ps) >= 2), None)
         if pair is not None:
-            pair[0].grad, pair[1].grad = pair[1].grad, pair[0].grad
+            (m0, s0), (m1, s1) = pair[:2]
+            s0.grad, s1.grad = s1.grad, s0.grad
+            if not reported:
+                reported.append(True)
+                _report_touched("adam_state_stepped_on_wrong_shard", (names[id(m0)], names[id(m1)]))
 
     DistributedOptimizer._copy_model_grads_to_main_grads = copy_model_grads_to_main_grads
 
