@@ -19,7 +19,7 @@ import math
 import os
 import re
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Dict, List, Optional, Tuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -59,6 +59,9 @@ class Source:
     kind: str
     files: Tuple[str, ...]
     detail: str  # the history file that explains it, relative to the repository
+    # bug tables: later runs of some of the entries, at a later commit; each of their rows replaces the
+    # row of the same recipe, dtype and bug in every file above
+    reruns: Tuple[str, ...] = ()
 
 
 CURRENT: Tuple[Source, ...] = (
@@ -82,7 +85,7 @@ CURRENT: Tuple[Source, ...] = (
     Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_1a073b7.md",),
            "benchmarks/results/history/issue38_traces_that_travel.md"),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_05409b1_60ee444.md",),
-           "benchmarks/results/history/issue31_scale.md"),
+           "benchmarks/results/history/issue31_scale.md", reruns=("zoo_fp32_wide_distopt_a073567.md",)),
     Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
            "benchmarks/results/history/issue31_scale.md"),
     Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_7194ac9.md",),
@@ -268,15 +271,26 @@ def ladder_rows(source: Source) -> List[dict]:
 def bug_rows(source: Source) -> List[BugRow]:
     """A bug-zoo table: the recipe's own verdict, and the fp32 twin's where the table has it."""
     out = []
+    entry = lambda r: (r["recipe"], r["dtype"], r["injected bug"])  # noqa: E731
+    again = {entry(r): r for rerun in source.reruns for t in markdown_tables(_path(rerun)) for r in t
+             if "injected bug" in r}
+    replaced = set()
     for name in source.files:
         rows = [r for t in markdown_tables(_path(name)) for r in t if "injected bug" in r]
+        replaced.update(entry(r) for r in rows if entry(r) in again)
+        rows = [again.get(entry(r), r) for r in rows]
         verdicts = [("pair", "detected", "error / tolerance", "culprit is the injected module")]
         if rows and "fp32 twin: detected" in rows[0]:
             verdicts.append(("fp32 twin", "fp32 twin: detected", "twin: error / tolerance", "twin: replay culprit"))
         for verdict, det, err, loc in verdicts:
             # every entry counts; a twin that did not run (a bug of the dtype alone) is not detected by it
-            out.append(_bug_row(source, name, verdict, rows, det, err, loc,
-                                lambda r: f"{r['injected bug'].strip('`').split(':')[0]} ({r['dtype']})"))
+            row = _bug_row(source, name, verdict, rows, det, err, loc,
+                           lambda r: f"{r['injected bug'].strip('`').split(':')[0]} ({r['dtype']})")
+            if source.reruns:
+                row = replace(row, commit=", ".join([row.commit] + [commit_of(r) for r in source.reruns]))
+            out.append(row)
+    if set(again) - replaced:
+        raise ValueError(f"{source.population}: re-run rows {sorted(set(again) - replaced)} replace no row")
     return out
 
 
