@@ -43,6 +43,30 @@ def test_refused_field_is_refused_naming_it(field, value):
         validate_recipe(recipe)
 
 
+def test_context_parallelism_is_refused_before_any_rank_starts():
+    """megatron's local attention asserts CP = 1 in the build; the recipe is refused first, naming the
+    field and what it needs."""
+    recipe = recipe_from_dict({"model": BASE, "parallel": {"context_parallel_size": 2}, "world_size": 2})
+    with pytest.raises(RecipeError, match="'context_parallel_size' is not supported by ttrace: context parallelism "
+                                          "needs TransformerEngine's attention"):
+        validate_recipe(recipe)
+
+
+def test_a_repeated_mtp_layers_calls_are_named_by_depth():
+    """``mtp_use_repeated_layer``: the one MTP layer's k-th call is depth k's, as separate layers are named;
+    the word embeddings and the output layer keep their MTP names, other repeats their ``#`` suffix."""
+    from ttrace_megatron.adapter.recipe.naming import call_name
+
+    assert call_name("mtp.layers.0.eh_proj", 1, 2, mtp_repeated=True) == "mtp.layers.1.eh_proj"
+    assert call_name("mtp.layers.0", 1, 2, mtp_repeated=True) == "mtp.layers.1"
+    assert call_name("mtp.layers.0.eh_proj", 0, 2, mtp_repeated=True) == "mtp.layers.0.eh_proj"
+    assert call_name("mtp.layers.0.eh_proj", 1, 2) == "mtp.layers.0.eh_proj#1"  # separate layers: never repeated
+    assert call_name("mtp.layers.0.eh_proj", 2, 2, mtp_repeated=True) == "mtp.layers.0.eh_proj#2"  # beyond the depths
+    assert call_name("mtp.layers.00.x", 1, 2, mtp_repeated=True) == "mtp.layers.00.x#1"
+    assert call_name("output_layer", 0, 2, mtp_repeated=True) == "mtp.layers.0.output_layer"
+    assert call_name("embedding.word_embeddings", 2, 2, mtp_repeated=True) == "mtp.layers.1.embedding.word_embeddings"
+
+
 def test_refused_field_at_megatrons_default_is_accepted():
     validate_recipe(recipe_from_dict({"model": dict(BASE, mtp_num_layers=None, recompute_granularity=None),
                                       "world_size": 1}))

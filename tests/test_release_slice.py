@@ -114,3 +114,30 @@ def test_mtp_with_detached_heads_clean_and_its_bug_caught(runs):
     _, buggy = runs.candidate(recipe, inject=["mtp_projection_gather_reduces_grad"])
     fm = compare_traces(ref, buggy).first_mismatch
     assert fm is not None and fm.key.module == "mtp.layers.0.eh_proj", fm
+
+
+@pytest.mark.release_slice
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _has_field("mtp_use_repeated_layer"), reason="the installed megatron-core has no "
+                                                                       "mtp_use_repeated_layer (0.17 added it)")
+def test_repeated_mtp_layer_clean_and_its_bug_caught(runs):
+    """One MTP layer run at both depths (``mtp_use_repeated_layer``): the model holds one MTP layer,
+    its second call is recorded as depth 2's (``mtp.layers.1``) on both sides; clean at TP2+SP, and
+    the projection's gather bug is caught at depth 1's projection, whose grad the bug breaks."""
+    import yaml
+
+    from ttrace_megatron.compare import compare_traces as judge
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    with open(os.path.join(RECIPES, "deepseek_mtp_tp2_sp.yaml")) as f:
+        raw = yaml.safe_load(f)
+    raw["model"].update(mtp_num_layers=2, mtp_use_repeated_layer=True)
+    recipe = recipe_from_dict(raw, "deepseek_mtp_repeated_tp2_sp")
+    ref, clean = runs.candidate(recipe)
+    c = judge(ref, clean)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    judged = {r.key.module for r in c.results}
+    assert {"mtp.layers.0.eh_proj", "mtp.layers.1.eh_proj"} <= judged and not c.missing_in_candidate, sorted(judged)
+    _, buggy = runs.candidate(recipe, inject=["mtp_projection_gather_reduces_grad"])
+    fm = judge(ref, buggy).first_mismatch
+    assert fm is not None and fm.key.module.startswith("mtp.layers.") and fm.key.module.endswith(".eh_proj"), fm

@@ -367,6 +367,8 @@ PARALLEL_REFUSED = {
     "overlap_dispatch_backward_with_experts_wgrad": "overlaps the dispatcher on CUDA streams; "
                                                     + model_fields.UNVERIFIED,
     "cpu_offloading_retain_pinned_cpu_buffers": "activation offloading to the host: " + model_fields.UNVERIFIED,
+    # refused here, before any rank starts, rather than by megatron's assertion in the build
+    "context_parallel_size": model_fields.REFUSED["cp_comm_type"],
 }
 
 

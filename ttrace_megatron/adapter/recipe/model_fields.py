@@ -45,6 +45,8 @@ STRUCTURE = (
     "add_bias_linear", "add_qkv_bias", "gated_linear_unit", "normalization", "qk_layernorm", "num_moe_experts",
     "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate", "moe_layer_freq",
     "mtp_num_layers",  # multi-token prediction (DeepSeek-V3): the MTP block's layers, built after the decoder
+    # 0.17 on: one MTP layer run at every depth; its k-th call is recorded as depth k's (naming.call_name)
+    "mtp_use_repeated_layer",
     "qk_l2_norm",  # Llama 4's parameter-free L2 norm of queries and keys (MoE models: config.megatron_cannot_run)
     "attention_output_gate",  # a sigmoid gate per head on attention's output, its projection inside each query group of linear_qkv
 )
@@ -155,7 +157,9 @@ REFUSED: Dict[str, str] = {
     "moe_hybridep_num_sms": _TE,
     "moe_permute_fusion": _TE, "moe_router_fusion": _TE,
     "moe_latent_size": "MoE latent projections need TransformerEngine (megatron/core/transformer/moe/moe_layer.py:171)",
-    "cp_comm_type": "context parallelism is not supported yet",
+    "cp_comm_type": "context parallelism needs TransformerEngine's attention: megatron-core's local "
+                    "DotProductAttention asserts context_parallel_size == 1 (megatron/core/transformer/"
+                    "dot_product_attention.py:57-59 in 0.16.1 and 0.19.2)",
     "enable_cuda_graph": _TE, "cuda_graph_use_single_mempool": _TE, "cuda_graph_retain_backward_graph": _TE,
     "cuda_graph_warmup_steps": _TE, "external_cuda_graph": _TE, "cuda_graph_impl": _TE, "cuda_graph_scope": _TE,
     "flash_decode": "inference only", "batch_invariant_mode": _TE,
@@ -179,9 +183,6 @@ REFUSED: Dict[str, str] = {
     # fields of later releases (0.17-0.19; tests/test_model_fields.py checks every installed field has a role)
     "mup_width_mult": "derived by megatron from hidden_size / mup_base_hidden_size (megatron/core/transformer/"
                       "transformer_config.py:2203), which overwrites any value given: set mup_base_hidden_size",
-    "mtp_use_repeated_layer": "not supported yet: megatron builds one MTP layer and reuses it at every depth "
-                              "(megatron/core/models/gpt/gpt_layer_specs.py:779-790), and ttrace names and places "
-                              "MTP layers one per depth (tried on 0.19.2: the build check finds 1 layer for 2 depths)",
     "mtp_hybrid_override_pattern": "deprecated, read by no megatron-core module (megatron/core/transformer/"
                                    "transformer_config.py:90): Megatron-LM's arguments turn it into "
                                    "hybrid_layer_pattern for old checkpoints; give hybrid_layer_pattern",

@@ -71,6 +71,15 @@ def mtp_layers(chunks: Sequence[torch.nn.Module]) -> int:
     return 0
 
 
+def mtp_repeated(chunks: Sequence[torch.nn.Module]) -> bool:
+    """Whether one MTP layer runs at every depth (``mtp_use_repeated_layer``, 0.17 on)."""
+    for chunk in chunks:
+        config = getattr(unwrap(chunk), "config", None)
+        if config is not None:
+            return bool(getattr(config, "mtp_use_repeated_layer", False))
+    return False
+
+
 def calls_made_elsewhere(chunks: Sequence[torch.nn.Module]) -> Dict[torch.nn.Module, int]:
     """module -> how many of its calls per microbatch (:func:`call_name`'s occurrences) run on another
     pipeline stage: the last stage's copy of the word embeddings (multi-token prediction with PP)
@@ -88,7 +97,7 @@ def mtp_loss_name(depth_index: int) -> str:
     return f"{MTP_LAYERS}.{depth_index}.{LOSS_MODULE}"
 
 
-def call_name(module_name: str, occurrence: int, mtp_depths: int) -> str:
+def call_name(module_name: str, occurrence: int, mtp_depths: int, mtp_repeated: bool = False) -> str:
     """What the ``occurrence``-th call (0-based) of a module within one microbatch's forward is
     recorded under.
 
@@ -96,14 +105,19 @@ def call_name(module_name: str, occurrence: int, mtp_depths: int) -> str:
     ``GPTModel._postprocess`` and ``MultiTokenPredictionLayer._get_embeddings``): the word
     embeddings run first for the decoder's tokens, then once per MTP depth k on the tokens shifted
     k places (``mtp.layers.{k-1}.embedding.word_embeddings``); the output layer runs first for each
-    depth's hidden states (``mtp.layers.{k-1}.output_layer``), then for the decoder's. Named by
-    what they compute, the calls of a run with MTP compare one by one with the reference's. Any other
-    repeated call is ``{module}#{occurrence}``."""
+    depth's hidden states (``mtp.layers.{k-1}.output_layer``), then for the decoder's. With
+    ``mtp_repeated`` (``mtp_use_repeated_layer``) megatron builds one MTP layer, ``mtp.layers.0``,
+    and runs it at every depth: its k-th call is recorded as depth k's, ``mtp.layers.{k}``, as the
+    layers of a run without it are named. Named by what they compute, the calls of a run with MTP
+    compare one by one with the reference's. Any other repeated call is ``{module}#{occurrence}``."""
     if mtp_depths:
         if module_name == OUTPUT_LAYER and occurrence <= mtp_depths:
             return module_name if occurrence == mtp_depths else f"{MTP_LAYERS}.{occurrence}.{module_name}"
         if module_name == TIED_EMBEDDING and 1 <= occurrence <= mtp_depths:
             return f"{MTP_LAYERS}.{occurrence - 1}.{module_name}"
+        first = f"{MTP_LAYERS}.0"
+        if mtp_repeated and occurrence < mtp_depths and (module_name == first or module_name.startswith(first + ".")):
+            return f"{MTP_LAYERS}.{occurrence}{module_name[len(first):]}"
     return module_name if occurrence == 0 else f"{module_name}#{occurrence}"
 
 

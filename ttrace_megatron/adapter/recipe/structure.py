@@ -111,14 +111,16 @@ def _check_layer(problems: List[str], where: str, layer, content: Tuple[bool, Op
 
 def _check_mtp(problems: List[str], model, config, contents, pattern: Optional[str], norm_kind: str) -> None:
     """``mtp_num_layers``: the last stage holds that many MTP layers (megatron-core puts them all
-    there without a custom pipeline layout), each with its norms, its [2h → h] projection and a
-    transformer layer built like the decoder's last, numbered after the decoder; no other stage
-    holds one."""
+    there without a custom pipeline layout), or one run at every depth with
+    ``mtp_use_repeated_layer``, each with its norms, its [2h → h] projection and a transformer layer
+    built like the decoder's last, numbered after the decoder; no other stage holds one."""
     depths = int(getattr(config, "mtp_num_layers", None) or 0)
+    repeated = bool(getattr(config, "mtp_use_repeated_layer", False))
     block = getattr(model, "mtp", None)
     built = len(block.layers) if block is not None else 0
-    expected = depths if getattr(model, "post_process", False) else 0
-    _expect(problems, "mtp.layers", "mtp_num_layers (on the last pipeline stage)", expected, built)
+    expected = (min(depths, 1) if repeated else depths) if getattr(model, "post_process", False) else 0
+    _expect(problems, "mtp.layers", "one layer for every depth (mtp_use_repeated_layer, on the last pipeline stage)"
+            if repeated else "mtp_num_layers (on the last pipeline stage)", expected, built)
     for k in range(min(expected, built)):
         layer, where = block.layers[k], f"mtp.layers.{k}"
         for norm in ("enorm", "hnorm", "final_layernorm"):

@@ -53,7 +53,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from . import layouts
-from ..recipe.naming import call_name, calls_made_elsewhere, canonical_module_names, mtp_layers
+from ..recipe.naming import call_name, calls_made_elsewhere, canonical_module_names, mtp_layers, mtp_repeated
 
 PERTURB = "perturb"
 RECORD = "record"
@@ -153,6 +153,7 @@ class Dispatcher:
         self._handles: List = []
         self._local_microbatch = [0] * len(self.chunks)
         self._mtp_layers = mtp_layers(self.chunks)
+        self._mtp_repeated = mtp_repeated(self.chunks)
         self._elsewhere = calls_made_elsewhere(self.chunks)
         # calls so far of (module, microbatch, recompute) in this iteration, and the calls whose
         # forward runs now (the pre-hook names a call, the forward hook of the same module takes it)
@@ -254,7 +255,8 @@ class Dispatcher:
         occurrence = self._calls.get(counted, 0)
         self._calls[counted] = occurrence + 1
         return Call(site, self.clock.iteration, microbatch, recompute,
-                    call_name(site.module_name, occurrence + self._elsewhere.get(site.module, 0), self._mtp_layers))
+                    call_name(site.module_name, occurrence + self._elsewhere.get(site.module, 0), self._mtp_layers,
+                              self._mtp_repeated))
 
     def _open_call(self, site: layouts.Site) -> Call:
         call = self._call(site)

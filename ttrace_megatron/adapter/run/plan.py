@@ -194,6 +194,7 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
     # with multi-token prediction the word embeddings and the output layer run once more per depth
     # (naming.call_name), and each depth has a loss of its own
     calls = 1 + int(model.get("mtp_num_layers") or 0)
+    repeated_mtp = bool(model.get("mtp_use_repeated_layer"))
     out: List[core.TensorGroup] = []
 
     def add(kind, elements, itemsize, records, placements):
@@ -208,6 +209,8 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
         if not selection.wants(s.module) or (s.expert and experts_unrecorded):
             continue
         per_micro = micro * (calls if s.module in (TIED_EMBEDDING, OUTPUT_LAYER) else 1)
+        if repeated_mtp and s.module.startswith("mtp.layers.0."):  # one layer run at every depth
+            per_micro *= calls - 1
         again = 1 if role == CANDIDATE and recomputed(recipe, s.module) else 0  # its output, recomputed
         if s.expert:  # a fraction of the tokens, over expert-TP
             t = tokens * topk / experts
