@@ -1,0 +1,104 @@
+"""A feature of a later megatron-core release, checked clean over seeds, in fp32 and in bf16 (with
+the fp32 twin ``ttrace run`` adds), and with its injected bug: one JSON line per check.
+
+    python benchmarks/feature_seeds.py --feature mtp_repeated --seeds 1 2 3 > results/FEATURE_COMMIT.jsonl
+
+Each check is ``ttrace run`` on a shipped recipe with the feature's fields set, from a temporary
+recipe file. A clean line has ``verdict`` (the check's: pair or twin failing), ``pair_verdict`` and
+``twin_verdict`` for bf16, and the worst error / tolerance of each (``summary.py`` reads them as a
+clean population); a line with ``inject`` is a bug's check: whether it was detected, its first
+mismatch, margin and the replay's culprit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import tempfile
+from typing import Dict, Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from cli_runs import margin  # noqa: E402
+
+# name -> (shipped recipe, model fields set on it, the feature's injected bug, what it is)
+FEATURES = {
+    "mtp_repeated": ("deepseek_mtp_tp2_sp", {"mtp_num_layers": 2, "mtp_use_repeated_layer": True},
+                     "mtp_projection_gather_reduces_grad",
+                     "deepseek_mtp_tp2_sp + mtp_num_layers 2, mtp_use_repeated_layer (one MTP layer at both depths)"),
+}
+
+
+def worst(report: dict) -> Dict[str, object]:
+    """The largest error / tolerance of a report's tensors, and which tensor it is."""
+    best, where = 0.0, None
+    for t in report.get("tensors", []):
+        if t.get("tolerance_eps") and t.get("error_eps") is not None and t["error_eps"] / t["tolerance_eps"] >= best:
+            best = t["error_eps"] / t["tolerance_eps"]
+            where = f"it{t['iteration']} {t['module']} {t['tensor']}"
+    return {"worst": best, "worst_tensor": where}
+
+
+def check(feature: str, dtype: str, seed: int, inject: Optional[str]) -> dict:
+    import yaml
+
+    from ttrace_megatron.cli import main
+
+    name, fields, _, what = FEATURES[feature]
+    with open(os.path.join(REPO, "recipes", name + ".yaml")) as f:
+        raw = yaml.safe_load(f)
+    raw["model"].update(fields)
+    raw["dtype"] = dtype
+    raw["data"]["seed"] = seed
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, f"{name}_{feature}.yaml")
+        with open(path, "w") as f:
+            yaml.safe_dump(raw, f)
+        report_path = os.path.join(tmp, "report.json")
+        main(["run", path, "--out", os.path.join(tmp, "out"), "--json", report_path, "--quiet"]
+             + (["--inject", inject] if inject else []))
+        with open(report_path) as f:
+            report = json.load(f)
+    import megatron.core
+
+    row = {"recipe": what, "dtype": dtype, "seed": seed, "verdict": report["verdict"],
+           "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip(),
+           "megatron_core": megatron.core.__version__, "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo"}
+    twin = report.get("fp32_twin")
+    if twin is not None:
+        row["pair_verdict"] = report["pair_verdict"]
+    row.update(worst(report))
+    if twin is not None:
+        row.update(twin_verdict=twin["verdict"], **{f"twin_{k}": v for k, v in worst(twin).items()})
+    if inject:
+        fm = report.get("first_mismatch") or {}
+        row.update(inject=inject, detected=report["verdict"] == "fail",
+                   first_mismatch=f"{fm.get('module')} {fm.get('phase')} {fm.get('tensor')}" if fm else None,
+                   margin=margin(report), culprit=next((f"{c['module']}, {c['phase']}, {c['tensor']}"
+                                                         for c in report.get("culprits") or []), None))
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--feature", choices=sorted(FEATURES), required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
+    parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
+    parser.add_argument("--bug-only", action="store_true", help="only the feature's injected bug (seed 1, fp32)")
+    args = parser.parse_args()
+    if not args.bug_only:
+        for dtype in args.dtypes:
+            for seed in args.seeds:
+                print(json.dumps(check(args.feature, dtype, seed, None)), flush=True)
+    print(json.dumps(check(args.feature, "fp32", args.seeds[0], FEATURES[args.feature][2])), flush=True)
+
+
+if __name__ == "__main__":
+    main()
