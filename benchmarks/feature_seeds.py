@@ -13,6 +13,7 @@ mismatch, margin and the replay's culprit.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -61,8 +62,9 @@ def check(feature: str, dtype: str, seed: int, inject: Optional[str]) -> dict:
         with open(path, "w") as f:
             yaml.safe_dump(raw, f)
         report_path = os.path.join(tmp, "report.json")
-        main(["run", path, "--out", os.path.join(tmp, "out"), "--json", report_path, "--quiet"]
-             + (["--inject", inject] if inject else []))
+        with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal):
+            main(["run", path, "--out", os.path.join(tmp, "out"), "--json", report_path, "--quiet"]
+                 + (["--inject", inject] if inject else []))  # the terminal report: stdout is the JSON lines
         with open(report_path) as f:
             report = json.load(f)
     import megatron.core
