@@ -33,6 +33,10 @@ FEATURES = {
     "mtp_repeated": ("deepseek_mtp_tp2_sp", {"mtp_num_layers": 2, "mtp_use_repeated_layer": True},
                      "mtp_projection_gather_reduces_grad",
                      "deepseek_mtp_tp2_sp + mtp_num_layers 2, mtp_use_repeated_layer (one MTP layer at both depths)"),
+    "mlp_chunks_tp2": ("gpt_tp2", {"mlp_chunks_for_training": 2}, "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
+                       "gpt_tp2 + mlp_chunks_for_training 2 (the MLP run on each half of the sequence)"),
+    "mlp_chunks_moe_ep2": ("moe_ep2", {"mlp_chunks_for_training": 2}, "expert_grads_scaled_by_edp",
+                           "moe_ep2 + mlp_chunks_for_training 2 (the MoE layer run on each half of the sequence)"),
 }
 
 

@@ -141,3 +141,33 @@ def test_repeated_mtp_layer_clean_and_its_bug_caught(runs):
     _, buggy = runs.candidate(recipe, inject=["mtp_projection_gather_reduces_grad"])
     fm = judge(ref, buggy).first_mismatch
     assert fm is not None and fm.key.module.startswith("mtp.layers.") and fm.key.module.endswith(".eh_proj"), fm
+
+
+@pytest.mark.release_slice
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _has_field("mlp_chunks_for_training"), reason="the installed megatron-core has no "
+                                                                        "mlp_chunks_for_training (0.19 added it)")
+def test_chunked_mlp_clean_and_its_bug_caught(runs):
+    """The MLP run on each half of the sequence (``mlp_chunks_for_training``) at TP2: each call is
+    recorded as one (``#1`` the second) and judged against the reference's; clean, and a dropped
+    all-reduce in the second layer's fc2 is caught at that module; with sequence parallelism the
+    recipe is refused, naming why."""
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.compare import compare_traces as judge
+    from ttrace_megatron.errors import RecipeError
+
+    recipe = load_recipe(os.path.join(RECIPES, "gpt_tp2.yaml"))
+    recipe.model["mlp_chunks_for_training"] = 2
+    ref, clean = runs.candidate(recipe)
+    c = judge(ref, clean)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    judged = {r.key.module for r in c.results}
+    assert {"decoder.layers.1.mlp.linear_fc2", "decoder.layers.1.mlp.linear_fc2#1"} <= judged, sorted(judged)
+    _, buggy = runs.candidate(recipe, inject=["row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2"])
+    fm = judge(ref, buggy).first_mismatch
+    assert fm is not None and fm.key.module == "decoder.layers.1.mlp.linear_fc2", fm
+    sp = load_recipe(os.path.join(RECIPES, "gpt_tp2_sp.yaml"))
+    sp.model["mlp_chunks_for_training"] = 2
+    with pytest.raises(RecipeError, match="'mlp_chunks_for_training' is not supported by ttrace with sequence "
+                                          "parallelism yet"):
+        validate_recipe(sp)

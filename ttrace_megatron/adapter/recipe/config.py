@@ -132,6 +132,42 @@ def validate_recipe(recipe: Recipe) -> None:
     if mtp:
         key = "mtp_detach_heads" if mtp.startswith(MTP_DETACHED_WITH_PP) else "mtp_num_layers"
         raise RecipeError(f"{where}: model: '{key}' is not supported by ttrace {mtp}")
+    chunks = mlp_chunks_refused(recipe)
+    if chunks:
+        raise RecipeError(f"{where}: model: 'mlp_chunks_for_training' is not supported by ttrace {chunks}")
+
+
+_CHUNKED_MLP = "megatron/core/transformer/transformer_layer.py:901-919 in 0.19.2"
+
+
+def mlp_chunks_refused(recipe: Recipe) -> Optional[str]:
+    """Why ttrace cannot trace this recipe's chunked MLP (None: it can). Megatron runs the MLP once per
+    chunk of the rank's sequence; each call is recorded as one (``naming.call_name``: ``#k``) and
+    compared with the reference's k-th, which holds the same tokens when the rank holds the whole
+    sequence."""
+    model = recipe.model
+    if int(model.get("mlp_chunks_for_training") or 1) <= 1:
+        return None
+    sizes = parallel_sizes(recipe.parallel)
+    if recipe.parallel.get("sequence_parallel") and sizes["tp"] > 1:
+        return ("with sequence parallelism yet: each chunk's call gathers the k-th piece of every TP rank's "
+                f"sequence shard ({_CHUNKED_MLP}), tokens no call of the one-rank reference holds together, and "
+                "ttrace compares a module's calls one by one; without sequence parallelism they match")
+    if model.get("mtp_use_repeated_layer") and model.get("mtp_num_layers"):
+        return ("with a repeated MTP layer yet: its MLP's calls are counted over the depths and the chunks "
+                "together, and ttrace names a repeated MTP layer's calls by depth alone (naming.call_name)")
+    if recipe.dtype == "fp8":
+        return ("with dtype fp8 yet: the backward's amaxes of a module run more than once a microbatch are not "
+                "told apart by call")
+    if "mlp" in (model.get("recompute_modules") or ()) and model.get("recompute_granularity") == "selective":
+        return ("with the MLP recomputed: megatron skips the chunks where it recomputes a dense MLP "
+                f"({_CHUNKED_MLP}, the branch before), and only the candidate recomputes, so the reference's "
+                "chunked calls would have no candidate counterpart")
+    if model.get("num_moe_experts") and recipe.data.padded_share:
+        return ("with a padding mask on an MoE model: megatron calls each chunk's MoE layer without the padding "
+                f"mask ({_CHUNKED_MLP}: the chunked call passes the chunk alone), so the router counts padding "
+                "tokens in its balancing loss; the model trained is not the one the recipe describes")
+    return None
 
 
 MTP_DETACHED_WITH_PP = "with detached heads and pipeline parallelism yet"

@@ -74,6 +74,9 @@ NUMERICS = (
     # norm of their own (megatron/core/optimizer/optimizer.py:362-420); ttrace records the main norm, and the
     # MTP parameters' clipped steps are judged through their moments and updates
     "mtp_detach_heads",
+    # 0.19: the MLP run once per chunk of the rank's sequence; each call recorded and judged as one
+    # (naming.call_name's ``#k``); refused where the calls cannot match the reference's (config.mlp_chunks_refused)
+    "mlp_chunks_for_training",
     "use_mup", "mup_base_hidden_size", "mup_base_head_dim", "mup_embedding_mult", "mup_output_mult",
     "mup_attn_scale_power",
 )
@@ -214,11 +217,6 @@ REFUSED: Dict[str, str] = {
                                          "choice it makes reaches megatron's top-k as precomputed indices, past the "
                                          "hook ttrace records, judges and follows routing by (the run lists it as "
                                          "unjudged)",
-    "mlp_chunks_for_training": "not supported yet: megatron runs the MLP once per chunk of the rank's sequence "
-                               "(megatron/core/transformer/transformer_layer.py:901-919), and ttrace records one call "
-                               "of a module per microbatch (tried on 0.19.2: the calls overwrite each other and a "
-                               "clean TP2+SP run fails at linear_fc1's input); under sequence parallelism each call "
-                               "also gathers one chunk of every rank's shard, tokens no one-rank call sees together",
     "fine_grained_offloading_max_inflight_offloads": _OFFLOAD,
     "activation_offload_fraction": _OFFLOAD, "delay_offload_until_cuda_graph": _OFFLOAD,
     "delta_offload_bytes_across_pp_ranks": _OFFLOAD,
@@ -322,6 +320,17 @@ def for_reference(model: Dict[str, Any]) -> Dict[str, Any]:
     return {k: v for k, v in model.items() if k not in RECOMPUTE}
 
 
+# honoured fields refused in some combinations: where, for docs/model_fields.md (the refusal itself
+# names megatron's file and line)
+LIMITS = {
+    "mlp_chunks_for_training": "each chunk's call judged against the reference's; refused with sequence "
+                               "parallelism (a call gathers every rank's k-th piece), fp8, a recomputed dense MLP "
+                               "and a padded MoE model (megatron drops the padding mask in the chunked call: "
+                               "config.mlp_chunks_refused)",
+    "mtp_use_repeated_layer": "the one layer's k-th call recorded as depth k's (mtp.layers.{k})",
+}
+
+
 def without_layout(model: Dict[str, Any]) -> Dict[str, Any]:
     """A candidate's ``model:`` fields as the one-rank reference takes them: without the fields that
     only say how the candidate's pipeline splits the layers."""
@@ -351,7 +360,8 @@ def markdown() -> str:
              "|---|---|---|"]
     for role, names in by_role():
         for name in names:
-            lines.append(f"| `{name}` | {role.value} | {REFUSED[name] if role is Role.REFUSED else what[role]} |")
+            text = REFUSED[name] if role is Role.REFUSED else what[role]
+            lines.append(f"| `{name}` | {role.value} | {text}{'; ' + LIMITS[name] if name in LIMITS else ''} |")
     return "\n".join(lines) + "\n"
 
 

@@ -166,7 +166,14 @@ class Dispatcher:
         if feature.name in self.features:
             raise ValueError(f"feature {feature.name!r} added twice")
         self.features[feature.name] = feature
+        if hasattr(feature, "open_call_name"):  # the recorder's taps key their tensors by the call
+            feature.open_call_name = self.open_call_name
         return feature
+
+    def open_call_name(self, module: torch.nn.Module) -> Optional[str]:
+        """The name the call of ``module`` whose forward runs now is recorded under (None: none runs)."""
+        open_calls = self._open.get(id(module))
+        return open_calls[-1].name if open_calls else None
 
     def _ordered(self) -> List[Feature]:
         return [self.features[n] for n in ORDER if n in self.features]

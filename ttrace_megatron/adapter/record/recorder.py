@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import math
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -84,6 +84,9 @@ class Recorder(Feature):
         self._handles = []
         self.before_step: List = []  # called after main grads are recorded, before the optimizer steps
         self.router: Optional[Tuple[str, torch.nn.Module]] = None  # the router whose forward runs now
+        # module -> the name its call running now is recorded under (hooks.Dispatcher.open_call_name,
+        # set when the dispatcher takes this recorder; None: no call of it runs now)
+        self.open_call_name: Callable[[torch.nn.Module], Optional[str]] = lambda module: None
         self._params: List[Tuple[str, str, torch.nn.Module, torch.nn.Parameter]] = list(all_parameters(chunks))
         self.after_step: List = []  # called after the step is recorded (lock-step)
         self.main_params = {}  # model param -> optimizer_state.MainParam, set by wrap_optimizer
@@ -154,11 +157,16 @@ class Recorder(Feature):
         for sink in self.sinks:
             sink.flush(iteration)
 
-    def tap_key(self, module_name: str, tensor: str) -> Tuple[TensorKey, bool, bool]:
+    def tap_key(self, module_name: str, tensor: str,
+                module: Optional[torch.nn.Module] = None) -> Tuple[TensorKey, bool, bool]:
         """(the key a tap's tensor of this forward goes under, whether to record it, whether the
         forward is a recomputation). A recomputed forward's is the microbatch whose backward runs,
         and it records only what its first, grad-less run did not (megatron's routers compute their
-        aux losses and balancing top-k only with grad enabled: under full recomputation, only there)."""
+        aux losses and balancing top-k only with grad enabled: under full recomputation, only there).
+        Inside a call of ``module`` the key is that call's name (``naming.call_name``: a module run
+        more than once a microbatch, as under ``mlp_chunks_for_training`` or a repeated MTP layer)."""
+        if module is not None:
+            module_name = self.open_call_name(module) or module_name
         recompute = recomputing()
         mb = self.clock.backward_microbatch if recompute else self.clock.microbatch
         key = TensorKey(self.clock.iteration, mb, module_name, keys.FORWARD, tensor)
@@ -588,7 +596,7 @@ class _AuxLossTap:
         if rec.router is None or not isinstance(loss, torch.Tensor):
             return
         mname, router = rec.router
-        key, record, _ = rec.tap_key(mname, name)
+        key, record, _ = rec.tap_key(mname, name, router)
         if not record:
             return
         if name == "z_loss":

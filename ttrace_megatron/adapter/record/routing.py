@@ -210,7 +210,7 @@ class RoutingTap:
             return values, indices
         # a recomputed router (activation recomputation) routes again inside the backward: its choice was
         # recorded when it first ran; it follows the reference again, as it did then
-        key, record, recompute = rec.tap_key(self.site.module_name, keys.TOPK_CHOICE)
+        key, record, recompute = rec.tap_key(self.site.module_name, keys.TOPK_CHOICE, self.site.module)
         if not record and self.follow is None:
             return values, indices  # nothing asked of this router now: no map built
         choice = torch.zeros_like(scores, dtype=torch.float32).scatter(1, indices, 1.0)
@@ -246,7 +246,7 @@ class RoutingTap:
         clock = rec.clock
         if not clock.in_iteration:
             return None
-        key, record, recompute = rec.tap_key(self.site.module_name, choice_name)
+        key, record, recompute = rec.tap_key(self.site.module_name, choice_name, self.site.module)
         if not record and self.follow is None:
             return None
         mine = choice()
