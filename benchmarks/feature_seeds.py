@@ -33,6 +33,15 @@ FEATURES = {
     "mtp_repeated": ("deepseek_mtp_tp2_sp", {"mtp_num_layers": 2, "mtp_use_repeated_layer": True},
                      "mtp_projection_gather_reduces_grad",
                      "deepseek_mtp_tp2_sp + mtp_num_layers 2, mtp_use_repeated_layer (one MTP layer at both depths)"),
+    "quantile_balancing_ep2": ("moe_ep2", {"moe_router_load_balancing_type": "quantile_balancing",
+                                           "moe_router_quantile_balancing_ema": 0.5, "moe_aux_loss_coeff": None},
+                               "qb_beta_not_averaged_over_dp",
+                               "moe_ep2 + quantile balancing (EMA 0.5; no aux loss), EP2 over DP2"),
+    "quantile_balancing_tp2_sp_ep2": ("moe_tp2_sp_ep2", {"moe_router_load_balancing_type": "quantile_balancing",
+                                                         "moe_router_quantile_balancing_ema": 0.5,
+                                                         "moe_aux_loss_coeff": None},
+                                      "router_topk_skips_best",
+                                      "moe_tp2_sp_ep2 + quantile balancing (EMA 0.5; no aux loss)"),
     "mlp_chunks_tp2": ("gpt_tp2", {"mlp_chunks_for_training": 2}, "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
                        "gpt_tp2 + mlp_chunks_for_training 2 (the MLP run on each half of the sequence)"),
     "mlp_chunks_moe_ep2": ("moe_ep2", {"mlp_chunks_for_training": 2}, "expert_grads_scaled_by_edp",
@@ -59,6 +68,7 @@ def check(feature: str, dtype: str, seed: int, inject: Optional[str]) -> dict:
     with open(os.path.join(REPO, "recipes", name + ".yaml")) as f:
         raw = yaml.safe_load(f)
     raw["model"].update(fields)
+    raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}  # None: the field taken out
     raw["dtype"] = dtype
     raw["data"]["seed"] = seed
     with tempfile.TemporaryDirectory() as tmp:

@@ -262,9 +262,10 @@ def test_layout_dependent_routing_is_refused_with_megatrons_line():
         validate_recipe(recipe)
 
 
-def test_routing_megatron_hands_its_top_k_as_indices_is_listed_as_unjudged():
-    """Quantile balancing (0.19) and sinkhorn choose experts outside the top-k hook ttrace records,
-    judges and follows routing by: the run says so instead of judging nothing silently."""
+def test_routing_outside_the_top_k_hook_is_listed_as_unjudged_and_quantile_balancing_is_observed():
+    """Sinkhorn chooses experts outside the top-k hook ttrace records, judges and follows routing by:
+    the run says so instead of judging nothing silently. Quantile balancing (0.19) hands its choice to
+    megatron's top-k function as indices: the tap takes it there (``routing.TOPK_FUNCTION``)."""
     from types import SimpleNamespace
 
     from ttrace_megatron.adapter.record.routing import QUANTILE_BALANCING, unobserved_routing
@@ -273,7 +274,7 @@ def test_routing_megatron_hands_its_top_k_as_indices_is_listed_as_unjudged():
         return SimpleNamespace(num_moe_experts=4, moe_router_load_balancing_type=balancing, moe_router_fusion=False,
                                moe_router_group_topk=None, moe_expert_capacity_factor=None)
 
-    assert "precomputed_indices" in unobserved_routing(config(QUANTILE_BALANCING))
-    assert "precomputed_indices" in unobserved_routing(config(["aux_loss", QUANTILE_BALANCING]))
+    assert unobserved_routing(config(QUANTILE_BALANCING)) is None
+    assert unobserved_routing(config(["aux_loss", QUANTILE_BALANCING])) is None
     assert "sinkhorn" in unobserved_routing(config("sinkhorn"))
     assert unobserved_routing(SimpleNamespace(num_moe_experts=None)) is None

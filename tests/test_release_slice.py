@@ -171,3 +171,27 @@ def test_chunked_mlp_clean_and_its_bug_caught(runs):
     with pytest.raises(RecipeError, match="'mlp_chunks_for_training' is not supported by ttrace with sequence "
                                           "parallelism yet"):
         validate_recipe(sp)
+
+
+@pytest.mark.release_slice
+@pytest.mark.multiprocess
+@pytest.mark.skipif(not _has_field("moe_router_quantile_balancing_ema"), reason="the installed megatron-core has no "
+                                                                                  "quantile balancing (0.19 added it)")
+def test_quantile_balancing_clean_and_its_bug_caught(runs):
+    """Quantile balancing (0.19) at EP2 over DP2: the routers' choice, made from the logits minus
+    qb_beta and handed to megatron's top-k as indices, is recorded and judged with those scores;
+    clean, and a qb_beta update that skips its average over DP is caught at the router's scores in
+    iteration 2, the first to route by the updated bias."""
+    from ttrace_megatron.compare import compare_traces as judge
+
+    recipe = load_recipe(os.path.join(RECIPES, "moe_ep2.yaml"))
+    recipe.model.pop("moe_aux_loss_coeff")
+    recipe.model.update(moe_router_load_balancing_type="quantile_balancing", moe_router_quantile_balancing_ema=0.5)
+    ref, clean = runs.candidate(recipe)
+    c = judge(ref, clean)
+    assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
+    assert not c.unjudged and any(r.key.tensor == "topk_choice" for r in c.results)
+    _, buggy = runs.candidate(recipe, inject=["qb_beta_not_averaged_over_dp"])
+    fm = judge(ref, buggy).first_mismatch
+    assert fm is not None and (fm.key.module, fm.key.tensor, fm.key.iteration) == (
+        "decoder.layers.0.mlp.router", "topk_scores", 2), fm

@@ -77,6 +77,9 @@ NUMERICS = (
     # 0.19: the MLP run once per chunk of the rank's sequence; each call recorded and judged as one
     # (naming.call_name's ``#k``); refused where the calls cannot match the reference's (config.mlp_chunks_refused)
     "mlp_chunks_for_training",
+    # 0.19's quantile balancing: the EMA of qb_beta, the per-expert bias the routers choose by; the choice is
+    # recorded, judged and followed with its scores (the logits minus qb_beta: routing.balances_by_quantile)
+    "moe_router_quantile_balancing_ema",
     "use_mup", "mup_base_hidden_size", "mup_base_head_dim", "mup_embedding_mult", "mup_output_mult",
     "mup_attn_scale_power",
 )
@@ -210,13 +213,6 @@ REFUSED: Dict[str, str] = {
                                        "transformer/transformer_config.py:1692-1705), CUDA dispatchers",
     "moe_router_force_biased": "replaces the router's logits with random numbers drawn per expert-parallel rank "
                                "(megatron/core/transformer/moe/moe_utils.py:1280-1291): " + _RNG,
-    "moe_router_quantile_balancing_ema": UNVERIFIED + ": quantile balancing (0.19) runs on CPU and a clean "
-                                         "TP2+SP+EP2 check passes (tried on 0.19.2), but the per-expert bias its EMA "
-                                         "updates each step (qb_beta, megatron/core/distributed/"
-                                         "finalize_model_grads.py:408-413) is neither recorded nor judged yet, and the "
-                                         "choice it makes reaches megatron's top-k as precomputed indices, past the "
-                                         "hook ttrace records, judges and follows routing by (the run lists it as "
-                                         "unjudged)",
     "fine_grained_offloading_max_inflight_offloads": _OFFLOAD,
     "activation_offload_fraction": _OFFLOAD, "delay_offload_until_cuda_graph": _OFFLOAD,
     "delta_offload_bytes_across_pp_ranks": _OFFLOAD,

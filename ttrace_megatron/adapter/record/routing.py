@@ -60,10 +60,10 @@ def unobserved_routing(config) -> Optional[str]:
     balancing = balancing if isinstance(balancing, list) else [balancing]
     if "sinkhorn" in balancing:
         return "moe_router_load_balancing_type=sinkhorn routes outside megatron's top-k hook"
-    if QUANTILE_BALANCING in balancing:
+    if QUANTILE_BALANCING in balancing and not callable(getattr(_router_module(), TOPK_FUNCTION, None)):
         return (f"moe_router_load_balancing_type={QUANTILE_BALANCING} picks each token's experts from its scores "
-                f"minus a per-expert bias (qb_dual_update, megatron/core/transformer/moe/moe_utils.py at 0.19) and "
-                f"hands the indices to megatron's top-k function (precomputed_indices), past its hook")
+                f"minus a per-expert bias and hands them to megatron's {TOPK_FUNCTION}, which this megatron-core's "
+                f"router module does not have")
     if getattr(config, "moe_router_fusion", False):
         return "moe_router_fusion: TE's fused top-k kernel has no hook"
     if getattr(config, "moe_router_group_topk", None):
@@ -82,6 +82,17 @@ def unobserved_routing(config) -> Optional[str]:
 # its router module): the capacity drop, and the routing map the load-balancing loss counts
 TOKEN_DROPPING = "apply_router_token_dropping"
 BALANCING_MAP = "compute_routing_scores_for_aux_loss"
+# and the top-k function quantile balancing (0.19) hands its own choice to as ``precomputed_indices``,
+# past the ``router_replay`` hook: the choice is taken there
+TOPK_FUNCTION = "topk_routing_with_score_function"
+
+
+def balances_by_quantile(config) -> bool:
+    """Whether the router picks experts by quantile balancing: top-k of the scores minus ``qb_beta``,
+    a per-expert bias megatron updates once a global batch (an EMA of the scores' column quantiles,
+    averaged over DP, ``finalize_model_grads._update_router_qb_beta``)."""
+    kinds = getattr(config, "moe_router_load_balancing_type", "none")
+    return QUANTILE_BALANCING in (kinds if isinstance(kinds, list) else [kinds])
 
 
 def drops_by_probs(config) -> bool:
@@ -111,9 +122,10 @@ class _RouterFunctionHooks:
 
     def __init__(self):
         self.module = _router_module()
-        self.originals = {name: getattr(self.module, name) for name in (TOKEN_DROPPING, BALANCING_MAP)
+        self.originals = {name: getattr(self.module, name) for name in (TOKEN_DROPPING, BALANCING_MAP, TOPK_FUNCTION)
                           if callable(getattr(self.module, name, None))}
-        self.wrappers = {TOKEN_DROPPING: self.token_dropping, BALANCING_MAP: self.balancing_map}
+        self.wrappers = {TOKEN_DROPPING: self.token_dropping, BALANCING_MAP: self.balancing_map,
+                         TOPK_FUNCTION: self.precomputed_topk}
         self.active: List["RoutingTap"] = []
         self.users = 0
         for name in self.originals:
@@ -140,6 +152,24 @@ class _RouterFunctionHooks:
             return out
         final_map = mask if pad_to_capacity else torch.logical_and(routing_map, mask)
         return routing_probs * final_map, final_map
+
+    def precomputed_topk(self, logits, topk, *args, precomputed_indices=None, **kwargs):
+        """megatron's top-k routing; a choice made before it (quantile balancing's, handed in as
+        ``precomputed_indices``) goes through the active tap as megatron's own top-k does through
+        ``router_replay``: recorded with the scores it is the top k of (the logits minus ``qb_beta``),
+        and the reference's taken where the candidate follows and differs."""
+        original = self.originals[TOPK_FUNCTION]
+        if precomputed_indices is None or not self.active:
+            return original(logits, topk, *args, precomputed_indices=precomputed_indices, **kwargs)
+        tap = self.active[-1]
+        scores = logits.detach().float() - tap.router.qb_beta
+        chosen = precomputed_indices
+
+        def quantile_choice(s, k, num_groups=None, group_topk=None):
+            return s.gather(1, chosen), chosen
+
+        _, indices = tap.get_replay_topk(scores, topk, None, None, quantile_choice)
+        return original(logits, topk, *args, precomputed_indices=indices, **kwargs)
 
     def balancing_map(self, logits, topk, score_function, *args, **kwargs):
         routing_map, scores = self.originals[BALANCING_MAP](logits, topk, score_function, *args, **kwargs)
@@ -183,7 +213,7 @@ class RoutingTap:
         self.followed_tokens = 0
         router.router_replay = self
         self.functions = None
-        if drops_by_probs(router.config) or balances_load(router.config):
+        if drops_by_probs(router.config) or balances_load(router.config) or balances_by_quantile(router.config):
             # the capacity drop and the load-balancing map run inside Router.routing, after the
             # top-k: this router is the active one around it
             self.functions = _router_function_hooks()

@@ -900,3 +900,27 @@ def grad_norm_misses_expert_ranks(chunks) -> None:
                     setattr(o, attr, before)
 
     ChainedOptimizer.get_grad_norm = get_grad_norm
+
+
+@bug()
+def qb_beta_not_averaged_over_dp(chunks) -> None:
+    """Quantile balancing's once-a-global-batch update of the per-expert bias (0.19,
+    ``finalize_model_grads._update_router_qb_beta``) skips its average over DP: each DP rank's
+    ``qb_beta`` follows the quantiles of its own microbatches, and the routers' replicas choose by
+    different biases from the second iteration on."""
+    import importlib
+
+    finalize = importlib.import_module("megatron.core.distributed.finalize_model_grads")
+    original = getattr(finalize, "_update_router_qb_beta", None)
+    if original is None:
+        raise ValueError("bug injection: qb_beta_not_averaged_over_dp needs megatron-core's quantile balancing (0.19)")
+
+    def update_router_qb_beta(model, config, dp_cp_group=None):
+        all_reduce = torch.distributed.all_reduce
+        torch.distributed.all_reduce = lambda *args, **kwargs: None  # the bug: no average over DP
+        try:
+            return original(model, config, dp_cp_group=dp_cp_group)
+        finally:
+            torch.distributed.all_reduce = all_reduce
+
+    finalize._update_router_qb_beta = update_router_qb_beta
