@@ -1,7 +1,7 @@
 """A feature of a later megatron-core release, checked clean over seeds, in fp32 and in bf16 (with
 the fp32 twin ``ttrace run`` adds), and with its injected bug: one JSON line per check.
 
-    python benchmarks/feature_seeds.py --feature mtp_repeated --seeds 1 2 3 > results/FEATURE_COMMIT.jsonl
+    python benchmarks/feature_seeds.py --feature mtp_repeated --seeds 1 2 3 --out results/FEATURE_COMMIT.jsonl
 
 Each check is ``ttrace run`` on a shipped recipe with the feature's fields set, from a temporary
 recipe file. A clean line has ``verdict`` (the check's: pair or twin failing), ``pair_verdict`` and
@@ -78,7 +78,7 @@ def check(feature: str, dtype: str, seed: int, inject: Optional[str]) -> dict:
         report_path = os.path.join(tmp, "report.json")
         with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal):
             main(["run", path, "--out", os.path.join(tmp, "out"), "--json", report_path, "--quiet"]
-                 + (["--inject", inject] if inject else []))  # the terminal report: stdout is the JSON lines
+                 + (["--inject", inject] if inject else []))  # the terminal report, kept apart
         with open(report_path) as f:
             report = json.load(f)
     import megatron.core
@@ -108,12 +108,13 @@ def main():
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2, 3])
     parser.add_argument("--dtypes", nargs="+", default=["fp32", "bf16"])
     parser.add_argument("--bug-only", action="store_true", help="only the feature's injected bug (seed 1, fp32)")
+    parser.add_argument("--out", required=True, help="the JSON lines are appended here (the ranks print to stdout)")
     args = parser.parse_args()
-    if not args.bug_only:
-        for dtype in args.dtypes:
-            for seed in args.seeds:
-                print(json.dumps(check(args.feature, dtype, seed, None)), flush=True)
-    print(json.dumps(check(args.feature, "fp32", args.seeds[0], FEATURES[args.feature][2])), flush=True)
+    checks = [] if args.bug_only else [(dtype, seed, None) for dtype in args.dtypes for seed in args.seeds]
+    for dtype, seed, inject in checks + [("fp32", args.seeds[0], FEATURES[args.feature][2])]:
+        row = check(args.feature, dtype, seed, inject)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
