@@ -165,8 +165,9 @@ def mlp_chunks_refused(recipe: Recipe) -> Optional[str]:
                 "chunked calls would have no candidate counterpart")
     if model.get("num_moe_experts") and recipe.data.padded_share:
         return ("with a padding mask on an MoE model: megatron calls each chunk's MoE layer without the padding "
-                f"mask ({_CHUNKED_MLP}: the chunked call passes the chunk alone), so the router counts padding "
-                "tokens in its balancing loss; the model trained is not the one the recipe describes")
+                f"mask ({_CHUNKED_MLP}: the chunked call passes the chunk alone, line 915), so the router counts "
+                "padding tokens in its balancing loss; the model trained is not the one the recipe describes "
+                "(reproduced on 0.19.2: benchmarks/megatron_findings/mlp_chunks_drop_padding_mask.py)")
     return None
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import re
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -177,6 +177,17 @@ def recomputed(recipe: Recipe, module: str) -> bool:
             or ("shared_experts" in wanted and ".shared_experts." in f".{inner}."))
 
 
+def _calls(model: Dict[str, Any], module: str) -> int:
+    """How many times a recorded module runs on a microbatch's tokens (``naming.call_name``): with
+    multi-token prediction the word embeddings, the output layer and the loss once more per depth,
+    and a repeated MTP layer (``mtp_use_repeated_layer``) once per depth. (``mlp_chunks_for_training``
+    runs an MLP once per chunk, on the chunk's tokens: the same bytes.)"""
+    depths = int(model.get("mtp_num_layers") or 0)
+    if module in (TIED_EMBEDDING, OUTPUT_LAYER, keys.LOSS_MODULE):
+        return 1 + depths
+    return depths if model.get("mtp_use_repeated_layer") and module.startswith("mtp.layers.0.") else 1
+
+
 def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], selection: Selection = Selection(),
                 role: str = CANDIDATE) -> List[core.TensorGroup]:
     """The tensors one iteration of a side records, as groups with that side's placements."""
@@ -191,10 +202,7 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
     ddp = cfg.ddp_config(recipe)
     topk = int(model.get("moe_router_topk", 2) or 2)
     experts = int(model.get("num_moe_experts") or 1)
-    # with multi-token prediction the word embeddings and the output layer run once more per depth
-    # (naming.call_name), and each depth has a loss of its own
-    calls = 1 + int(model.get("mtp_num_layers") or 0)
-    repeated_mtp = bool(model.get("mtp_use_repeated_layer"))
+    calls = _calls(model, keys.LOSS_MODULE)  # each MTP depth has a loss of its own
     out: List[core.TensorGroup] = []
 
     def add(kind, elements, itemsize, records, placements):
@@ -208,9 +216,7 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
     for s in shape.sites:
         if not selection.wants(s.module) or (s.expert and experts_unrecorded):
             continue
-        per_micro = micro * (calls if s.module in (TIED_EMBEDDING, OUTPUT_LAYER) else 1)
-        if repeated_mtp and s.module.startswith("mtp.layers.0."):  # one layer run at every depth
-            per_micro *= calls - 1
+        per_micro = micro * _calls(model, s.module)
         again = 1 if role == CANDIDATE and recomputed(recipe, s.module) else 0  # its output, recomputed
         if s.expert:  # a fraction of the tokens, over expert-TP
             t = tokens * topk / experts
