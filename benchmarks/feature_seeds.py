@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import platform
 import subprocess
@@ -53,9 +54,12 @@ def worst(report: dict) -> Dict[str, object]:
     """The largest error / tolerance of a report's tensors, and which tensor it is."""
     best, where = 0.0, None
     for t in report.get("tensors", []):
-        if t.get("tolerance_eps") and t.get("error_eps") is not None and t["error_eps"] / t["tolerance_eps"] >= best:
-            best = t["error_eps"] / t["tolerance_eps"]
-            where = f"it{t['iteration']} {t['module']} {t['tensor']}"
+        # the report writes a non-finite number as a string ("inf": a tensor with no bound to exceed)
+        error, tolerance = (float(t[k]) if t.get(k) is not None else None for k in ("error_eps", "tolerance_eps"))
+        if error is None or not tolerance or math.isinf(tolerance):
+            continue
+        if error / tolerance >= best:
+            best, where = error / tolerance, f"it{t['iteration']} {t['module']} {t['tensor']}"
     return {"worst": best, "worst_tensor": where}
 
 

@@ -86,6 +86,16 @@ def _moe(draw: Draw) -> Draw:
     return lambda rng, model: draw(rng, model) if model.get("num_moe_experts") else None
 
 
+def _quantile_balancing(rng, model):
+    """0.19's quantile balancing on one MoE model in five: it replaces the load-balancing type drawn
+    before (and its aux-loss coefficient); its bias's EMA at megatron's default or 0.5."""
+    if not model.get("num_moe_experts") or rng.random() >= 0.2:
+        return None
+    model["moe_router_load_balancing_type"] = "quantile_balancing"
+    model.pop("moe_aux_loss_coeff", None)
+    return rng.choice([None, 0.5])
+
+
 def _query_groups(rng, model):
     heads = model["num_attention_heads"]
     return rng.choice([None, heads // 2, 2, 1])  # MHA, GQA, GQA (often < TP), MQA
@@ -228,6 +238,13 @@ FIELDS: Dict[str, Draw] = {
     "rotary_percent": _sometimes(0.15, 0.5),
     "rotary_base": _sometimes(0.15, 500000),
     "make_vocab_size_divisible_by": _choice(128, 1, 8),
+    # 0.17-0.19 (issue #33): one MTP layer at every depth, the MLP run per chunk of the sequence, and
+    # quantile balancing with its bias's EMA (last: it replaces the load-balancing type drawn above)
+    "mtp_use_repeated_layer": _later("mtp_use_repeated_layer", lambda rng, model: (True if rng.random() < 0.3 else None)
+                                     if model.get("mtp_num_layers") else None),
+    "mlp_chunks_for_training": _later("mlp_chunks_for_training", _sometimes(0.1, 2)),
+    "moe_router_quantile_balancing_ema": _later("moe_router_quantile_balancing_ema",
+                                                lambda rng, model: _quantile_balancing(rng, model)),
 }
 
 # structure / numerics fields the sweep leaves at megatron's default, and why
@@ -466,6 +483,7 @@ class Outcome:
     detail: str = ""
     seconds: float = 0.0
     worst_ratio: float = 0.0
+    twin_worst_ratio: Optional[float] = None  # --twin: the fp32 twin's, for a bf16 or fp16 configuration
 
 
 def _megatron_accepts(recipe) -> Optional[str]:
@@ -481,14 +499,16 @@ def _megatron_accepts(recipe) -> Optional[str]:
     return None
 
 
-def run_one(raw: Dict[str, Any], tmp: str) -> Outcome:
-    """Classify one configuration: validate, run reference and candidate (lock-step), compare."""
+def run_one(raw: Dict[str, Any], tmp: str, twin: bool = False) -> Outcome:
+    """Classify one configuration: validate, run reference and candidate (lock-step), compare.
+    ``twin``: a bf16 or fp16 configuration's fp32 twin as well, from the same seed checkpoint, as
+    ``ttrace run`` adds it; either verdict failing on a clean configuration is a false positive."""
     from ttrace_megatron.adapter.recipe.config import validate_recipe
     from ttrace_megatron.adapter.run.launch import launch
     from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.compare import compare_traces
     from ttrace_megatron.errors import RecipeError, RunFailed
-    from ttrace_megatron.recipe import recipe_from_dict
+    from ttrace_megatron.recipe import fp32_twin, recipe_from_dict
 
     start = time.perf_counter()
     try:
@@ -502,18 +522,27 @@ def run_one(raw: Dict[str, Any], tmp: str) -> Outcome:
         validate_recipe(recipe)
     except RecipeError as e:
         return Outcome(REFUSED, str(e))
-    seed = os.path.join(tmp, "seed.safetensors")
-    ref, cand, pert = (os.path.join(tmp, d) for d in ("ref", "cand", "pert"))
+    seed = os.path.join(tmp, "seed.safetensors")  # the twin's too: the low-precision run's start
 
-    def spec(role, trace_dir, **trace):
-        return RunSpec(recipe=recipe.to_json(), role=role, trace=trace_options(trace_dir, seed, **trace))
+    def check(r, where):
+        ref, cand, pert = (os.path.join(where, d) for d in ("ref", "cand", "pert"))
 
-    try:
+        def spec(role, trace_dir, **trace):
+            return RunSpec(recipe=r.to_json(), role=role, trace=trace_options(trace_dir, seed, **trace))
+
         launch(spec(REFERENCE, ref), timeout_s=600)
         launch(spec(CANDIDATE, cand, lockstep=ref), timeout_s=600)
-        if recipe.tolerance.perturbation:
+        if r.tolerance.perturbation:
             launch(spec(REFERENCE, pert, perturb=1, lockstep=ref), timeout_s=600)
-        result = compare_traces(ref, cand, perturbed=pert if recipe.tolerance.perturbation else None)
+        return compare_traces(ref, cand, perturbed=pert if r.tolerance.perturbation else None)
+
+    twin_recipe = fp32_twin(recipe) if twin else None
+    twin_result = None
+    try:
+        result = check(recipe, tmp)
+        if twin_recipe is not None:
+            os.makedirs(os.path.join(tmp, "fp32_twin"))
+            twin_result = check(twin_recipe, os.path.join(tmp, "fp32_twin"))
     except RecipeError as e:
         text = str(e)
         kind = (NOT_AS_DESCRIBED if "not the model the recipe describes" in text
@@ -526,16 +555,19 @@ def run_one(raw: Dict[str, Any], tmp: str) -> Outcome:
     except Exception:
         return Outcome(CRASH, _tail(traceback.format_exc()), time.perf_counter() - start)
     worst = max((r.ratio for r in result.results), default=0.0)
+    twin_worst = max((r.ratio for r in twin_result.results), default=0.0) if twin_result is not None else None
+    seconds = time.perf_counter() - start
     bug = megatron_bug(raw)
     if bug:
-        kind = BUG_DETECTED if result.verdict == "fail" else BUG_MISSED
-        return Outcome(kind, bug, time.perf_counter() - start, worst)
-    if result.failures:
-        f = result.failures[0]
-        return Outcome(FALSE_POSITIVE, f"{len(result.failures)} failures; first {f.key.module} {f.key.phase} "
-                       f"{f.key.tensor} it{f.key.iteration}: {f.error_eps:.3g} ε vs {f.tolerance_eps:.3g}",
-                       time.perf_counter() - start, worst)
-    return Outcome(PASS, "", time.perf_counter() - start, worst)
+        caught = result.verdict == "fail" or (twin_result is not None and twin_result.verdict == "fail")
+        return Outcome(BUG_DETECTED if caught else BUG_MISSED, bug, seconds, worst, twin_worst)
+    for label, judged in (("", result), ("fp32 twin: ", twin_result)):
+        if judged is not None and judged.failures:
+            f = judged.failures[0]
+            return Outcome(FALSE_POSITIVE, f"{label}{len(judged.failures)} failures; first {f.key.module} {f.key.phase} "
+                           f"{f.key.tensor} it{f.key.iteration}: {f.error_eps:.3g} ε vs {f.tolerance_eps:.3g}",
+                           seconds, worst, twin_worst)
+    return Outcome(PASS, "", seconds, worst, twin_worst)
 
 
 def _first_line(text: str) -> str:
@@ -594,6 +626,9 @@ def main():
     parser.add_argument("--shard", default="0/1", help="K/N: only the configurations whose index is K mod N (run N "
                                                        "shards side by side, then --table on their JSONL files)")
     parser.add_argument("--table", nargs="*", help="print the table of these JSONL files and exit")
+    parser.add_argument("--twin", action="store_true", help="a bf16 or fp16 configuration's fp32 twin as well, as "
+                                                            "`ttrace run` adds it (both verdicts judged)")
+    parser.add_argument("--dtypes", nargs="*", help="only the configurations drawn in these dtypes")
     parser.add_argument("--refusals", action="store_true",
                         help="run nothing: the share of the population ttrace refuses before any run, by field")
     args = parser.parse_args()
@@ -623,10 +658,10 @@ def main():
     configs, rejected = population(args.n, args.seed)
     print(f"{len(configs)} configurations megatron-core's config rules accept, of {len(configs) + rejected} drawn\n")
     for i, raw in enumerate(configs):
-        if (args.only and i not in args.only) or i % shards != shard:
+        if (args.only and i not in args.only) or i % shards != shard or (args.dtypes and raw["dtype"] not in args.dtypes):
             continue
         with tempfile.TemporaryDirectory() as tmp:
-            out = run_one(raw, tmp)
+            out = run_one(raw, tmp, twin=args.twin)
         rows.append((raw, out))
         print(f"<!-- {raw['name']} {out.kind} {out.seconds:.0f}s ratio {out.worst_ratio:.2f} "
               f"{' '.join(features(raw))} :: {out.detail[:400]} -->", flush=True)
@@ -668,8 +703,10 @@ def report(rows: List[Tuple[Dict[str, Any], Outcome]]) -> None:
     print(table(rows))
     print()
     seconds = sum(o.seconds for _, o in rows)
+    twins = [o.twin_worst_ratio for _, o in rows if o.kind == PASS and o.twin_worst_ratio is not None]
     print(f"{len(rows)} configurations, {seconds / 60:.0f} min of runs; worst clean ratio "
-          f"{max((o.worst_ratio for _, o in rows if o.kind == PASS), default=0):.2f}\n")
+          f"{max((o.worst_ratio for _, o in rows if o.kind == PASS), default=0):.2f}"
+          + (f"; {len(twins)} clean ones with an fp32 twin, its worst ratio {max(twins):.2f}" if twins else "") + "\n")
     for raw, out in rows:
         if out.kind not in (PASS, MEGATRON_REJECTS):
             print(f"- {raw['name']} **{out.kind}**: {out.detail[:300]}")
