@@ -41,7 +41,7 @@ FEATURES = {
     "quantile_balancing_tp2_sp_ep2": ("moe_tp2_sp_ep2", {"moe_router_load_balancing_type": "quantile_balancing",
                                                          "moe_router_quantile_balancing_ema": 0.5,
                                                          "moe_aux_loss_coeff": None},
-                                      "router_topk_skips_best",
+                                      "qb_quantile_over_the_rank_shard",
                                       "moe_tp2_sp_ep2 + quantile balancing (EMA 0.5; no aux loss)"),
     "mlp_chunks_tp2": ("gpt_tp2", {"mlp_chunks_for_training": 2}, "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
                        "gpt_tp2 + mlp_chunks_for_training 2 (the MLP run on each half of the sequence)"),

@@ -161,14 +161,9 @@ class _RouterFunctionHooks:
         original = self.originals[TOPK_FUNCTION]
         if precomputed_indices is None or not self.active:
             return original(logits, topk, *args, precomputed_indices=precomputed_indices, **kwargs)
-        tap = self.active[-1]
-        scores = logits.detach().float() - tap.router.qb_beta
-        chosen = precomputed_indices
-
-        def quantile_choice(s, k, num_groups=None, group_topk=None):
-            return s.gather(1, chosen), chosen
-
-        _, indices = tap.get_replay_topk(scores, topk, None, None, quantile_choice)
+        # megatron consults no RouterReplay on this path, and neither does the tap: observed, not replayed
+        scores = logits.detach().float() - self.active[-1].router.qb_beta
+        _, indices = self.active[-1].observe(scores, topk, scores.gather(1, precomputed_indices), precomputed_indices)
         return original(logits, topk, *args, precomputed_indices=indices, **kwargs)
 
     def balancing_map(self, logits, topk, score_function, *args, **kwargs):
@@ -234,9 +229,16 @@ class RoutingTap:
             values, indices = self.inner.get_replay_topk(scores, topk, num_groups, group_topk, default_compute_topk)
         else:
             values, indices = default_compute_topk(scores, topk, num_groups=num_groups, group_topk=group_topk)
+        if group_topk:
+            return values, indices
+        return self.observe(scores, topk, values, indices)
+
+    def observe(self, scores: torch.Tensor, topk: int, values: torch.Tensor, indices: torch.Tensor):
+        """The choice ``indices`` (its ``values``), the top ``topk`` of ``scores``: recorded, and where
+        the candidate follows, the reference's experts taken on the tokens whose choice differs."""
         rec = self.recorder
         clock = rec.clock
-        if not clock.in_iteration or group_topk:
+        if not clock.in_iteration:
             return values, indices
         # a recomputed router (activation recomputation) routes again inside the backward: its choice was
         # recorded when it first ran; it follows the reference again, as it did then

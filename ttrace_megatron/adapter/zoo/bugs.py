@@ -924,3 +924,29 @@ def qb_beta_not_averaged_over_dp(chunks) -> None:
             torch.distributed.all_reduce = all_reduce
 
     finalize._update_router_qb_beta = update_router_qb_beta
+
+
+@bug()
+def qb_quantile_over_the_rank_shard(chunks) -> None:
+    """Quantile balancing (0.19) takes each expert's quantile over this rank's shard of the sequence,
+    its all-gather over TP×CP left out (as with no TP×CP group): under sequence parallelism each TP
+    rank's ``qb_beta`` follows its own tokens, and the router's replicas choose by different biases
+    from the second iteration on."""
+    from megatron.core.transformer.moe.router import Router
+
+    routers = [router for _, router in _modules(chunks, "*", Router) if hasattr(router, "quantile_balancing")]
+    if not routers:
+        raise ValueError("bug injection: qb_quantile_over_the_rank_shard needs megatron-core's quantile balancing "
+                         "(0.19)")
+    for router in routers:
+        original = router.quantile_balancing
+
+        def quantile_balancing(logits, original=original, router=router):
+            group = router.tp_cp_group
+            router.tp_cp_group = None  # the bug: no gather, the rank's own rows
+            try:
+                return original(logits)
+            finally:
+                router.tp_cp_group = group
+
+        router.quantile_balancing = quantile_balancing
