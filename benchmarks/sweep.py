@@ -273,7 +273,8 @@ MEGATRON_BUGS = {
         # expert_model_parallel_size > 1)`: with EP 1, DDP reduces expert grads over the dense DP
         # group. With expert-TP < TP and SP that group leaves out the TP peers whose sequence shards
         # sent the expert other tokens; with expert-TP > TP it adds up different expert-TP shards
-        lambda raw: bool(raw["model"].get("num_moe_experts")) and _sizes(raw)["ep"] == 1
+        # (fixed by Megatron-LM PR #5916, which 0.19 has: `use_expert_pgs` tags them by the expert groups)
+        lambda raw: bool(raw["model"].get("num_moe_experts")) and _sizes(raw)["ep"] == 1 and not _expert_tags_fixed()
         and (_sizes(raw)["etp"] > _sizes(raw)["tp"] or (_sizes(raw)["etp"] < _sizes(raw)["tp"] and _sizes(raw)["sp"]))),
     "learnable softmax offset counted on TP rank 0 only in the grad norm (TP > 1)": (
         # transformer/dot_product_attention.py:126-138 registers softmax_offset (one per head of the
@@ -287,6 +288,16 @@ MEGATRON_BUGS = {
         lambda raw: bool(raw["model"].get("num_moe_experts")) and raw["model"].get("moe_z_loss_coeff") is not None
         and bool(raw.get("data", {}).get("padded_share")) and _sizes(raw)["tp"] > 1 and _sizes(raw)["sp"]),
 }
+
+
+def _expert_tags_fixed() -> bool:
+    """Whether the installed megatron-core tags expert weights by the expert groups whenever expert-TP
+    differs from TP (PR #5916's ``use_expert_pgs`` in ColumnParallelLinear; read in its source)."""
+    import inspect
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    return "use_expert_pgs" in inspect.getsource(ColumnParallelLinear.__init__)
 
 
 def megatron_bug(raw: Dict[str, Any]) -> Optional[str]:

@@ -574,6 +574,22 @@ def test_multi_token_prediction_with_pipeline_parallelism_and_tied_embeddings(ru
     assert fm is not None and (fm.key.module, fm.key.phase) == ("embedding.word_embeddings", "main_grad"), fm
 
 
+def test_mtp_stage_copy_of_learned_position_embeddings_never_synced_is_caught(runs):
+    """A megatron-core bug the sweep found (0.16.1 and 0.19.2): with multi-token prediction and PP > 1
+    the MTP stage builds an embedding of its own, learned position embeddings included, but the
+    position embeddings are all-reduced over a group of the first stage alone
+    (parallel_state.default_position_embedding_ranks; Megatron-LM's pretrain_gpt.py adds the MTP
+    stages to the word embeddings' group only). Each stage's copy steps on its own share of the grad:
+    the copies are replicas that differ, at the main grad. With RoPE there is no copy, and it passes
+    (test_multi_token_prediction)."""
+    recipe = load("gpt_pp2", model={"mtp_num_layers": 1})
+    ref, cand = runs.candidate(recipe)
+    fm = compare_traces(ref, cand).first_mismatch
+    assert fm is not None and (fm.key.module, fm.key.phase, fm.key.tensor) == (
+        "embedding.position_embeddings", "main_grad", "weight.main_grad"), fm
+    assert "candidate replicas differ" in fm.reason
+
+
 @pytest.mark.parametrize("fields,why", [
     ({"dtype": "fp8"}, "with dtype fp8 yet"),
 ])

@@ -130,7 +130,8 @@ def validate_recipe(recipe: Recipe) -> None:
         raise RecipeError(f"{where}: {section}: '{key}' is not supported by ttrace: {why}")
     mtp = mtp_refused(recipe)
     if mtp:
-        key = "mtp_detach_heads" if mtp.startswith(MTP_DETACHED_WITH_PP) else "mtp_num_layers"
+        key = ("mtp_detach_heads" if mtp.startswith(MTP_DETACHED_WITH_PP) else
+               "mtp_use_repeated_layer" if mtp.startswith(MTP_REPEATED_WITH_RECOMPUTE) else "mtp_num_layers")
         raise RecipeError(f"{where}: model: '{key}' is not supported by ttrace {mtp}")
     chunks = mlp_chunks_refused(recipe)
     if chunks:
@@ -159,10 +160,11 @@ def mlp_chunks_refused(recipe: Recipe) -> Optional[str]:
     if recipe.dtype == "fp8":
         return ("with dtype fp8 yet: the backward's amaxes of a module run more than once a microbatch are not "
                 "told apart by call")
-    if "mlp" in (model.get("recompute_modules") or ()) and model.get("recompute_granularity") == "selective":
-        return ("with the MLP recomputed: megatron skips the chunks where it recomputes a dense MLP "
-                f"({_CHUNKED_MLP}, the branch before), and only the candidate recomputes, so the reference's "
-                "chunked calls would have no candidate counterpart")
+    inside = {"mlp", "moe", "moe_act", "shared_experts"} & set(model.get("recompute_modules") or ())
+    if inside and model.get("recompute_granularity") == "selective":
+        return (f"with {', '.join(sorted(inside))} recomputed: megatron skips the chunks where it recomputes a dense "
+                f"MLP ({_CHUNKED_MLP}, the branch before), and recomputes an MoE layer's chunks last first in the "
+                "backward, while ttrace names a recomputed call by its order")
     if model.get("num_moe_experts") and recipe.data.padded_share:
         return ("with a padding mask on an MoE model: megatron calls each chunk's MoE layer without the padding "
                 f"mask ({_CHUNKED_MLP}: the chunked call passes the chunk alone, line 915), so the router counts "
@@ -172,6 +174,7 @@ def mlp_chunks_refused(recipe: Recipe) -> Optional[str]:
 
 
 MTP_DETACHED_WITH_PP = "with detached heads and pipeline parallelism yet"
+MTP_REPEATED_WITH_RECOMPUTE = "with a repeated MTP layer and recomputation yet"
 
 
 def mtp_refused(recipe: Recipe) -> Optional[str]:
@@ -190,6 +193,10 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
                 "(megatron/core/transformer/multi_token_prediction.py:846, _checkpointed_forward)")
     if hybrid.pattern_of(model) is not None:
         return "in a HybridModel yet (its MTP block takes its own pattern): " + model_fields.UNVERIFIED
+    if model.get("mtp_use_repeated_layer") and model.get("recompute_granularity"):
+        return (MTP_REPEATED_WITH_RECOMPUTE + ": the backward recomputes the one layer's depths "
+                "last first, and ttrace names a recomputed call by its order (naming.call_name); found by the "
+                "configuration sweep (a false mismatch at mtp.layers.0.eh_proj's recomputed output)")
     if model.get("mtp_detach_heads") and parallel_sizes(recipe.parallel)["pp"] > 1:
         return (MTP_DETACHED_WITH_PP + ": the last stage's copy of the word embeddings, "
                 "which only the detached MTP depths use, gets no grad (megatron/core/transformer/"
@@ -433,6 +440,13 @@ def loss_path_cannot_run(recipe: Recipe):
                "the other ranks' vocabulary twice), and its backward fails at any TP size, the gathered logits being "
                "a view it changed in place (megatron/core/tensor_parallel/cross_entropy.py:196, measured on 0.16.1); "
                "Megatron-LM trains with parallel_output true")
+    if recipe.data.padded_share and model.get("num_moe_experts") and "quantile_balancing" in (
+            model.get("moe_router_load_balancing_type") if isinstance(model.get("moe_router_load_balancing_type"), list)
+            else [model.get("moe_router_load_balancing_type")]):
+        yield ("data", "padded_share",
+               "a padding mask with quantile balancing: megatron-core asserts the router gets none "
+               "(\"Quantile balancing routing does not support padding masks yet\", megatron/core/transformer/moe/"
+               "router.py:769-771 at 0.19.2); found by the configuration sweep")
     if recipe.data.padded_share and model.get("num_moe_experts") and model.get("moe_router_enable_expert_bias"):
         yield ("data", "padded_share",
                "a padding mask with the router's expert bias: megatron-core masks the [tokens, experts] routing map "

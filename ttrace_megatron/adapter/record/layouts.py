@@ -289,7 +289,7 @@ def param_layout(site: Site, facts: ModelFacts, *, microbatch_grad: bool = False
         placements = placements + (RangeShard(dp_axis, dp_ranges, local),)
     elif not microbatch_grad:
         placements = (Replicate(dp_axis),) + placements
-    if is_tied_across_stages(param, facts):
+    if is_tied_across_stages(param, facts) or is_copied_for_mtp(module_name, facts):
         # the first stage's embedding and the last stage's output layer hold one parameter: its
         # per-microbatch grads are each stage's share of the sum, its main grad and value replicas
         placements = ((Partial(PP) if microbatch_grad else Replicate(PP)),) + placements
@@ -312,6 +312,18 @@ def tensor_parallel_axis(module: Optional[torch.nn.Module], facts: ModelFacts) -
     if is_expert(module):
         return ETP, module.tp_group.size(), EDP
     return TP, facts.tp_size, DP
+
+
+POSITION_EMBEDDINGS = "embedding.position_embeddings"
+
+
+def is_copied_for_mtp(module_name: str, facts: ModelFacts) -> bool:
+    """Learned absolute position embeddings with multi-token prediction and PP > 1: the MTP stage
+    builds an embedding of its own for the MTP depths' tokens, position embeddings included, a copy
+    of the first stage's one parameter. Its per-microbatch grads are each stage's share of the
+    sum; its main grad and value must be replicas (megatron-core syncs the word embeddings' copies
+    over its embedding group, and the position embeddings' over a group of the first stage alone)."""
+    return facts.pp_size > 1 and facts.mtp_layers > 0 and module_name == POSITION_EMBEDDINGS
 
 
 def is_tied_across_stages(param: torch.Tensor, facts: ModelFacts) -> bool:

@@ -159,8 +159,9 @@ class _RouterFunctionHooks:
         ``router_replay``: recorded with the scores it is the top k of (the logits minus ``qb_beta``),
         and the reference's taken where the candidate follows and differs."""
         original = self.originals[TOPK_FUNCTION]
-        if precomputed_indices is None or not self.active:
-            return original(logits, topk, *args, precomputed_indices=precomputed_indices, **kwargs)
+        if precomputed_indices is None or not self.active:  # megatron's call as it was (0.16 has no such argument)
+            extra = {} if precomputed_indices is None else {"precomputed_indices": precomputed_indices}
+            return original(logits, topk, *args, **kwargs, **extra)
         # megatron consults no RouterReplay on this path, and neither does the tap: observed, not replayed
         scores = logits.detach().float() - self.active[-1].router.qb_beta
         _, indices = self.active[-1].observe(scores, topk, scores.gather(1, precomputed_indices), precomputed_indices)

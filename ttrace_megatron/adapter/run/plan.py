@@ -28,7 +28,7 @@ from ...errors import RecipeError
 from ...placement import Partial, RangeShard, Replicate, Shard
 from ...recipe import FP32_TWIN, Recipe, fp32_twin
 from ...trace_store import CANDIDATE, REFERENCE
-from ..record.layouts import DP, EDP, ETP, PP, TP, expert_tokens_unmatched, is_expert
+from ..record.layouts import DP, EDP, ETP, POSITION_EMBEDDINGS, PP, TP, expert_tokens_unmatched, is_expert
 from ..recipe import config as cfg
 from ..recipe.naming import OUTPUT_LAYER, TIED_EMBEDDING
 
@@ -177,6 +177,15 @@ def recomputed(recipe: Recipe, module: str) -> bool:
             or ("shared_experts" in wanted and ".shared_experts." in f".{inner}."))
 
 
+def _copied_across_stages(name: str, shape: ModelShape, model: Dict[str, Any]) -> bool:
+    """A parameter the last pipeline stage holds a copy of: the word embeddings when the output layer
+    shares them or multi-token prediction embeds there; its learned position embeddings with MTP
+    (``layouts.is_copied_for_mtp``)."""
+    mtp = bool(model.get("mtp_num_layers"))
+    return ((name == WORD_EMBEDDINGS and (shape.tied_embeddings or mtp))
+            or (name == POSITION_EMBEDDINGS + ".weight" and mtp))
+
+
 def _calls(model: Dict[str, Any], module: str) -> int:
     """How many times a recorded module runs on a microbatch's tokens (``naming.call_name``): with
     multi-token prediction the word embeddings, the output layer and the loss once more per depth,
@@ -253,7 +262,7 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
             continue
         tp_axis, dp_axis = (ETP, EDP) if p.expert else (TP, DP)
         split = (Shard(0, tp_axis),) if p.tp_sharded else (Replicate(tp_axis),)
-        if shape.tied_embeddings and p.name == WORD_EMBEDDINGS:  # with PP, the last stage's copy too
+        if _copied_across_stages(p.name, shape, model):  # with PP, the last stage's copy too
             split += (Replicate(TIED_COPIES),)
         if not (p.expert and experts_unrecorded):
             add(core.WEIGHT_GRADS, p.numel, act, micro, split)
