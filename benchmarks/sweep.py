@@ -281,6 +281,13 @@ MEGATRON_BUGS = {
         # rank) untagged, so param_is_not_tensor_parallel_duplicate counts it on TP rank 0 only
         # (benchmarks/upstream_bugs softmax_offset_counted_on_tp_rank0_only; unfixed upstream)
         lambda raw: raw["model"].get("softmax_type") == "learnable" and _sizes(raw)["tp"] > 1),
+    "MTP stage's copy of learned position embeddings never synced (MTP, PP > 1)": (
+        # the MTP stage builds its own embedding, position embeddings included (models/gpt/gpt_model.py,
+        # `pre_process or mtp_process`); they are all-reduced over a group of the first stage alone
+        # (parallel_state.default_position_embedding_ranks), so each copy steps on its own share
+        # (tests/test_end_to_end.py::test_mtp_stage_copy_of_learned_position_embeddings_never_synced_is_caught)
+        lambda raw: bool(raw["model"].get("mtp_num_layers")) and _sizes(raw)["pp"] > 1
+        and raw["model"].get("position_embedding_type", "learned_absolute") == "learned_absolute"),
     "MoE z-loss with a padding mask: the mean of each sequence shard's mean (TP > 1 with SP)": (
         # transformer/moe/router.py:486 divides the coefficient by the TP×CP size and moe_utils.py:160
         # averages over the rank's own valid tokens (benchmarks/upstream_bugs
