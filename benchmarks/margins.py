@@ -323,10 +323,10 @@ def main():
                       flush=True)
     print()
     twin_cols = (" fp32 twin: detected | twin: first mismatch | twin: error / tolerance | twin: replay culprit "
-                 "| twin: culprit error / local tolerance |") if args.twin else ""
+                 "| twin: culprit is the injected module | twin: culprit error / local tolerance |") if args.twin else ""
     print("| recipe | dtype | injected bug | detected | first mismatch | localized | error / tolerance "
           "| replay culprit | culprit is the injected module | culprit error / local tolerance |" + twin_cols)
-    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 5 if args.twin else ""))
+    print("|---|---|---|---|---|---|---|---|---|---|" + ("---|" * 6 if args.twin else ""))
     chosen = (lambda bug: bug.split(":")[0] in args.bugs) if args.bugs else (lambda bug: True)
     for name, bug, module, phase, *dtypes in (b for b in BUGS if wanted(b[0]) and chosen(b[1]) and not args.families):
         for dtype in (d for d in (dtypes[0] if dtypes else BUG_DTYPES) if d in args.dtypes):
@@ -347,16 +347,17 @@ def main():
                                            seed=os.path.join(tmp, "seed.safetensors"))
                     except Exception as e:  # a bug of the recipe's dtype with nothing to act on in fp32
                         tc = None
-                        twin_cells = f" did not run: {str(e).splitlines()[0][:80]} | — | — | — | — |"
+                        twin_cells = f" did not run: {str(e).splitlines()[0][:80]} | — | — | — | — | — |"
                 if twin is not None and tc is not None:
                     tfm, tcu = tc.first_mismatch, tloc.culprit
                     twin_cells = (f" {'yes' if tc.verdict == 'fail' else 'NO'} | "
                                   f"{f'{tfm.key.module} {tfm.key.phase} {tfm.key.tensor}' if tfm else '—'} | "
                                   f"{f'{tfm.ratio:.3g}' if tfm else '—'} | "
                                   f"{f'{tcu.key.module}, {phase_label(tcu.key)}, {tcu.key.tensor}' if tcu else '—'} | "
+                                  f"{'yes' if tcu and matches(tcu.key.module) else 'NO'} | "
                                   f"{f'{tcu.ratio:.3g}' if tcu else '—'} |")
                 elif args.twin and twin is None:
-                    twin_cells = " — | — | — | — | — |"
+                    twin_cells = " — | — | — | — | — | — |"
             fm = c.first_mismatch
             detected = c.verdict == "fail"
             where = f"{fm.key.module} {fm.key.phase} {fm.key.tensor}" if fm else "—"

@@ -290,7 +290,10 @@ def bug_rows(source: Source) -> List[BugRow]:
         rows = [again.get(entry(r), r) for r in rows]
         verdicts = [("pair", "detected", "error / tolerance", "culprit is the injected module")]
         if rows and "fp32 twin: detected" in rows[0]:
-            verdicts.append(("fp32 twin", "fp32 twin: detected", "twin: error / tolerance", "twin: replay culprit"))
+            # tables since this stop say whether the twin's culprit is the injected module; older ones do not
+            loc = ("twin: culprit is the injected module" if "twin: culprit is the injected module" in rows[0]
+                   else "twin: replay culprit")
+            verdicts.append(("fp32 twin", "fp32 twin: detected", "twin: error / tolerance", loc))
         for verdict, det, err, loc in verdicts:
             # every entry counts; a twin that did not run (a bug of the dtype alone) is not detected by it
             row = _bug_row(source, name, verdict, rows, det, err, loc,
@@ -327,7 +330,7 @@ def _bug_row(source, name, verdict, rows, det, err, loc, label) -> BugRow:
     exact = sum(1 for m, _ in margins if m == 0.0 or math.isinf(m))
     margins = [(m, r) for m, r in margins if 0.0 < m < math.inf]
     weakest = min(margins, key=lambda m: m[0]) if margins else (math.nan, None)
-    if verdict == "pair" and loc == "culprit is the injected module":
+    if loc in ("culprit is the injected module", "twin: culprit is the injected module"):
         localized = sum(r[loc] == "yes" for r in detected)
     elif loc.startswith("localized") or loc == "twin: localized":
         localized = sum(r[loc].startswith("yes") for r in detected)
