@@ -183,6 +183,17 @@ def mtp_transformer_layer(layer):
     return inner if inner is not None else layer.mtp_model_layer
 
 
+def mtp_layers_numbered_after_the_decoder() -> bool:
+    """Whether this megatron-core numbers an MTP depth's transformer layer after the decoder's layers
+    (0.16: ``num_layers + k``) rather than by its own depth (0.19's ``mtp_model_layer``), read off
+    MultiTokenPredictionLayer's source without building one."""
+    import inspect
+
+    from megatron.core.transformer import multi_token_prediction
+
+    return "mtp_model_layer" not in inspect.getsource(multi_token_prediction.MultiTokenPredictionLayer)
+
+
 def mtp_layer_number(layer, num_layers: int, depth_index: int):
     """(how, the number) megatron gives MTP depth ``depth_index + 1``'s transformer layer: after the
     decoder's layers in 0.16 (``num_layers + k``); its own number ``k`` by 0.19 ("MTP inner layers use

@@ -10,7 +10,7 @@ import torch
 
 from ...errors import RecipeError
 from ...recipe import Recipe
-from . import hybrid, model_fields
+from . import compat, hybrid, model_fields
 
 # GPTModel constructor arguments (not TransformerConfig fields) a recipe may set under `model:`.
 GPT_MODEL_KEYS = {
@@ -193,6 +193,11 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
                 "(megatron/core/transformer/multi_token_prediction.py:846, _checkpointed_forward)")
     if hybrid.pattern_of(model) is not None:
         return "in a HybridModel yet (its MTP block takes its own pattern): " + model_fields.UNVERIFIED
+    if isinstance(model.get("no_rope_freq"), list) and compat.mtp_layers_numbered_after_the_decoder():
+        return ("with a NoPE pattern on this megatron-core: attention reads no_rope_freq[layer_number - 1] "
+                "(megatron/core/transformer/attention.py:918 at 0.16.1) and an MTP depth's layer is numbered after "
+                "the decoder's, past the pattern's end (an IndexError in the reference); found by the configuration "
+                "sweep")
     if model.get("mtp_use_repeated_layer") and model.get("recompute_granularity"):
         return (MTP_REPEATED_WITH_RECOMPUTE + ": the backward recomputes the one layer's depths "
                 "last first, and ttrace names a recomputed call by its order (naming.call_name); found by the "
