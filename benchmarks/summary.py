@@ -39,6 +39,7 @@ FREE = "free_running"    # free_running.py rows (jsonl)
 TWIN_COST = "twin_cost"  # twin_cost.py rows (jsonl)
 WORKERS = "workers"      # compare_workers.py rows (jsonl)
 PLAN = "plan"            # plan_check.py rows (jsonl): ttrace plan's bytes against a real check's
+SWEEP = "sweep"          # sweep.py --jsonl rows: each configuration and its outcome (--twin: the twin's too)
 
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
@@ -86,6 +87,8 @@ CURRENT: Tuple[Source, ...] = (
     Source("quantile balancing at TP2+SP+EP2, 3 seeds, megatron-core 0.19.2", FREE,
            ("feature_quantile_balancing_tp2_sp_ep2_86d8817_mc0192.jsonl",),
            "benchmarks/results/history/issue33_features.md"),
+    Source("configuration sweep: the bf16 draws of seed 0's first 200, with the fp32 twin", SWEEP,
+           ("sweep_bf16_twin_1acf866.jsonl",), "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("scale ladder (with the norm's terms)", LADDER,
            ("scale_terms_68a3b73.jsonl", "scale_terms_5f03f30.jsonl", "scale_terms_seeds23_0f41cd6.jsonl",
             "scale_terms_d32_w2048_seeds_051d7ae.jsonl", "scale_terms_seeds23_d8_h512layouts_effd963.jsonl",
@@ -257,6 +260,31 @@ def free_rows(source: Source) -> List[CleanRow]:
     return out
 
 
+def sweep_rows(source: Source) -> List[CleanRow]:
+    """The configurations a sweep ran to a verdict: the pair's and (``--twin``) the fp32 twin's false
+    positives and worst clean ratio; the known megatron bugs it hit are true positives."""
+    out = []
+    for name in source.files:
+        rows = jsonl(_path(name))
+        judged = [r for r in rows if r["outcome"]["kind"] in ("pass", "false positive", "megatron bug detected",
+                                                              "megatron bug missed")]
+        clean = [r for r in judged if r["outcome"]["kind"] == "pass"]
+        fps = [r for r in judged if r["outcome"]["kind"] == "false positive"]
+        bugs = sum(r["outcome"]["kind"] == "megatron bug detected" for r in judged)
+        missed = sum(r["outcome"]["kind"] == "megatron bug missed" for r in judged)
+        true = {f"the sweep's known megatron bugs ({missed} missed)": bugs} if bugs or missed else {}
+        for label, key, is_twin in (("pair", "worst_ratio", False), ("fp32 twin", "twin_worst_ratio", True)):
+            mine = [r for r in judged if (r["outcome"].get("twin_worst_ratio") is not None) or not is_twin]
+            if not mine:
+                continue
+            worst = max(clean, key=lambda r: r["outcome"].get(key) or 0.0)
+            out.append(CleanRow(source.population, label, len(mine),
+                                sum(r["outcome"]["detail"].startswith("fp32 twin:") == is_twin for r in fps), true,
+                                None, worst["outcome"].get(key) or 0.0, worst["recipe"]["name"], commit_of(name),
+                                machine_of(name), source.detail))
+    return out
+
+
 def ladder_rows(source: Source) -> List[dict]:
     """The ladder per dtype: runs, false positives, and the worst ratio per kind of tensor."""
     per_dtype: Dict[str, dict] = {}
@@ -372,6 +400,8 @@ def summary() -> str:
             clean += clean_rows(s)
         elif s.kind == FREE:
             clean += free_rows(s)
+        elif s.kind == SWEEP:
+            clean += sweep_rows(s)
         elif s.kind == BUGS:
             bugs += bug_rows(s)
         elif s.kind == UPSTREAM:
@@ -386,6 +416,7 @@ def summary() -> str:
     for r in clean:
         fc = "—" if r.false_culprits is None else str(r.false_culprits)
         true = "".join(f" (and {n} true on {recipe}: megatron's `{KNOWN_MEGATRON_BUGS[recipe]}`)"
+                       if recipe in KNOWN_MEGATRON_BUGS else f" (and {n} true: {recipe})"
                        for recipe, n in r.true_positives.items())
         out.append(f"| {r.population} | {r.dtype} | {r.checks} | **{r.false_positives}**{true} | {fc} | "
                    f"{_g(r.worst)} ({r.worst_where}) | {r.commit}, {r.machine} | {_link(r.detail)} |")
