@@ -141,6 +141,14 @@ def test_repeated_mtp_layer_clean_and_its_bug_caught(runs):
     _, buggy = runs.candidate(recipe, inject=["mtp_projection_gather_reduces_grad"])
     fm = judge(ref, buggy).first_mismatch
     assert fm is not None and fm.key.module.startswith("mtp.layers.") and fm.key.module.endswith(".eh_proj"), fm
+    # the one layer checkpointed once per depth: its weights' grads arrive once per depth (found by the sweep)
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.errors import RecipeError
+
+    raw["model"].update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+    with pytest.raises(RecipeError, match="'mtp_use_repeated_layer' is not supported by ttrace with a repeated MTP "
+                                          "layer and recomputed weights yet"):
+        validate_recipe(recipe_from_dict(raw, "deepseek_mtp_repeated_recomputed"))
 
 
 @pytest.mark.release_slice

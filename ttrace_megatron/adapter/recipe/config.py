@@ -131,7 +131,7 @@ def validate_recipe(recipe: Recipe) -> None:
     mtp = mtp_refused(recipe)
     if mtp:
         key = ("mtp_detach_heads" if mtp.startswith(MTP_DETACHED_WITH_PP) else
-               "mtp_use_repeated_layer" if mtp.startswith(MTP_REPEATED_WITH_RECOMPUTE) else "mtp_num_layers")
+               "mtp_use_repeated_layer" if mtp.startswith(MTP_REPEATED_RECOMPUTED) else "mtp_num_layers")
         raise RecipeError(f"{where}: model: '{key}' is not supported by ttrace {mtp}")
     chunks = mlp_chunks_refused(recipe)
     if chunks:
@@ -174,7 +174,7 @@ def mlp_chunks_refused(recipe: Recipe) -> Optional[str]:
 
 
 MTP_DETACHED_WITH_PP = "with detached heads and pipeline parallelism yet"
-MTP_REPEATED_WITH_RECOMPUTE = "with a repeated MTP layer and recomputation yet"
+MTP_REPEATED_RECOMPUTED = "with a repeated MTP layer and recomputed weights yet"
 
 
 def mtp_refused(recipe: Recipe) -> Optional[str]:
@@ -198,10 +198,14 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
                 "(megatron/core/transformer/attention.py:918 at 0.16.1) and an MTP depth's layer is numbered after "
                 "the decoder's, past the pattern's end (an IndexError in the reference); found by the configuration "
                 "sweep")
-    if model.get("mtp_use_repeated_layer") and model.get("recompute_granularity"):
-        return (MTP_REPEATED_WITH_RECOMPUTE + ": the backward recomputes the one layer's depths "
-                "last first, and ttrace names a recomputed call by its order (naming.call_name); found by the "
-                "configuration sweep (a false mismatch at mtp.layers.0.eh_proj's recomputed output)")
+    with_params = (model.get("recompute_granularity") == "full" or set(model.get("recompute_modules") or ("core_attn",))
+                   - {"core_attn", "moe_act"}) if model.get("recompute_granularity") else False
+    if model.get("mtp_use_repeated_layer") and with_params:
+        return (MTP_REPEATED_RECOMPUTED + ": megatron checkpoints the one MTP layer (or the recomputed modules in "
+                "it) once per depth, so the grads of the weights inside arrive in one backward per depth "
+                "(multi_token_prediction.py, _checkpointed_forward), and ttrace records a parameter's grad once per "
+                "microbatch (recomputing core_attn or moe_act, which hold no weights, is traced); found by the "
+                "configuration sweep")
     if model.get("mtp_detach_heads") and parallel_sizes(recipe.parallel)["pp"] > 1:
         return (MTP_DETACHED_WITH_PP + ": the last stage's copy of the word embeddings, "
                 "which only the detached MTP depths use, gets no grad (megatron/core/transformer/"
