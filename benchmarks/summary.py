@@ -100,7 +100,7 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue31_scale.md", reruns=("zoo_fp32_wide_distopt_a073567.md",)),
     Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
            "benchmarks/results/history/issue31_scale.md"),
-    Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_7194ac9.md",),
+    Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_b536d29.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
@@ -382,7 +382,48 @@ def _g(x: float) -> str:
         return "—"
     if math.isinf(x):
         return "inf"
-    return f"{x:.3g}" if abs(x) < 1e4 else f"{x:.2e}".replace("e+0", "e").replace("e+", "e")
+    text = f"{x:.3g}" if abs(x) < 1e4 else f"{x:.2e}"
+    return text.replace("e+0", "e").replace("e+", "e")
+
+
+# the toy zoo's tables, one per dtype family: each bug's margin in each dtype and verdict (issue #36)
+PER_BUG = (("fp32", "zoo_fp32_1a073b7.md"), ("low precision", "zoo_lowp_twin_b536d29.md"))
+PER_BUG_COLUMNS = (("fp32", "pair"), ("bf16", "pair"), ("bf16", "fp32 twin"), ("fp16", "pair"), ("fp16", "fp32 twin"),
+                   ("fp8", "pair"), ("fp8", "fp32 twin"))
+
+
+def _margin_cell(detected: str, ratio: str, localized: bool) -> str:
+    """One verdict on one bug: its margin ("exact": judged exactly; "missed"), † where the replay's
+    culprit is not the injected module."""
+    if detected != "yes":
+        return "missed" if detected == "NO" else "—"
+    m = number(ratio)
+    text = "exact" if m is not None and (m == 0.0 or math.isinf(m)) else _g(m)
+    return text + ("" if localized else " †")
+
+
+def per_bug_table() -> List[str]:
+    """Each zoo bug's margin per dtype and verdict, at toy size (the tables of ``PER_BUG``)."""
+    cells: Dict[str, Dict[Tuple[str, str], str]] = {}
+    for _, name in PER_BUG:
+        for r in (r for t in markdown_tables(_path(name)) for r in t if "injected bug" in r):
+            bug = f"{r['injected bug'].strip('`').split(':')[0]} ({r['recipe']})"
+            row = cells.setdefault(bug, {})
+            row[(r["dtype"], "pair")] = _margin_cell(r["detected"], r["error / tolerance"],
+                                                     r["culprit is the injected module"] == "yes")
+            if "fp32 twin: detected" in r:
+                twin_ran = not r["fp32 twin: detected"].startswith("did not run")
+                row[(r["dtype"], "fp32 twin")] = (_margin_cell(r["fp32 twin: detected"], r["twin: error / tolerance"],
+                                                               r.get("twin: culprit is the injected module") == "yes")
+                                                  if twin_ran else "cannot act")
+    out = ["", "Each bug's margin in each dtype and verdict, at toy size (" + ", ".join(
+        _link(f"benchmarks/results/{n}") for _, n in PER_BUG) + "; † the replay's culprit is not the injected "
+        "module; \"cannot act\": a bug of the dtype alone, with nothing to act on in fp32):", "",
+        "| bug (recipe) | " + " | ".join(f"{d} {v}" for d, v in PER_BUG_COLUMNS) + " |",
+        "|---|" + "---|" * len(PER_BUG_COLUMNS)]
+    for bug in sorted(cells):
+        out.append(f"| {bug} | " + " | ".join(cells[bug].get(c, "—") for c in PER_BUG_COLUMNS) + " |")
+    return out
 
 
 def _link(path: str) -> str:
@@ -428,14 +469,15 @@ def summary() -> str:
             f"Margin: error / tolerance of the first mismatch; the goal is ≥ {GOAL_MARGIN:g}×. \"exact\": detected on "
             "a tensor judged exactly (replicas that must be bitwise equal, data), which has no margin.", "",
             "Localized: the replay's culprit is the injected module (the upstream table: the module and phase its "
-            "fix changed; the zoo's twin: its culprit is the module the pair's culprit named as injected, a lower "
-            "bound, as the zoo's twin columns do not say).", "",
+            "fix changed; a zoo twin table without its own column: its culprit is the module the pair's culprit "
+            "named as injected, a lower bound).", "",
             "| population | verdict | entries | detected | localized | margin ≥ 10× | exact | weakest margin | "
             "commit, machine | detail |", "|---|---|---|---|---|---|---|---|---|---|"]
     for r in bugs:
         out.append(f"| {r.population} | {r.verdict} | {r.entries} | **{r.detected}** | {r.localized} | {r.at_goal} | "
                    f"{r.exact} | "
                    f"{_g(r.weakest)} ({r.weakest_entry}) | {r.commit}, {r.machine} | {_link(r.detail)} |")
+    out += per_bug_table()
     for s, rows in ladders:
         out += ["", "### The scale ladder: worst error / tolerance per kind of tensor, over every rung and seed", "",
                 f"{s.population}: {_files(s)}. A ratio > 1 would be a false positive. The plot: fp32, one panel "
