@@ -193,7 +193,7 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
                 "(megatron/core/transformer/multi_token_prediction.py:846, _checkpointed_forward)")
     if hybrid.pattern_of(model) is not None:
         return "in a HybridModel yet (its MTP block takes its own pattern): " + model_fields.UNVERIFIED
-    if isinstance(model.get("no_rope_freq"), list) and compat.mtp_layers_numbered_after_the_decoder():
+    if model.get("no_rope_freq") and compat.mtp_layers_numbered_after_the_decoder():  # an int becomes a list too
         return ("with a NoPE pattern on this megatron-core: attention reads no_rope_freq[layer_number - 1] "
                 "(megatron/core/transformer/attention.py:918 at 0.16.1) and an MTP depth's layer is numbered after "
                 "the decoder's, past the pattern's end (an IndexError in the reference); found by the configuration "
