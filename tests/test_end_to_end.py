@@ -602,6 +602,22 @@ def test_multi_token_prediction_refusals_name_the_reason(fields, why):
         validate_recipe(recipe)
 
 
+def test_multi_token_prediction_with_nope_is_refused_where_megatron_indexes_past_the_pattern():
+    """megatron-core 0.16 numbers an MTP depth's layer after the decoder's and attention reads
+    no_rope_freq[layer_number - 1], past the pattern's end (an IndexError the bf16 sweep hit); 0.19
+    numbers MTP layers by depth and runs it."""
+    from ttrace_megatron.adapter.recipe import compat
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.errors import RecipeError
+
+    recipe = load("deepseek_mtp_tp2_sp", model={"no_rope_freq": 2})
+    if not compat.mtp_layers_numbered_after_the_decoder():
+        validate_recipe(recipe)
+        return
+    with pytest.raises(RecipeError, match="'mtp_num_layers' is not supported by ttrace with a NoPE pattern"):
+        validate_recipe(recipe)
+
+
 def test_fp16_with_the_dynamic_loss_scaler(runs):
     """dtype fp16: megatron scales the loss before the backward and unscales the main grads before
     the step. Grads are judged unscaled (the layout's scale holds the loss scale), each step's
