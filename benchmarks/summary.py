@@ -89,6 +89,9 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue33_features.md"),
     Source("configuration sweep: the bf16 draws of seed 0's first 200, with the fp32 twin", SWEEP,
            ("sweep_bf16_twin_1acf866.jsonl",), "benchmarks/results/history/issue36_bf16_twin.md"),
+    Source("configuration sweep on megatron-core 0.19.2: seed 0's draws with a repeated MTP layer, a chunked MLP or "
+           "quantile balancing, with the fp32 twin", SWEEP, ("sweep_features_mc0192_af0e2aa.jsonl",),
+           "benchmarks/results/history/issue33_features.md"),
     Source("scale ladder (with the norm's terms)", LADDER,
            ("scale_terms_68a3b73.jsonl", "scale_terms_5f03f30.jsonl", "scale_terms_seeds23_0f41cd6.jsonl",
             "scale_terms_d32_w2048_seeds_051d7ae.jsonl", "scale_terms_seeds23_d8_h512layouts_effd963.jsonl",
