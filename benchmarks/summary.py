@@ -426,6 +426,32 @@ def per_bug_table() -> List[str]:
         "|---|" + "---|" * len(PER_BUG_COLUMNS)]
     for bug in sorted(cells):
         out.append(f"| {bug} | " + " | ".join(cells[bug].get(c, "—") for c in PER_BUG_COLUMNS) + " |")
+    return out + per_upstream_table()
+
+
+# the upstream tables: fp32 at width, bf16 (with its twin) at toy size
+PER_UPSTREAM = (("fp32 pair, at width", "upstream_fp32_wide_59bf492.md", "detected", "error / tolerance",
+                 "localized (expected module, phase)"),
+                ("bf16 pair", "upstream_bf16_twin_7421a72.md", "detected", "error / tolerance",
+                 "localized (expected module, phase)"),
+                ("bf16 fp32 twin", "upstream_bf16_twin_7421a72.md", "twin: detected", "twin: error / tolerance",
+                 "twin: localized"))
+
+
+def per_upstream_table() -> List[str]:
+    """Each upstream Megatron-LM bug's margin in each verdict (the tables of ``PER_UPSTREAM``)."""
+    cells: Dict[str, Dict[str, str]] = {}
+    for column, name, det, err, loc in PER_UPSTREAM:
+        for r in (r for t in markdown_tables(_path(name)) for r in t if "entry" in r):
+            cells.setdefault(f"{r['entry']} ({r['recipe']})", {})[column] = _margin_cell(
+                r[det], r[err], r[loc].startswith("yes"))
+    files = sorted({n for _, n, *_ in PER_UPSTREAM})
+    out = ["", "Each upstream Megatron-LM bug's margin in each verdict (" + ", ".join(
+        _link(f"benchmarks/results/{n}") for n in files) + "; † not localized to the module and phase its fix "
+        "changed):", "", "| entry (recipe) | " + " | ".join(c for c, *_ in PER_UPSTREAM) + " |",
+        "|---|" + "---|" * len(PER_UPSTREAM)]
+    for entry in sorted(cells):
+        out.append(f"| {entry} | " + " | ".join(cells[entry].get(c, "—") for c, *_ in PER_UPSTREAM) + " |")
     return out
 
 
