@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -26,11 +27,23 @@ def ttrace_run(recipe: str, out: str, extra: List[str]) -> Dict:
     return report
 
 
+def worst_tensor(report: dict) -> Tuple[Optional[float], Optional[str]]:
+    """The largest error / tolerance over the compared tensors (< 1 for a pass), and which tensor
+    (``it{iteration} {module} {tensor}``). The report writes a non-finite number as a string: an
+    infinite tolerance (an exact tie a choice may flip on) has no ratio."""
+    best, where = None, None
+    for t in report.get("tensors", []):
+        if t.get("tolerance_eps") is None or t.get("error_eps") is None:
+            continue
+        error, tolerance = float(t["error_eps"]), float(t["tolerance_eps"])
+        if tolerance and not math.isinf(tolerance) and (best is None or error / tolerance >= best):
+            best, where = error / tolerance, f"it{t['iteration']} {t['module']} {t['tensor']}"
+    return best, where
+
+
 def worst_ratio(report: dict) -> Optional[float]:
     """The largest error / tolerance over the compared tensors (< 1 for a pass)."""
-    ratios = [t["error_eps"] / t["tolerance_eps"] for t in report.get("tensors", [])
-              if t.get("tolerance_eps") and t.get("error_eps") is not None]
-    return max(ratios) if ratios else None
+    return worst_tensor(report)[0]
 
 
 def margin(report: dict) -> Optional[float]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import math
 import os
 import platform
 import subprocess
@@ -27,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from cli_runs import margin  # noqa: E402
+from cli_runs import margin, worst_tensor  # noqa: E402
 
 # name -> (shipped recipe, model fields set on it, the feature's injected bug, what it is)
 FEATURES = {
@@ -51,16 +50,8 @@ FEATURES = {
 
 
 def worst(report: dict) -> Dict[str, object]:
-    """The largest error / tolerance of a report's tensors, and which tensor it is."""
-    best, where = 0.0, None
-    for t in report.get("tensors", []):
-        # the report writes a non-finite number as a string ("inf": a tensor with no bound to exceed)
-        error, tolerance = (float(t[k]) if t.get(k) is not None else None for k in ("error_eps", "tolerance_eps"))
-        if error is None or not tolerance or math.isinf(tolerance):
-            continue
-        if error / tolerance >= best:
-            best, where = error / tolerance, f"it{t['iteration']} {t['module']} {t['tensor']}"
-    return {"worst": best, "worst_tensor": where}
+    ratio, where = worst_tensor(report)
+    return {"worst": ratio or 0.0, "worst_tensor": where}
 
 
 def check(feature: str, dtype: str, seed: int, inject: Optional[str]) -> dict:

@@ -198,9 +198,10 @@ def mtp_refused(recipe: Recipe) -> Optional[str]:
                 "(megatron/core/transformer/attention.py:918 at 0.16.1) and an MTP depth's layer is numbered after "
                 "the decoder's, past the pattern's end (an IndexError in the reference); found by the configuration "
                 "sweep")
-    with_params = (model.get("recompute_granularity") == "full" or set(model.get("recompute_modules") or ("core_attn",))
-                   - {"core_attn", "moe_act"}) if model.get("recompute_granularity") else False
-    if model.get("mtp_use_repeated_layer") and with_params:
+    granularity = model.get("recompute_granularity")
+    recomputed = set(model.get("recompute_modules") or ("core_attn",)) if granularity == "selective" else set()
+    weights_recomputed = granularity == "full" or bool(recomputed - {"core_attn", "moe_act"})  # those two hold none
+    if model.get("mtp_use_repeated_layer") and weights_recomputed:
         return (MTP_REPEATED_RECOMPUTED + ": megatron checkpoints the one MTP layer (or the recomputed modules in "
                 "it) once per depth, so the grads of the weights inside arrive in one backward per depth "
                 "(multi_token_prediction.py, _checkpointed_forward), and ttrace records a parameter's grad once per "

@@ -320,10 +320,12 @@ def for_reference(model: Dict[str, Any]) -> Dict[str, Any]:
 # names megatron's file and line)
 LIMITS = {
     "mlp_chunks_for_training": "each chunk's call judged against the reference's; refused with sequence "
-                               "parallelism (a call gathers every rank's k-th piece), fp8, a recomputed dense MLP "
-                               "and a padded MoE model (megatron drops the padding mask in the chunked call: "
-                               "config.mlp_chunks_refused)",
-    "mtp_use_repeated_layer": "the one layer's k-th call recorded as depth k's (mtp.layers.{k})",
+                               "parallelism (a call gathers every rank's k-th piece), a repeated MTP layer, fp8, "
+                               "recomputed MLP modules and a padded MoE model (megatron drops the padding mask in "
+                               "the chunked call: config.mlp_chunks_refused)",
+    "mtp_use_repeated_layer": "the one layer's k-th call recorded as depth k's (mtp.layers.{k}); refused with "
+                              "recomputed weights, whose grads megatron's per-depth checkpoints hand in once per "
+                              "depth (config.mtp_refused)",
 }
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from ..recipe import compat
-from ..recipe.naming import canonical_module_names, named_modules
+from ..recipe.naming import canonical_parameters, named_modules
 
 # a file the zoo's benchmarks name: a bug whose place the layout decides (which parameters a
 # distributed-optimizer shard holds) appends where it acted, one JSON line per rank, so the replay's
@@ -68,13 +68,8 @@ def _pipeline_size() -> int:
 
 
 def _param_modules(chunks) -> Dict[int, str]:
-    """id(parameter) -> the canonical name of the module that holds it."""
-    out: Dict[int, str] = {}
-    for chunk in chunks:
-        for module, name in canonical_module_names(chunk).items():
-            for p in module.parameters(recurse=False):
-                out.setdefault(id(p), name)
-    return out
+    """id(parameter) -> the canonical name of its module (``naming.canonical_parameters``)."""
+    return {id(param): module_name for chunk in chunks for module_name, _, _, param in canonical_parameters(chunk)}
 
 
 def _report_touched(bug_name: str, modules) -> None:
