@@ -11,6 +11,7 @@ built objects, for ``ttrace run`` and ``--ttrace`` alike, so traces of either co
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from typing import Any, Dict, List, Sequence
 
@@ -18,7 +19,7 @@ import torch
 
 from ...errors import BuiltOtherwise, RecipeError
 from ...recipe import Recipe
-from . import compat, hybrid
+from . import compat, heterogeneous, hybrid
 from . import config as cfg
 from .model_fields import STRUCTURE
 from .structure import check_built_as_described, check_layer_placement
@@ -132,9 +133,12 @@ def layer_spec(config, vp_stage):
     """The decoder spec Megatron-LM's ``pretrain_gpt.py`` builds for ``--transformer-impl local``
     (its ``gpt_builder``): with experts, megatron's decoder block spec (the MoE layer pattern of
     ``moe_layer_freq``, this stage's layers); without, the local layer spec with the spec-level
-    choices (q/k layernorm, normalization) read from the config, so no field is dropped here."""
+    choices (q/k layernorm, normalization) read from the config, so no field is dropped here; with
+    per-layer block configs, megatron's heterogeneous spec (:mod:`.heterogeneous`)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
+    if getattr(config, "heterogeneous_block_specs", False):
+        return heterogeneous.layer_spec(config, vp_stage)
     if config.num_moe_experts:
         return get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=config.normalization,
                                           qk_l2_norm=config.qk_l2_norm, vp_stage=vp_stage)
@@ -242,6 +246,8 @@ def model_signature(chunks: Sequence[torch.nn.Module], config, optimizer_config,
     for f in cfg.LOSS_SCALE_FIELDS:  # as a one-rank run of the same batch takes it (config.reference_optimizer)
         if isinstance(sig["optimizer"].get(f), (int, float)) and times != 1:
             sig["optimizer"][f] = float(sig["optimizer"][f]) * times
+    if getattr(config, "heterogeneous_block_specs", False):  # each layer's blocks, as megatron parsed them
+        sig["model"]["heterogeneous_blocks"] = [_plain(dataclasses.asdict(b)) for b in config.per_block_parameters]
     sig["fp8_emulation"] = any(hasattr(m, "_ttrace_fp8") for model in models for m in model.modules())
     sig["training"] = {k: _plain(v) for k, v in sorted(training.items())}
     return sig

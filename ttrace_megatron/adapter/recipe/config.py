@@ -10,7 +10,7 @@ import torch
 
 from ...errors import RecipeError
 from ...recipe import Recipe
-from . import compat, hybrid, model_fields
+from . import compat, heterogeneous, hybrid, model_fields
 
 # GPTModel constructor arguments (not TransformerConfig fields) a recipe may set under `model:`.
 GPT_MODEL_KEYS = {
@@ -84,14 +84,19 @@ def validate_recipe(recipe: Recipe) -> None:
     where = recipe.source
     tc = _fields(TransformerConfig)
     pc = parallel_fields()
+    own = sorted(GPT_MODEL_KEYS) + sorted(GPT_FORWARD_KEYS) + [hybrid.PATTERN_KEY] + list(heterogeneous.KEYS)
     for key in recipe.model:
         if key in pc and key not in ("params_dtype",):
             raise RecipeError(f"{where}: model: '{key}' is a parallel setting; put it under 'parallel:'")
-        if key not in tc and key not in GPT_MODEL_KEYS and key not in GPT_FORWARD_KEYS and key != hybrid.PATTERN_KEY:
-            raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field "
-                              f"nor one of {sorted(GPT_MODEL_KEYS) + sorted(GPT_FORWARD_KEYS) + [hybrid.PATTERN_KEY]})"
+        if key not in tc and key not in own:
+            raise RecipeError(f"{where}: model: unknown key '{key}' (not a TransformerConfig field nor one of {own})"
                               + _elsewhere(key, "model"))
     hybrid.check(recipe.model, recipe.parallel, where)  # before the fields: it names the pattern's own refusals
+    heterogeneous.normalize(recipe.model, where)  # the blocks travel with the recipe, as text
+    heterogeneous.check(recipe.model, recipe.parallel, where)
+    if heterogeneous.is_heterogeneous(recipe.model) and hybrid.pattern_of(recipe.model):
+        raise RecipeError(f"{where}: model: '{heterogeneous.JSON_KEY}' cannot be set with '{hybrid.PATTERN_KEY}': "
+                          f"megatron's heterogeneous layers are a GPTModel's")
     model_fields.check_fields(recipe.model, where)
     if "activation_func" in recipe.model and recipe.model["activation_func"] not in activations():
         raise RecipeError(f"{where}: model: 'activation_func' must name one of {sorted(activations())}, "
@@ -537,8 +542,11 @@ def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
     model = recipe.model
     if parallel_sizes(parallel)["pp"] == 1:  # e.g. the one-rank reference: no pipeline split to describe
         model = model_fields.without_layout(model)
+    model = dict(model)
+    heterogeneous.normalize(model, recipe.source)  # done at validation already, but a recipe may come unvalidated
     kwargs = {k: v for k, v in model.items()
               if k not in GPT_MODEL_KEYS and k not in GPT_FORWARD_KEYS and k != hybrid.PATTERN_KEY}
+    config_class = heterogeneous.config_class() if heterogeneous.is_heterogeneous(model) else TransformerConfig
     kwargs.update(hybrid.config_fields(model))
     if "activation_func" in kwargs:
         if kwargs["activation_func"] not in activations():
@@ -556,8 +564,8 @@ def transformer_config(recipe: Recipe, parallel: Dict[str, Any]):
         fp16=recipe.dtype == "fp16",
     )
     try:
-        return TransformerConfig(**kwargs)
-    except (TypeError, ValueError, AssertionError) as e:
+        return config_class(**kwargs)
+    except (TypeError, ValueError, AssertionError, KeyError) as e:
         raise RecipeError(f"{recipe.source}: megatron-core rejects the model/parallel config: {e}") from None
 
 

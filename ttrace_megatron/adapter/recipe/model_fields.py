@@ -100,6 +100,7 @@ NEUTRAL = (
     "disable_bf16_reduced_precision_matmul", "clone_scatter_output_in_embedding", "disable_parameter_transpose_cache",
     "config_logger_dir", "moe_per_layer_logging", "transformer_impl",
     "init_model_with_meta_device",  # initialization only: ttrace's seed checkpoint gives both sides the same weights
+    "hetereogenous_dist_checkpoint",  # the checkpoint's key layout only (transformer_block.py sharded_state_dict)
 )
 
 UNVERIFIED = "not verified by ttrace yet: no test shows reference and candidate agree with it"
@@ -114,8 +115,9 @@ _DSA = "DeepSeek sparse attention needs the fast_hadamard_transform CUDA package
        "(megatron/core/transformer/experimental_attention_variant/dsa.py:44)"
 _GDN = "gated delta net (linear attention) needs the flash-linear-attention (fla) Triton kernels and causal_conv1d, " \
        "CUDA packages (megatron/core/ssm/gated_delta_net.py:103)"
-_HETEROGENEOUS = ("per-layer specs from a heterogeneous-layers JSON (HeterogeneousTransformerConfig, Megatron-LM's "
-                  "--heterogeneous-layers-config-path), which a recipe cannot give yet")
+_HETEROGENEOUS = ("set by megatron from the per-layer block configs: give model: heterogeneous_layers_config_path "
+                  "or heterogeneous_layers_config_encoded_json (HeterogeneousTransformerConfig, Megatron-LM's "
+                  "--heterogeneous-layers-config-path; adapter/recipe/heterogeneous.py)")
 _QK_CLIP = ("QK-clip (MuonClip) reads the max attention logit that only TransformerEngine's attention records "
             "(megatron/core/extensions/transformer_engine.py:1308) and clips multi-latent attention's weights "
             "(megatron/core/transformer/multi_latent_attention.py:984), which needs TransformerEngine too")
@@ -182,7 +184,7 @@ REFUSED: Dict[str, str] = {
     "mamba_num_heads": _MAMBA,
     "use_mamba_mem_eff_path": _MAMBA,
     "mlp_chunks_for_prefill": "inference only",
-    "heterogeneous_block_specs": _HETEROGENEOUS, "hetereogenous_dist_checkpoint": _HETEROGENEOUS,
+    "heterogeneous_block_specs": _HETEROGENEOUS,
     "quant_recipe": _FP8,
     "fine_grained_activation_offloading": _CUDA_OFFLOAD, "offload_modules": _CUDA_OFFLOAD,
     "min_offloaded_tensor_size": _CUDA_OFFLOAD,
@@ -323,6 +325,10 @@ LIMITS = {
                                "parallelism (a call gathers every rank's k-th piece), a repeated MTP layer, fp8, "
                                "recomputed MLP modules and a padded MoE model (megatron drops the padding mask in "
                                "the chunked call: config.mlp_chunks_refused)",
+    "heterogeneous_block_specs": "honoured from model: heterogeneous_layers_config_path or _encoded_json: each "
+                                 "layer's attention (full with its own query groups, a gathered linear, none) and "
+                                 "MLP (dense with its own width, a linear, none) checked on the built model; refused "
+                                 "with MoE, MTP, multi-latent attention and a hybrid pattern (heterogeneous.check)",
     "mtp_use_repeated_layer": "the one layer's k-th call recorded as depth k's (mtp.layers.{k}); refused with "
                               "recomputed weights, whose grads megatron's per-depth checkpoints hand in once per "
                               "depth (config.mtp_refused)",

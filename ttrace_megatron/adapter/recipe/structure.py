@@ -11,12 +11,13 @@ build, since the recipe itself passed validation.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from . import compat
+from . import compat, heterogeneous
 from .naming import unwrap
 
 
@@ -60,16 +61,50 @@ def decoder_modules(chunk: torch.nn.Module):
     return unwrap(chunk).decoder.modules()
 
 
-def layer_contents(config, pattern: Optional[str] = None) -> List[Tuple[bool, Optional[str]]]:
-    """(has attention, MLP kind: "dense", "moe" or None) of each of the model's layers: a GPTModel's
-    layers all have both (MoE as ``moe_layer_freq`` says); a HybridModel's have one each, by the
-    symbol of its pattern (``*`` attention, ``-`` dense MLP, ``E`` MoE)."""
+# a sublayer a layer has in place of attention or an MLP: one column-parallel linear whose TP output
+# is gathered (a heterogeneous model's ``replace_with_linear``)
+LINEAR = "linear"
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerContent:
+    """What one layer holds: attention (True, False or :data:`LINEAR`), its MLP ("dense", "moe",
+    :data:`LINEAR` or None), the widths a heterogeneous layer overrides (None: the model's own) and
+    the recipe field that decides which sublayers there are (named in a problem)."""
+
+    attention: Any
+    mlp: Optional[str]
+    num_query_groups: Optional[int] = None
+    ffn_hidden_size: Optional[int] = None
+    field: str = "hybrid_layer_pattern"
+
+
+def layer_contents(config, pattern: Optional[str] = None) -> List[LayerContent]:
+    """Each of the model's layers: a GPTModel's layers all have both sublayers (MoE as
+    ``moe_layer_freq`` says), or what its heterogeneous block configs give, read apart from megatron's
+    parser (``heterogeneous.blocks``); a HybridModel's have one each, by the symbol of its pattern
+    (``*`` attention, ``-`` dense MLP, ``E`` MoE)."""
     if pattern is None:
+        hetero = _heterogeneous_blocks(config)
+        if hetero is not None:
+            kind = {heterogeneous.FULL: True, heterogeneous.LINEAR: LINEAR, heterogeneous.NONE: False}
+            mlp = {heterogeneous.FULL: "dense", heterogeneous.LINEAR: LINEAR, heterogeneous.NONE: None}
+            return [LayerContent(kind[b.attention], mlp[b.mlp], b.num_query_groups, b.ffn_hidden_size,
+                                 heterogeneous.BLOCKS) for b in hetero]
         moe = moe_layer_pattern(config) if config.num_moe_experts else [False] * config.num_layers
-        return [(True, "moe" if m else "dense") for m in moe]
+        return [LayerContent(True, "moe" if m else "dense") for m in moe]
     from .hybrid import ATTENTION, MOE, layers
 
-    return [(True, None) if s == ATTENTION else (False, "moe" if s == MOE else "dense") for s in layers(pattern)]
+    return [LayerContent(True, None) if s == ATTENTION else LayerContent(False, "moe" if s == MOE else "dense")
+            for s in layers(pattern)]
+
+
+def _heterogeneous_blocks(config) -> Optional[List["heterogeneous.Block"]]:
+    if not getattr(config, "heterogeneous_block_specs", False):
+        return None
+    return heterogeneous.blocks({"num_attention_heads": config.num_attention_heads,
+                                 "hidden_size": config.hidden_size,
+                                 heterogeneous.JSON_KEY: getattr(config, heterogeneous.JSON_KEY, "")})
 
 
 def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwargs: Dict[str, Any],
@@ -95,18 +130,29 @@ def check_built_as_described(chunks: Sequence[torch.nn.Module], config, gpt_kwar
     return problems
 
 
-def _check_layer(problems: List[str], where: str, layer, content: Tuple[bool, Optional[str]], config,
+def _check_layer(problems: List[str], where: str, layer, content: LayerContent, config,
                  pattern: Optional[str], norm_kind: str) -> None:
-    attention, mlp = content
-    for norm, present in (("input_layernorm", attention), ("pre_mlp_layernorm", mlp is not None)):
+    for norm, present in (("input_layernorm", content.attention is not False),
+                          ("pre_mlp_layernorm", content.mlp is not None)):
         found = type(getattr(layer, norm)).__name__
         if present and norm_kind not in found:
             problems.append(f"{where}.{norm}: normalization asks for {norm_kind}, the built model has {found}")
         if not present:
-            _expect(problems, f"{where}.{norm}", "hybrid_layer_pattern (no such sublayer)", False,
+            _expect(problems, f"{where}.{norm}", f"{content.field} (no such sublayer)", False,
                     _has_params(getattr(layer, norm)))
-    _check_attention(problems, f"{where}.self_attention", layer.self_attention, attention, config)
-    _check_mlp(problems, f"{where}.mlp", layer.mlp, mlp, config, pattern)
+    _check_attention(problems, f"{where}.self_attention", layer.self_attention, content, config)
+    _check_mlp(problems, f"{where}.mlp", layer.mlp, content, config, pattern)
+
+
+def _check_gathered_linear(problems: List[str], where: str, module, content: LayerContent, config) -> None:
+    """A sublayer replaced by one linear: a column-parallel [h → h] whose output is gathered."""
+    if not heterogeneous.is_gathered_linear(module):
+        problems.append(f"{where}: {content.field} (replace_with_linear) asks for a gathered column-parallel linear, "
+                        f"the built model has {type(module).__name__}")
+        return
+    _expect(problems, where, f"{content.field} (replace_with_linear: [hidden_size → hidden_size])",
+            (config.hidden_size, config.hidden_size), (int(module.input_size), int(module.output_size)))
+    _expect(problems, where, "add_bias_linear", bool(config.add_bias_linear), _bias(module))
 
 
 def _check_mtp(problems: List[str], model, config, contents, pattern: Optional[str], norm_kind: str) -> None:
@@ -154,18 +200,20 @@ def _check_model(problems: List[str], model, gpt_kwargs: Dict[str, Any], pattern
             problems.append(f"decoder.{final}: normalization asks for {norm_kind}, the built model has {found}")
 
 
-def _check_attention(problems: List[str], where: str, attn, attention: bool, config) -> None:
-    """A layer's attention: present where the pattern asks for it, its qk norms, biases and the
-    width of linear_qkv (query, key and value heads)."""
-    if not attention:
-        _expect(problems, where, "hybrid_layer_pattern (an MLP layer, no attention)", False, _has_params(attn))
+def _check_attention(problems: List[str], where: str, attn, content: LayerContent, config) -> None:
+    """A layer's attention: present where the pattern or block config asks for it, its qk norms,
+    biases and the width of linear_qkv (query, key and value heads, the layer's own query groups)."""
+    if content.attention == LINEAR:
+        _check_gathered_linear(problems, where, attn, content, config)
+        return
+    if not content.attention:
+        _expect(problems, where, f"{content.field} (no attention)", False, _has_params(attn))
         return
     if not hasattr(attn, "linear_qkv"):
-        problems.append(f"{where}: hybrid_layer_pattern (*) asks for attention, the built model has "
-                        f"{type(attn).__name__}")
+        problems.append(f"{where}: {content.field} asks for attention, the built model has {type(attn).__name__}")
         return
     kv = config.kv_channels or config.hidden_size // config.num_attention_heads
-    groups = config.num_query_groups or config.num_attention_heads
+    groups = content.num_query_groups or config.num_query_groups or config.num_attention_heads
     for qk in ("q_layernorm", "k_layernorm"):
         if getattr(config, "qk_l2_norm", False):  # parameter-free: the norm's kind is what there is to check
             _expect(problems, f"{where}.{qk}", "qk_l2_norm", "L2Norm", type(getattr(attn, qk, None)).__name__)
@@ -177,23 +225,29 @@ def _check_attention(problems: List[str], where: str, attn, attention: bool, con
     _expect(problems, f"{where}.linear_proj", "add_bias_linear", bool(config.add_bias_linear), _bias(attn.linear_proj))
     gate = config.num_attention_heads if getattr(config, "attention_output_gate", False) else 0
     _expect(problems, f"{where}.linear_qkv output size", "kv_channels × (num_attention_heads + 2·num_query_groups "
-            "+ num_attention_heads with attention_output_gate)",
+            "+ num_attention_heads with attention_output_gate)"
+            + (f" ({content.field}: this layer's num_query_groups)" if content.num_query_groups else ""),
             kv * (config.num_attention_heads + 2 * groups + gate), int(attn.linear_qkv.output_size))
 
 
-def _check_mlp(problems: List[str], where: str, module, mlp: Optional[str], config, pattern: Optional[str]) -> None:
-    """A layer's MLP: absent, dense or MoE as the recipe asks, its linears, the experts and a shared
-    expert with its gate."""
+def _check_mlp(problems: List[str], where: str, module, content: LayerContent, config,
+               pattern: Optional[str]) -> None:
+    """A layer's MLP: absent, dense (of the layer's own width), a gathered linear or MoE as the
+    recipe asks, its linears, the experts and a shared expert with its gate."""
     from megatron.core.transformer.moe.moe_layer import MoELayer
 
+    mlp = content.mlp
+    if mlp == LINEAR:
+        _check_gathered_linear(problems, where, module, content, config)
+        return
     if mlp is None:
-        _expect(problems, where, "hybrid_layer_pattern (an attention layer, no MLP)", False, _has_params(module))
+        _expect(problems, where, f"{content.field} (no MLP)", False, _has_params(module))
         return
     is_moe = isinstance(module, MoELayer)
     moe_field = "num_moe_experts / moe_layer_freq (MoE layer)" if pattern is None else "hybrid_layer_pattern (E)"
     _expect(problems, where, moe_field, mlp == "moe", is_moe)
     if not is_moe:
-        _check_linears(problems, where, module, config, config.ffn_hidden_size)
+        _check_linears(problems, where, module, config, content.ffn_hidden_size or config.ffn_hidden_size)
         return
     experts = getattr(module.experts, "local_experts", None) or []
     for i, expert in enumerate(experts):

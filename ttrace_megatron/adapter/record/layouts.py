@@ -22,6 +22,7 @@ import torch
 
 from ...keys import BACKWARD, GRAD_OUTPUT, INPUT, LOSS_MODULE, MAIN_GRAD, WEIGHT, TensorKey, TensorKind
 from ...placement import Layout, Partial, Placement, RangeShard, Replicate, Shard
+from ..recipe.heterogeneous import is_gathered_linear
 from ..recipe.naming import OUTPUT_LAYER
 
 TP = "tp"
@@ -504,7 +505,10 @@ def activation_layout(kind: TensorKind, module_name: str, module: torch.nn.Modul
             in_pl, out_pl = (Shard(-1, tp_axis),), (Partial(tp_axis),)
     elif isinstance(module, ColumnParallelLinear):
         in_pl = seq_sharded if module.sequence_parallel else replicated
-        out_pl = replicated if module.gather_output else (Shard(-1, TP, _column_stride(module_name, facts)),)
+        if is_gathered_linear(module):  # a heterogeneous layer's linear: its TP output gathered, or under SP
+            out_pl = seq_sharded if module.sequence_parallel else replicated  # reduce-scattered over the sequence
+        else:
+            out_pl = replicated if module.gather_output else (Shard(-1, TP, _column_stride(module_name, facts)),)
     elif isinstance(module, RowParallelLinear):
         in_pl = (Shard(-1, TP),)
         out_pl = seq_sharded if module.sequence_parallel else replicated

@@ -945,3 +945,56 @@ def qb_quantile_over_the_rank_shard(chunks) -> None:
                 router.tp_cp_group = group
 
         router.quantile_balancing = quantile_balancing
+
+
+@bug(default_pattern="*self_attention")
+def gathered_linear_pieces_reversed(chunks, pattern: str) -> None:
+    """A heterogeneous layer's linear replacement (``replace_with_linear``, megatron's
+    ColumnParallelLinearGathered) concatenates its TP pieces in reverse rank order when it gathers
+    them (a wrong rank-to-piece map): the output's hidden columns are permuted by blocks of h/TP,
+    and the backward, following the forward, hands each rank the grad of another rank's columns."""
+    import importlib
+
+    from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+    replacements = importlib.import_module("megatron.core.transformer.heterogeneous.linear_replacements")
+    gather = replacements.gather_from_tensor_model_parallel_region
+
+    def reversed_gather(x):
+        from megatron.core import parallel_state
+
+        pieces = gather(x).chunk(parallel_state.get_tensor_model_parallel_world_size(), dim=-1)
+        return torch.cat(pieces[::-1], dim=-1)
+
+    found = [(n, m) for n, m in _modules(chunks, pattern, ColumnParallelLinear)
+             if type(m).__name__ == "ColumnParallelLinearGathered"]
+    if not found and _pipeline_size() == 1:
+        raise ValueError(f"bug injection: no linear replacement (replace_with_linear) matches {pattern!r}")
+    for _, module in found:
+        original_forward = module.forward
+
+        @functools.wraps(original_forward)
+        def forward(*args, _original=original_forward, **kwargs):
+            replacements.gather_from_tensor_model_parallel_region = reversed_gather
+            try:
+                return _original(*args, **kwargs)
+            finally:
+                replacements.gather_from_tensor_model_parallel_region = gather
+
+        module.forward = forward
+
+
+@bug(at_build=True)
+def heterogeneous_block_config_off_by_one() -> None:
+    """A heterogeneous model reads each layer's block config one layer late (its global layer
+    number taken as 0-based in ``get_config_for_layer``): every layer gets the next one's query
+    groups and MLP width (the last wraps to the first), while the layer spec still gives it its own
+    kinds of sublayer. A valid recipe built as another model: the build check's finding."""
+    from megatron.core.transformer.heterogeneous.heterogeneous_config import HeterogeneousTransformerConfig
+
+    original = HeterogeneousTransformerConfig.get_config_for_layer
+
+    def get_config_for_layer(self, layer_number):
+        return original(self, layer_number % len(self.per_block_parameters) + 1)
+
+    HeterogeneousTransformerConfig.get_config_for_layer = get_config_for_layer
