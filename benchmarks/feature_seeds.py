@@ -44,8 +44,20 @@ FEATURES = {
                                       "moe_tp2_sp_ep2 + quantile balancing (EMA 0.5; no aux loss)"),
     "mlp_chunks_tp2": ("gpt_tp2", {"mlp_chunks_for_training": 2}, "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",
                        "gpt_tp2 + mlp_chunks_for_training 2 (the MLP run on each half of the sequence)"),
+    "heterogeneous_tp2": ("nemotron_nas_tp2", {}, "gathered_linear_pieces_reversed",
+                          "nemotron_nas_tp2: heterogeneous layers (full GQA, no attention with a wider MLP, both "
+                          "replaced by a gathered linear, MHA without an MLP) at TP2"),
+    "heterogeneous_tp2_dp2_distopt": ("nemotron_nas_tp2", {}, "heterogeneous_block_config_off_by_one",
+                                      "nemotron_nas_tp2 at TP2 × DP2 with the distributed optimizer"),
     "mlp_chunks_moe_ep2": ("moe_ep2", {"mlp_chunks_for_training": 2}, "expert_grads_scaled_by_edp",
                            "moe_ep2 + mlp_chunks_for_training 2 (the MoE layer run on each half of the sequence)"),
+}
+
+
+# a feature's other sections, set on the shipped recipe's (merged into a mapping, replacing a value)
+SECTIONS = {
+    "heterogeneous_tp2_dp2_distopt": {"parallel": {"tensor_model_parallel_size": 2}, "world_size": 4,
+                                      "optimizer": {"use_distributed_optimizer": True}},
 }
 
 
@@ -63,6 +75,8 @@ def check(feature: str, dtype: str, seed: int, inject: Optional[str]) -> dict:
     with open(os.path.join(REPO, "recipes", name + ".yaml")) as f:
         raw = yaml.safe_load(f)
     raw["model"].update(fields)
+    for section, value in SECTIONS.get(feature, {}).items():
+        raw[section] = dict(raw.get(section) or {}, **value) if isinstance(value, dict) else value
     raw["model"] = {k: v for k, v in raw["model"].items() if v is not None}  # None: the field taken out
     raw["dtype"] = dtype
     raw["data"]["seed"] = seed
