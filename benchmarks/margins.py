@@ -100,7 +100,8 @@ BUG_DTYPES = ("fp32", "bf16")  # unless the entry names its own (FP8 bugs need t
 DTYPES = ("fp32", "bf16", "fp8")  # fp8: TE's hybrid FP8 GEMMs emulated on CPU (adapter.cpu.fp8_emulation)
 FAMILIES = ("gpt3_tp2_sp", "gpt3_pp2_dp2", "llama3_tp2_sp", "llama3_tp4_sp", "qwen2_tp2", "qwen2_pp2_vpp", "mixtral_ep2",
             "mixtral_tp2_sp_ep2", "deepseek_ep2", "deepseek_tp2_sp_ep2",  # issue #17's model families
-            "gptoss_ep2", "gptoss_tp2_sp_ep2", "llama4_pp2", "llama4_tp2_sp_ep2")  # issue #33's
+            "gptoss_ep2", "gptoss_tp2_sp_ep2", "llama4_pp2", "llama4_tp2_sp_ep2",  # issue #33's
+            "nemotron_nas_tp2")
 CLEAN = ("gpt_tp2", "gpt_tp2_sp", "gpt_tp4_sp", "gpt_dp2", "gpt_tp2_dp2", "gpt_tp2_dp2_adam", "gpt_tp2_sp_dp2",
          "gpt_pp2", "gpt_pp2_vpp", "gpt_dp2_distopt", "moe_tp2_sp_ep2", "moe_ep2", "moe_etp2", "qwen3_tp2",
          "gpt_tp2_recompute", "gpt_pp2_nope", "deepseek_mtp_tp2_sp", "gpt_dp2_distopt_overlap",

@@ -395,6 +395,7 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
     if masks.random() < 0.25:  # packed documents
         data_masks.update(document_length=masks.choice([4, 8, 16]), reset_attention_mask=True,
                           reset_position_ids=masks.random() < 0.7)
+    _heterogeneous_blocks(random.Random(f"blocks{index}"), model, tp)
     return {
         "name": f"sweep{index:04d}",
         "model": model,
@@ -408,6 +409,29 @@ def draw(rng: random.Random, index: int) -> Dict[str, Any]:
         "dtype": dtype,
         **({"ddp": ddp} if ddp else {}),
     }
+
+
+HETEROGENEOUS_KEY = "heterogeneous_layers_config_encoded_json"
+
+
+def _heterogeneous_blocks(rng: random.Random, model: Dict[str, Any], tp: int) -> None:
+    """Llama-Nemotron NAS's per-layer blocks (issue #33), one configuration in six of those without
+    experts or MTP, from a generator of its own so the configurations drawn before stay what they
+    were: each layer's attention full (its own query groups, at least TP of them), absent or one
+    gathered linear, its MLP full (its own width), absent or a linear."""
+    if rng.random() >= 1 / 6 or model.get("num_moe_experts") or model.get("mtp_num_layers"):
+        return
+    heads = model["num_attention_heads"]
+    groups = [g for g in range(1, heads + 1) if heads % g == 0 and g >= tp]
+    blocks = []
+    for _ in range(model["num_layers"]):
+        attention, mlp = rng.choice(["full", "full", "none", "linear"]), rng.choice(["full", "full", "none", "linear"])
+        blocks.append({
+            "attention": {"no_op": attention == "none", "replace_with_linear": attention == "linear",
+                          "num_query_groups": rng.choice([None] + groups) if attention == "full" else None},
+            "ffn": {"no_op": mlp == "none", "replace_with_linear": mlp == "linear",
+                    "ffn_hidden_size": rng.choice([None, 64, 192]) if mlp == "full" else None}})
+    model[HETEROGENEOUS_KEY] = json.dumps({"block_configs": blocks})
 
 
 def features(raw: Dict[str, Any]) -> List[str]:
@@ -430,6 +454,8 @@ def features(raw: Dict[str, Any]) -> List[str]:
         tags.append("output gate")
     if m.get("no_rope_freq"):
         tags.append("NoPE")
+    if m.get(HETEROGENEOUS_KEY):
+        tags.append("heterogeneous layers")
     if m.get("softmax_type"):
         tags.append(f"sinks {m['softmax_type']}")
     if raw["data"].get("masked_share") or raw["data"].get("eod_mask_loss"):

@@ -34,7 +34,7 @@ def test_drawn_configurations_are_valid_recipes_and_cover_the_features():
     tags = {t for raw in configs for t in sweep.features(raw)}
     for wanted in ("MoE", "GQA", "MQA", "query groups < TP", "PP uneven", "VPP", "SP", "EP", "qk_layernorm",
                    "learned_absolute", "tied", "padded vocab", "distributed optimizer", "bf16", "NoPE",
-                   "sinks learnable", "recompute full", "MTP", "fp16", "overlap param gather", "sliding window", "loss mask", "per-token loss", "packed documents", "padding mask"):
+                   "sinks learnable", "recompute full", "MTP", "fp16", "overlap param gather", "sliding window", "loss mask", "per-token loss", "packed documents", "padding mask", "heterogeneous layers"):
         assert wanted in tags, f"60 draws never produced {wanted!r}"
 
 
