@@ -54,10 +54,32 @@ FEATURES = {
 }
 
 
+def _block(attention: dict, ffn: dict) -> dict:
+    return {"attention": dict({"no_op": False, "replace_with_linear": False, "n_heads_in_group": None}, **attention),
+            "ffn": dict({"no_op": False, "replace_with_linear": False, "ffn_mult": None}, **ffn)}
+
+
+# 8 layers at width 512 in the Hugging Face keys of Llama-Nemotron's config.json (n_heads_in_group,
+# ffn_mult): GQA of 4 and 2 groups, MHA, no attention, a linear attention, a linear MLP, a skipped layer
+WIDE_BLOCKS = [_block({"n_heads_in_group": 2}, {"ffn_mult": 2.625}), _block({"no_op": True}, {"ffn_mult": 1.3125}),
+               _block({"n_heads_in_group": 4}, {"ffn_mult": 2.625}),
+               _block({"replace_with_linear": True, "n_heads_in_group": None}, {"ffn_mult": 2.625}),
+               _block({"n_heads_in_group": None}, {"replace_with_linear": True, "ffn_mult": None}),
+               _block({"no_op": True}, {"no_op": True, "ffn_mult": None}),
+               _block({"n_heads_in_group": 1}, {"ffn_mult": 5.25}), _block({"n_heads_in_group": None}, {"ffn_mult": None})]
+FEATURES["heterogeneous_wide_tp2"] = (
+    "nemotron_nas_tp2", {"num_layers": 8, "hidden_size": 512, "num_attention_heads": 8, "num_query_groups": 4,
+                         "ffn_hidden_size": 1536, "heterogeneous_layers_config_encoded_json": {"block_configs": WIDE_BLOCKS}},
+    "gathered_linear_pieces_reversed:decoder.layers.3.self_attention",
+    "nemotron_nas_tp2 at 8 layers, hidden 512, vocabulary 32000, 512 tokens an iteration (Nemotron-NAS blocks in "
+    "the Hugging Face keys)")
+
 # a feature's other sections, set on the shipped recipe's (merged into a mapping, replacing a value)
 SECTIONS = {
     "heterogeneous_tp2_dp2_distopt": {"parallel": {"tensor_model_parallel_size": 2}, "world_size": 4,
                                       "optimizer": {"use_distributed_optimizer": True}},
+    "heterogeneous_wide_tp2": {"data": {"vocab_size": 32000, "seq_length": 128, "micro_batch_size": 2,
+                                        "global_batch_size": 4}},
 }
 
 

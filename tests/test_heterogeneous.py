@@ -25,14 +25,17 @@ def _model(blocks, **fields):
     return model
 
 
-FULL = {"attention": {"no_op": False, "replace_with_linear": False}, "ffn": {"ffn_hidden_size": 192}}
-LINEAR = {"attention": {"replace_with_linear": True}, "ffn": {"replace_with_linear": True}}
+FULL = {"attention": {"no_op": False, "replace_with_linear": False, "num_query_groups": None},
+        "ffn": {"ffn_hidden_size": 192}}
+LINEAR = {"attention": {"replace_with_linear": True, "n_heads_in_group": None},
+          "ffn": {"replace_with_linear": True, "ffn_mult": None}}
 
 
 def test_blocks_read_as_the_hugging_face_config_gives_them():
     """n_heads_in_group and ffn_mult (the Hugging Face keys) as megatron turns them into widths."""
     model = _model([{"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 2.625}},
-                    {"attention": {"no_op": True}, "mlp": {"no_op": True}}, LINEAR], hidden_size=512)
+                    {"attention": {"no_op": True, "n_heads_in_group": None}, "mlp": {"no_op": True, "ffn_mult": None}},
+                    LINEAR], hidden_size=512)
     assert heterogeneous.blocks(model) == [
         heterogeneous.Block("full", "full", 2, 1024),  # 2·2.625·512/3 = 896, up to a multiple of 256
         heterogeneous.Block("none", "none"), heterogeneous.Block("linear", "linear")]
@@ -44,10 +47,13 @@ def test_blocks_read_as_the_hugging_face_config_gives_them():
     (_model([FULL, FULL], num_layers=3), {}, "2 block configs for num_layers 3"),
     (_model([FULL], num_moe_experts=4), {}, "'num_moe_experts' cannot be set"),
     (_model([FULL], mtp_num_layers=1), {}, "'mtp_num_layers' cannot be set"),
-    (_model([{"attention": {"no_op": True, "num_query_groups": 2}, "ffn": {}}]), {}, "gives num_query_groups"),
-    (_model([{"attention": {}, "ffn": {"replace_with_linear": True, "ffn_hidden_size": 64}}]), {},
-     "gives ffn_hidden_size"),
-    (_model([{"attention": {"n_heads_in_group": 3}, "ffn": {}}]), {}, "does not divide num_attention_heads 4"),
+    (_model([{"attention": {"no_op": True, "num_query_groups": 2}, "ffn": {"ffn_mult": None}}]), {},
+     "gives num_query_groups"),
+    (_model([{"attention": {"num_query_groups": None}, "ffn": {"replace_with_linear": True, "ffn_hidden_size": 64}}]),
+     {}, "gives ffn_hidden_size"),
+    (_model([{"attention": {"n_heads_in_group": 3}, "ffn": {"ffn_mult": None}}]), {},
+     "does not divide num_attention_heads 4"),
+    (_model([{"attention": {"no_op": True}, "ffn": {"ffn_mult": None}}]), {}, "needs 'num_query_groups' or"),
 ])
 def test_what_megatron_cannot_honour_is_refused_naming_the_field(model, parallel, message):
     with pytest.raises(RecipeError, match=message):

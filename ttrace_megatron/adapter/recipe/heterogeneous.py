@@ -91,6 +91,11 @@ def blocks(model: Dict[str, Any], where: str = "<recipe>") -> Optional[List[Bloc
         attn, mlp = (block or {}).get("attention"), (block or {}).get("ffn", (block or {}).get("mlp"))
         if not isinstance(attn, dict) or not isinstance(mlp, dict):
             raise RecipeError(f"{where}: model: {BLOCKS}[{i}] needs an 'attention' and an 'ffn' (or 'mlp') mapping")
+        for part, keys in ((attn, ("num_query_groups", "n_heads_in_group")), (mlp, ("ffn_hidden_size", "ffn_mult"))):
+            if not any(k in part for k in keys):  # megatron pops the second and raises KeyError without it
+                raise RecipeError(f"{where}: model: {BLOCKS}[{i}] needs '{keys[0]}' or '{keys[1]}' in each of its "
+                                  f"{'attention' if part is attn else 'ffn'} (null: the model's own), as "
+                                  f"megatron's heterogeneous_config.py build_config_from_dict reads it")
         groups = attn.get("num_query_groups")
         if groups is None and attn.get("n_heads_in_group"):
             if heads % int(attn["n_heads_in_group"]):
