@@ -74,6 +74,7 @@ def test_the_json_file_is_read_relative_to_the_recipe_and_travels_as_text(tmp_pa
     assert json.loads(recipe.model[heterogeneous.JSON_KEY])[heterogeneous.BLOCKS][1] == LINEAR
 
 
+@pytest.mark.release_slice
 @pytest.mark.multiprocess
 def test_heterogeneous_layers_pass_clean_and_a_reversed_gather_is_localized(runs):
     recipe = load_recipe(RECIPE)
@@ -102,3 +103,10 @@ def test_a_layer_built_with_another_layers_block_is_a_localized_fail(tmp_path):
     first = report["first_mismatch"]
     assert report["verdict"] == "fail" and first["phase"] == "build" and report["build"]["side"] == "candidate"
     assert first["module"].startswith("decoder.layers.0.mlp.linear_fc1"), first
+
+
+def test_megatron_lm_translation_refuses_the_blocks_with_megatron_lms_own_rule():
+    from ttrace_megatron.adapter.megatron_lm import checkout
+
+    with pytest.raises(RecipeError, match="arguments.py:125"):
+        checkout.training_args(load_recipe(RECIPE), "candidate", {"tensor_model_parallel_size": 2}, release="0.16")

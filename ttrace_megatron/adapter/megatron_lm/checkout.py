@@ -26,7 +26,7 @@ from ...about import SOURCE_ROOT
 from ...errors import RecipeError
 from ...recipe import MEGATRON_INDEXED, MEGATRON_MOCK, SEED_INIT_MEGATRON, SYNTHETIC, Recipe
 from ..recipe.data import indexed_path, write_documents
-from ..recipe import compat
+from ..recipe import compat, heterogeneous
 from ..run.session import TraceOptions
 
 SCRIPT = "pretrain_gpt.py"
@@ -188,6 +188,13 @@ def _model_flags(recipe: Recipe) -> List[str]:
             pass  # training_args
         elif key in _SWITCH_FLAGS:
             argv += [_SWITCH_FLAGS[key]] if value else []
+        elif key == heterogeneous.JSON_KEY:
+            raise RecipeError(f"{recipe.source}: --megatron-lm: model: '{key}' has no Megatron-LM flag translation in "
+                              f"ttrace yet: Megatron-LM takes the blocks only inside a Hugging Face Llama-Nemotron "
+                              f"config.json and checks the model flags against it (megatron/training/arguments.py:125, "
+                              f"validate_model_config_args_from_heterogeneous_config at core_v0.16.1: SwiGLU, RMSNorm, "
+                              f"RoPE with Llama 3.1's scaling, one n_heads_in_group for every layer); run it with "
+                              f"ttrace's own loop (no --megatron-lm)")
         elif key == "moe_layer_freq":  # an int, or a list Megatron-LM parses from its Python form
             argv += ["--moe-layer-freq", str(value) if isinstance(value, int) else "[" + ",".join(map(str, value)) + "]"]
         else:
