@@ -57,6 +57,35 @@ def test_online_verdicts_equal_offline(runs, name, dtype, inject):
         assert online.first_mismatch.key == offline.first_mismatch.key
 
 
+def test_the_perturbation_estimate_online_widens_the_tolerances_as_offline(runs):
+    """bf16's perturbation run compares online too (its movements as sums, no tensors written), and
+    the online verdict takes the same perturbation-widened tolerances as the offline one."""
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.compare import compare_traces
+
+    recipe = load("gpt_tp2_sp", dtype="bf16")
+    out = runs.reference(recipe)
+    ref = os.path.join(out, "reference")
+    _, cand = runs.candidate(recipe, name="online", reference=ref, keep_tensors=True)
+    online_pert = os.path.join(out, "reference-perturbed-online")
+    launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(
+        online_pert, os.path.join(out, "seed.safetensors"), perturb=1, lockstep=ref, reference=ref)), timeout_s=300)
+    assert not [f for _, _, fs in os.walk(online_pert) for f in fs if f.endswith(".safetensors")]
+    offline = compare_traces(ref, cand, perturbed=runs.perturbed(recipe))
+    online = combine_online(cand, perturbed=online_pert)
+    assert online.verdict == offline.verdict == "pass"
+    off = {r.key: r for r in offline.results}
+    for r in online.results:
+        assert r.tolerance_eps == pytest.approx(off[r.key].tolerance_eps, rel=1e-3), r.key
+    # the same tensors take the perturbation's term (none would, without the online perturbation run)
+    judged = {r.key for r in online.results}
+    on_observed = {r.key for r in online.results if "perturbation observed" in r.tolerance_source}
+    off_observed = {r.key for r in offline.results if "perturbation observed" in r.tolerance_source and r.key in judged}
+    assert on_observed and on_observed == off_observed
+    assert all("perturbation observed" not in r.tolerance_source for r in combine_online(cand).results)
+
+
 def test_online_only_writes_no_tensors(runs):
     recipe = load("gpt_tp2_sp")
     ref = os.path.join(runs.reference(recipe), "reference")
@@ -79,4 +108,8 @@ def test_cli_run_online(tmp_path):
     with open(tmp_path / "bug.json") as f:
         first = json.load(f)["first_mismatch"]
     assert (first["module"], first["phase"], first["tensor"]) == ("decoder.layers.0.mlp.linear_fc2", "forward", "output")
+    # localized as the recorded check localizes it: the replay needs the reference's trace only
+    with open(tmp_path / "bug.json") as f:
+        culprit = json.load(f)["culprits"][0]
+    assert (culprit["module"], culprit["phase"]) == ("decoder.layers.0.mlp.linear_fc2", "forward")
     assert main(["report", str(tmp_path / "bug" / "candidate")]) == 1

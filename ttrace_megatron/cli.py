@@ -58,7 +58,7 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
     ``quiet``), write JSON; returns the report (JSON form).
 
     A candidate that compared online (``--ttrace-reference``) holds verdict sums, not tensors:
-    they are combined instead (without the perturbation estimate, which needs the tensors).
+    they are combined instead, with the perturbation estimate's own online sums (``perturbed``).
     """
     from .compare import compare_traces
     from .compare_workers import available_cores
@@ -66,7 +66,7 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
     from .report import render, to_json, write_json
 
     if has_online_results(cand_dir) and not os.path.exists(os.path.join(cand_dir, "rank-00000", "manifest.json")):
-        comparison = combine_online(cand_dir, ref_dir)
+        comparison = combine_online(cand_dir, ref_dir, perturbed=perturbed)
     else:
         import contextlib
 
@@ -176,7 +176,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
                   + ("" if args.no_lockstep else ", in lock-step with the reference"))
     timed("candidate", run_side, CANDIDATE, cand_dir, args.inject, **online, **lockstep)
     perturbed_dir = None
-    if (recipe.tolerance.perturbation or args.perturb) and not args.online:
+    if recipe.tolerance.perturbation or args.perturb:
         perturbed_dir = os.path.join(out, "reference-perturbed")
         shutil.rmtree(perturbed_dir, ignore_errors=True)
         console.print(f"perturbation estimate: the reference again, round-off-sized noise in every module "
@@ -184,11 +184,14 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
         # in lock-step too: the noise's effect on each iteration given the reference's weights and
         # routing, as the candidate is judged (free-running, MoE routing flips and Adam's drift
         # would be measured as round-off)
-        timed("perturbation", run_side, REFERENCE, perturbed_dir, perturb=1, **lockstep)
+        # online, it compares as it runs too: its movements are sums, like the candidate's verdicts
+        timed("perturbation", run_side, REFERENCE, perturbed_dir, perturb=1, **lockstep,
+              **({k: v for k, v in online.items() if k != "tensorboard"}))
     report = timed("compare", _compare, ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None),
                    quiet=quiet, show_progress=not getattr(args, "quiet", False))
     first = report.get("first_mismatch")
-    if report["verdict"] == "fail" and first and not args.no_localize and not args.online:
+    # online too: the replay judges its modules against the reference's trace, not the candidate's
+    if report["verdict"] == "fail" and first and not args.no_localize:
         replay_dir = os.path.join(out, "replay")
         shutil.rmtree(replay_dir, ignore_errors=True)
         console.print(f"localizing: the candidate again, every module on the reference's inputs "

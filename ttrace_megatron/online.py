@@ -224,9 +224,55 @@ def _scalar_partial(key: TensorKey, entries: List[Tuple[int, ShardSums]], refere
     return sums, notes
 
 
+def perturbation_online(perturbed_dir: str, reference_dir: str) -> Dict[TensorKey, float]:
+    """How far the perturbation-estimate run moved each tensor from the reference (its relative
+    error, as ``compare.perturbation_observed`` measures it), from that run's own online sums: a
+    one-rank run holds each tensor whole, so its sums are the logical tensor's. A scalar partial
+    sum (a grad-norm term) is measured against the reference's value; inf where the noise changed
+    a shape. So the perturbation estimate needs no tensor written either."""
+    run = read_json(os.path.join(perturbed_dir, RUN_FILE), rank=None)
+    if not isinstance(run, dict) or not run.get("perturbation_seed"):
+        raise TraceError("not a perturbation run (run.json has no perturbation_seed)", path=perturbed_dir)
+    ref = TraceReader(reference_dir)
+    check_compatible(ref.run, run, perturbed_dir)
+    ref_groups = group_records(ref)
+    moved: Dict[TensorKey, float] = {}
+    for rank in range(int(run.get("world_size", 1))):
+        for e in _read_rank(perturbed_dir, rank):
+            if e.status == "shape":
+                moved[e.key] = math.inf
+            elif e.status == "ok":
+                moved[e.key] = _relative(e.diff_sq, e.ref_sq)
+            elif e.status == "partial" and e.partial_value is not None and e.key in ref_groups:
+                value = float(logical_tensor(ref, ref_groups[e.key]).tensor.reshape(-1)[0].double())
+                moved[e.key] = _relative((e.partial_value - value) ** 2, value ** 2)
+    return moved
+
+
+def _relative(diff_sq: float, ref_sq: float) -> float:
+    if ref_sq == 0.0:
+        return 0.0 if diff_sq == 0.0 else math.inf
+    return math.sqrt(diff_sq / ref_sq)
+
+
+def _observed(moved: Optional[Dict[TensorKey, float]], key: TensorKey, statistic_of: str) -> Optional[float]:
+    """The perturbation's movement of ``key`` (None without a perturbation run or where it did not
+    record the key); a statistic (an amax) takes its operand's movement where that is larger, as
+    ``compare.statistic_observed``."""
+    if moved is None or key not in moved:
+        return None
+    observed = moved[key]
+    if statistic_of:
+        source = moved.get(dataclasses.replace(key, tensor=statistic_of), 0.0)
+        observed = max(observed, source if math.isfinite(source) else 0.0)
+    return observed
+
+
 def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
-                   tol_config: ToleranceConfig = ToleranceConfig()) -> Comparison:
-    """Add up the ranks' shard sums into one :class:`~ttrace_megatron.compare.Comparison`."""
+                   tol_config: ToleranceConfig = ToleranceConfig(), perturbed: Optional[str] = None) -> Comparison:
+    """Add up the ranks' shard sums into one :class:`~ttrace_megatron.compare.Comparison`;
+    ``perturbed``: a perturbation-estimate run that compared online against the same reference
+    (:func:`perturbation_online`), whose movements widen the tolerances as offline."""
     cand_run = read_json(os.path.join(candidate_dir, RUN_FILE), rank=None)
     if not isinstance(cand_run, dict) or not isinstance(cand_run.get("world_size"), int):
         raise TraceError("run description lacks 'world_size'", path=os.path.join(candidate_dir, RUN_FILE))
@@ -253,12 +299,15 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     cancellations = Cancellation(ref, ref_groups)  # as compare_traces keeps them
     step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
     overflowed = overflowed_iterations(ref, ref_groups)
+    moved = perturbation_online(perturbed, ref.dir) if perturbed else None
     for key in in_order((k for k in judged if k in ref_groups), order):
         entries = by_key[key]
+        observed = _observed(moved, key, ref_groups[key][0][1].statistic_of)
         if entries and all(e.status == "partial" and e.partial_value is not None for _, e in entries):
             scalar, notes = _scalar_partial(key, entries, logical_tensor(ref, ref_groups[key]).tensor, candidate_dir)
             results.append(combine_shards(key, [(entries[0][0], scalar)], ref_groups[key][0][1], num_layers,
-                                          order[key], tol_config, candidate_dir, notes, step=step_bounds))
+                                          order[key], tol_config, candidate_dir, notes, observed=observed,
+                                          step=step_bounds))
             continue
         if any(e.status == "partial" for _, e in entries):
             cancellations.note_partial(key, sum(e.partial_norm for _, e in entries))  # for its main grad
@@ -268,7 +317,7 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
         if cancellations.needs_reference(key):
             cancellation = cancellations.factor(key, logical_tensor(ref, ref_groups[key]).tensor)
         results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
-                                      candidate_dir, cancellation=cancellation, step=step_bounds,
+                                      candidate_dir, observed=observed, cancellation=cancellation, step=step_bounds,
                                       overflowed=key.phase in OVERFLOW_PHASES and key.iteration in overflowed))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,

@@ -136,9 +136,9 @@ def _refuse_unsupported(config, sizes: Dict[str, int], chunks: List, options: Tr
         problems.append(f"TransformerEngine layers ({', '.join(te[:3])}; use --transformer-impl local)")
     if options.replay and options.reference:
         problems.append("--ttrace-replay with --ttrace-reference (replay writes a trace to compare locally)")
-    if options.perturb and (options.replay or options.reference):
-        problems.append("--ttrace-perturb with --ttrace-replay or --ttrace-reference (the perturbation run is a "
-                        "second reference run that writes its own trace)")
+    if options.perturb and options.replay:
+        problems.append("--ttrace-perturb with --ttrace-replay (the perturbation run is a second reference run, "
+                        "the replay a candidate's)")
     if problems:
         raise RecipeError("ttrace cannot trace this run yet: " + ", ".join(problems)
                           + ". Supported: TP, SP, PP (with virtual stages), DP, the distributed optimizer and MoE "
