@@ -22,7 +22,7 @@ from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementErro
                         slice_logical)
 from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
 from .tolerance import Tolerance, ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
-from .update_rules import AdamRule, judge_adam_update
+from .update_rules import AdamRule, UpdateVerdict, judge_adam_update
 from .trace_store import RankTrace, Record, TraceReader
 
 PASS = "pass"
@@ -238,6 +238,14 @@ class ShardSums:
     # position along the Partial axes, so the ranks' pieces add up after the run (online)
     partial_value: Optional[float] = None
     partial_position: Dict[str, Tuple[int, int]] = dataclasses.field(default_factory=dict)
+    # an updated value's element-wise Adam check on this piece (online, in lock-step): its verdict's
+    # worst element (ratio to its slack under k = ``update_k``), or only ``update_detail`` (why not)
+    update_ratio: Optional[float] = None
+    update_index: int = -1
+    update_residual: float = 0.0
+    update_slack: float = 0.0
+    update_k: float = 0.0
+    update_detail: str = ""
 
     def to_json(self) -> dict:
         obj = dataclasses.asdict(self)
@@ -260,6 +268,12 @@ class ShardSums:
         value = obj.get("partial_value")
         fields["partial_value"] = None if value is None else float(value)
         fields["partial_position"] = {str(k): (int(v[0]), int(v[1])) for k, v in obj.get("partial_position", {}).items()}
+        ratio = obj.get("update_ratio")
+        fields["update_ratio"] = None if ratio is None else float(ratio)
+        fields["update_index"] = int(obj.get("update_index", -1))
+        for name in ("update_residual", "update_slack", "update_k"):
+            fields[name] = float(obj.get(name, 0.0))
+        fields["update_detail"] = str(obj.get("update_detail", ""))
         return ShardSums(**fields)
 
 
@@ -834,19 +848,12 @@ class UpdateCheck:
         if not math.isfinite(result.error) or tuple(cand_param.shape) != tuple(ref_param.shape):
             return result
         param = keys.param_name_of(key.tensor)
-        group = self.param_groups.get(f"{key.module}.{param}")
-        scalars = {}
-        for name, tensor in (("lr", keys.step_setting(group, keys.LR) if group else None), ("step", keys.STEP_COUNT)):
-            scalars[name] = None if tensor is None else self._scalar(
-                TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, tensor))
-        moments = []
-        for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups)):
-            moments.append(tuple(self._value(reader, groups, keys.sibling(key, keys.optimizer_state(param, s)))
-                                 for s in (keys.EXP_AVG, keys.EXP_AVG_SQ)))
-        missing = [n for n, v in scalars.items() if v is None] + (
-            ["moments"] if any(m is None for pair in moments for m in pair) else [])
-        previous, decay, how = None, 0.0, "lock-step"
+        moments = [tuple(self._value(reader, groups, keys.sibling(key, keys.optimizer_state(param, s)))
+                         for s in (keys.EXP_AVG, keys.EXP_AVG_SQ))
+                   for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups))]
+        previous, decay, how, missing = None, 0.0, "lock-step", []
         if not self.lockstep and key.iteration > FIRST_STEP:
+            group = self.param_groups.get(f"{key.module}.{param}")
             before = dataclasses.replace(key, iteration=key.iteration - 1)
             previous = tuple(self._value(reader, groups, before)
                              for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups)))
@@ -857,24 +864,53 @@ class UpdateCheck:
             how = "not in lock-step: each side from its own previous parameter"
         elif not self.lockstep:
             how = "not in lock-step, first iteration: both from the seed checkpoint"
+        verdict, detail = self.element_wise(key, cand_param, ref_param, moments[0], moments[1], param_dtype,
+                                            previous=previous, weight_decay=decay or 0.0, missing=missing)
+        return apply_update_verdict(result, verdict, detail, how)
+
+    def element_wise(self, key: TensorKey, cand_param: torch.Tensor, ref_param: torch.Tensor, cand_moments,
+                     ref_moments, param_dtype: str, *, previous=None, weight_decay: float = 0.0,
+                     missing: Sequence[str] = ()) -> Tuple[Optional[UpdateVerdict], str]:
+        """The element-wise verdict on an updated value (the whole tensor, or one rank's piece of it
+        with the same elements of each operand: ``online``), with the step's lr, step count and the
+        group's ε read from the reference; (None, what is missing) when it cannot be judged."""
+        param = keys.param_name_of(key.tensor)
+        group = self.param_groups.get(f"{key.module}.{param}")
+        scalars = {}
+        for name, tensor in (("lr", keys.step_setting(group, keys.LR) if group else None), ("step", keys.STEP_COUNT)):
+            scalars[name] = None if tensor is None else self._scalar(
+                TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, tensor))
+        missing = [n for n, v in scalars.items() if v is None] + (
+            ["moments"] if any(m is None for m in (*cand_moments, *ref_moments)) else []) + list(missing)
         if missing:
-            result.tolerance_source += f"; element-wise Adam check not possible: no {', '.join(missing)} recorded"
-            return result
+            return None, f"no {', '.join(missing)} recorded"
         rule = self.rule
         if group:  # a group with an ε of its own (μP's hidden matrices) recorded it beside its lr
             eps = self._scalar(TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER,
                                          keys.step_setting(group, keys.ADAM_EPS)))
             rule = rule if eps is None else dataclasses.replace(rule, eps=eps)
         v = judge_adam_update(rule, scalars["lr"], scalars["step"], param_dtype, cand_param, ref_param,
-                              moments[0], moments[1], k=self.k, previous=previous, weight_decay=decay or 0.0)
-        ok = v.worst_ratio <= 1.0 and not result.reason
-        tolerance_eps = result.error_eps / v.worst_ratio if v.worst_ratio > 0 and result.error_eps > 0 else \
-            result.tolerance_eps
-        source = (f"Adam update, element-wise ({how}): worst element {v.worst_ratio:.3g}× its round-off slack "
-                  f"(flat index {v.worst_index}: residual {v.residual:.3g}, slack {v.slack:.3g}; lr={scalars['lr']:g}, "
-                  f"step {scalars['step']:g}" + ("" if rule is self.rule else f", the group's ε={rule.eps:g}") + ")")
-        return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
-                                   tolerance_source=source)
+                              cand_moments, ref_moments, k=self.k, previous=previous, weight_decay=weight_decay)
+        return v, (f"lr={scalars['lr']:g}, step {scalars['step']:g}"
+                   + ("" if rule is self.rule else f", the group's ε={rule.eps:g}"))
+
+
+def apply_update_verdict(result: TensorResult, verdict: Optional[UpdateVerdict], detail: str, how: str,
+                         where: str = "") -> TensorResult:
+    """An updated value's verdict from its element-wise check (``UpdateCheck.element_wise``; None:
+    not possible, ``detail`` says why, and the relative-error verdict stands). ``where``: whose flat
+    index the worst element's is (one rank's piece, online)."""
+    if verdict is None:
+        return dataclasses.replace(result, tolerance_source=result.tolerance_source
+                                   + f"; element-wise Adam check not possible: {detail}")
+    ok = verdict.worst_ratio <= 1.0 and not result.reason
+    tolerance_eps = result.error_eps / verdict.worst_ratio if verdict.worst_ratio > 0 and result.error_eps > 0 else \
+        result.tolerance_eps
+    source = (f"Adam update, element-wise ({how}): worst element {verdict.worst_ratio:.3g}× its round-off slack "
+              f"(flat index {verdict.worst_index}{where}: residual {verdict.residual:.3g}, slack {verdict.slack:.3g}; "
+              f"{detail})")
+    return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
+                               tolerance_source=source)
 
 
 def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor, ref_choice: torch.Tensor,

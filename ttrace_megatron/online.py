@@ -12,8 +12,9 @@ A partial sum (a :class:`~ttrace_megatron.placement.Partial` placement) cannot b
 rank; such tensors are listed as skipped. The reduced value they feed (``main_grad``) is judged.
 A scalar partial sum (each parameter's term of the grad norm) is kept whole, 8 bytes a rank: the
 pieces are added up after the run and judged like any scalar (:func:`_scalar_partial`).
-So are a lock-stepped Adam run's updated parameters (judged element by element against their
-moments, offline); the moments themselves are judged online. A top-k choice (an MoE router's) is
+A lock-stepped Adam run's updated values are judged element by element against both sides'
+moments (``compare.UpdateCheck``) on each rank, over the elements it holds the moments of (a
+distributed optimizer's range), and the worst element over the ranks decides. A top-k choice (an MoE router's) is
 judged against both sides' scores (``selection``) offline only: online it is skipped, and its
 scores are judged.
 
@@ -29,13 +30,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, blank_shard_sums,
-                      check_compatible,
+from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, UpdateCheck,
+                      UpdateVerdict, apply_update_verdict, blank_shard_sums, check_compatible,
                       combine_shards, decide, group_records, in_order, logical_tensor, missing_reference, piece_norm,
                       reference_order, replica_note, shard_sums, with_recomputed_aliases, OVERFLOW_PHASES,
                       overflowed_iterations)
 from .errors import TraceError
-from .placement import Coords, Layout, Partial, PlacementError
+from .placement import Coords, Layout, Partial, PlacementError, logical_mask, owned_piece, slice_logical
 from .scalars import IterationScalars, iteration_scalars, scalar_row
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
@@ -54,10 +55,15 @@ class OnlineComparer:
 
     def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False):
         self.reference = TraceReader(reference_dir)
-        # in lock-step under Adam an updated parameter is judged element by element against its
-        # moments (compare.UpdateCheck), which needs the merged tensors: not online
-        self.updates_offline = lockstep and AdamRule.from_run(self.reference.run) is not None
         self._reference_groups = group_records(self.reference)
+        # in lock-step under Adam an updated value is judged element by element against both sides'
+        # moments (compare.UpdateCheck): on each rank, over the elements it holds the moments of
+        rule = AdamRule.from_run(self.reference.run) if lockstep else None
+        self.update_check = None if rule is None else UpdateCheck(rule, self.reference, self._reference_groups, None,
+                                                                  None, ToleranceConfig(), lockstep=True)
+        # (iteration, module, parameter) -> the pieces of its step seen so far: tensor and layout of
+        # each moment, and the updated values' (entry index, tensor, layout) waiting for them
+        self._steps: Dict[Tuple[int, str, str], Dict[str, tuple]] = {}
         self._reclip = Reclip(self.reference, self._reference_groups)
         self._clips: Dict[int, float] = {}
         self.rank = rank
@@ -84,6 +90,67 @@ class OnlineComparer:
             self._clips[key.iteration] = float(tensor.reshape(-1)[0])  # this rank's own, for re-clipping
         entry = self._judge_shard(key, tensor.detach(), layout)
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
+        if self.update_check is not None and entry.status == "ok":
+            self._step_piece(key, tensor.detach(), layout, len(self.entries) - 1)
+
+    def _step_piece(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, index: int) -> None:
+        """Keep a moment or an updated value of a step until the step's both moments are here, then
+        judge its updated values element by element (:meth:`_judge_update`)."""
+        name = keys.param_name_of(key.tensor)
+        moment = key.kind is TensorKind.OPTIMIZER_STATE and key.tensor in (
+            keys.optimizer_state(name, keys.EXP_AVG), keys.optimizer_state(name, keys.EXP_AVG_SQ))
+        if not moment and not keys.is_updated_value(key):
+            return
+        step = self._steps.setdefault((key.iteration, key.module, name), {"values": []})
+        if moment:
+            step[key.tensor.rpartition(".")[2]] = (tensor.cpu().clone(), layout)
+        else:
+            step["values"].append((index, tensor.cpu().clone(), layout))
+        if keys.EXP_AVG in step and keys.EXP_AVG_SQ in step:
+            for index, value, value_layout in step["values"]:
+                self._judge_update(index, value, value_layout, step[keys.EXP_AVG], step[keys.EXP_AVG_SQ])
+            step["values"] = []
+
+    def _judge_update(self, index: int, value: torch.Tensor, value_layout: Layout, exp_avg, exp_avg_sq) -> None:
+        """The element-wise Adam check of one updated value on this rank: the elements it holds the
+        moments of (a distributed optimizer's range of a whole parameter, or the parameter's shard),
+        each operand of the reference sliced to the same elements; the verdict goes on the value's entry."""
+        entry = self.entries[index]
+        key = entry.key
+        moments_layout = exp_avg[1]
+        local = tuple(exp_avg[0].shape)
+        param = keys.param_name_of(key.tensor)
+        names = (key.tensor, keys.optimizer_state(param, keys.EXP_AVG), keys.optimizer_state(param, keys.EXP_AVG_SQ))
+        try:
+            mine = value if tuple(value.shape) == local else owned_piece(value, moments_layout, self.coords)
+            refs = [self._reference_piece(dataclasses.replace(key, tensor=name), layout, local)
+                    for name, layout in zip(names, (moments_layout, exp_avg[1], exp_avg_sq[1]))]
+        except PlacementError as e:
+            self.entries[index] = dataclasses.replace(entry, update_detail=f"this rank's piece does not fit: {e}")
+            return
+        operands = [mine, exp_avg[0], exp_avg_sq[0]] + refs
+        if any(t is None for t in operands) or tuple(mine.shape) != local:
+            self.entries[index] = dataclasses.replace(entry, update_detail="no moments or reference recorded")
+            return
+        mask = logical_mask(moments_layout, self.coords, local)
+        flat = [t.reshape(-1) if mask is None else t.reshape(-1)[mask.reshape(-1)] for t in operands]
+        verdict, detail = self.update_check.element_wise(key, flat[0], flat[3], (flat[1], flat[2]), (flat[4], flat[5]),
+                                                         str(value.dtype).replace("torch.", ""))
+        if verdict is None:
+            self.entries[index] = dataclasses.replace(entry, update_detail=detail)
+            return
+        self.entries[index] = dataclasses.replace(
+            entry, update_ratio=verdict.worst_ratio, update_index=verdict.worst_index,
+            update_residual=verdict.residual, update_slack=verdict.slack, update_k=self.update_check.k,
+            update_detail=detail)
+
+    def _reference_piece(self, key: TensorKey, layout: Layout, local) -> Optional[torch.Tensor]:
+        """The reference's logical ``key`` sliced to this rank's piece of ``layout`` (None: not recorded)."""
+        pieces = self._reference_groups.get(keys.reference_key(key))
+        if pieces is None:
+            return None
+        return slice_logical(logical_tensor(self.reference, pieces).tensor, dataclasses.replace(layout, scale=1.0),
+                             self.coords, local)
 
     def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout) -> ShardSums:
         pieces = self._reference_groups.get(keys.reference_key(key))
@@ -96,9 +163,6 @@ class OnlineComparer:
                                     partial_value=float(cand.reshape(-1)[0].double()) / layout.scale if scalar else None,
                                     partial_position={p.axis: tuple(self.coords[p.axis]) for p in layout.placements
                                                       if isinstance(p, Partial)}))
-        if self.updates_offline and keys.is_updated_value(key):
-            return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
-                                    detail="an Adam update in lock-step, judged element by element offline"))
         if key.kind is TensorKind.SELECTION:
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
                                     detail="a top-k choice is judged against both sides' scores: offline only"))
@@ -122,6 +186,10 @@ class OnlineComparer:
                 and main_grad_key(key) in self._reference_groups)
 
     def flush(self, iteration: int) -> None:
+        for step in [k for k in self._steps if k[0] <= iteration]:  # values whose moments never came
+            for index, _, _ in self._steps.pop(step)["values"]:
+                self.entries[index] = dataclasses.replace(self.entries[index],
+                                                          update_detail="no moments recorded on this rank")
         self._write(complete=False)
         self._warn_live(iteration)
 
@@ -135,8 +203,8 @@ class OnlineComparer:
         num_layers = int(self.reference.run.get("num_layers", 0))
         judged = []
         for e in self.entries[self._warned:]:
-            if e.status != "ok" or e.key.iteration != iteration or e.ref_sq == 0.0:
-                continue
+            if e.status != "ok" or e.key.iteration != iteration or e.ref_sq == 0.0 or e.update_detail:
+                continue  # (an updated value: judged by its element-wise check, in the combination)
             ref_key = keys.reference_key(e.key)  # a recomputed output is judged against the reference's output
             rec = self._reference_groups[ref_key][0][1]
             judged.append(decide(e.key, rec, num_layers, self._order.get(ref_key, math.inf),
@@ -268,6 +336,24 @@ def _observed(moved: Optional[Dict[TensorKey, float]], key: TensorKey, statistic
     return observed
 
 
+def _with_update_verdict(result: TensorResult, entries: List[Tuple[int, ShardSums]],
+                         tol_config: ToleranceConfig) -> TensorResult:
+    """An updated value's verdict from its pieces' element-wise checks (``OnlineComparer._judge_update``):
+    the worst element over the ranks, its ratio taken to the comparison's k; the relative-error verdict
+    where no piece was checked, or with the reason where one could not be."""
+    tried = [(rank, e) for rank, e in entries if e.update_detail]
+    if not tried:
+        return result
+    unchecked = [e for _, e in tried if e.update_ratio is None] + [e for _, e in entries if not e.update_detail]
+    if unchecked:
+        return apply_update_verdict(result, None, unchecked[0].update_detail or "a piece was not checked", "lock-step")
+    rank, worst = max(tried, key=lambda re: (re[1].update_ratio, re[1].update_index >= 0))  # ties: a checked element
+    scale = worst.update_k / tol_config.k  # the slack is k times the step's round-off
+    verdict = UpdateVerdict(worst.update_ratio * scale, worst.update_index, worst.update_residual,
+                            worst.update_slack / scale)
+    return apply_update_verdict(result, verdict, worst.update_detail, "lock-step", where=f" of rank {rank}'s piece")
+
+
 def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
                    tol_config: ToleranceConfig = ToleranceConfig(), perturbed: Optional[str] = None) -> Comparison:
     """Add up the ranks' shard sums into one :class:`~ttrace_megatron.compare.Comparison`;
@@ -316,9 +402,10 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
         cancellation = 1.0
         if cancellations.needs_reference(key):
             cancellation = cancellations.factor(key, logical_tensor(ref, ref_groups[key]).tensor)
-        results.append(combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
-                                      candidate_dir, observed=observed, cancellation=cancellation, step=step_bounds,
-                                      overflowed=key.phase in OVERFLOW_PHASES and key.iteration in overflowed))
+        result = combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
+                                candidate_dir, observed=observed, cancellation=cancellation, step=step_bounds,
+                                overflowed=key.phase in OVERFLOW_PHASES and key.iteration in overflowed)
+        results.append(_with_update_verdict(result, entries, tol_config) if math.isfinite(result.error) else result)
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand_run, skipped=skipped, unjudged=unjudged)

@@ -998,3 +998,27 @@ def heterogeneous_block_config_off_by_one() -> None:
         return original(self, layer_number % len(self.per_block_parameters) + 1)
 
     HeterogeneousTransformerConfig.get_config_for_layer = get_config_for_layer
+
+
+@bug()
+def adam_step_doubled_on_rank_1(chunks) -> None:
+    """Global rank 1 moves each parameter it steps twice as far as Adam's update (the step applied
+    twice, its moments updated once): the moments, the lr and every setting are right, and only the
+    updated values show it, on the elements that rank steps."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() < 2:
+        raise ValueError("bug injection: adam_step_doubled_on_rank_1 needs two ranks or more")
+    original = torch.optim.AdamW.step
+
+    @torch.no_grad()
+    def step(self, *args, **kwargs):
+        before = [[p.detach().clone() for p in group["params"]] for group in self.param_groups]
+        loss = original(self, *args, **kwargs)
+        if dist.get_rank() == 1:
+            for group, olds in zip(self.param_groups, before):
+                for p, old in zip(group["params"], olds):
+                    p.add_(p - old)
+        return loss
+
+    torch.optim.AdamW.step = step
