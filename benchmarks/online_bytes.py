@@ -1,0 +1,100 @@
+"""What a check writes, recorded (both sides' traces) against online (the candidate and the
+perturbation run compare as they run): one JSON line per check, with the bytes of each trace
+directory, the verdict, the first mismatch, the replay's culprit, the tensors judged and skipped,
+and each part's seconds. The same recipe, seed and bug in both modes, one after the other.
+
+    python benchmarks/online_bytes.py --recipe gpt_tp2_sp --wide --dtypes fp32 bf16 \\
+        --inject row_allreduce_dropped:decoder.layers.3.mlp.linear_fc2 --out results/online_bytes_COMMIT.jsonl
+
+``--wide``: the recipe at the scale ladder's 50M-parameter rung (margins.WIDE: 8 layers, hidden 512,
+vocabulary 32768). Each check's directory is removed after it is measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from typing import Optional
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from margins import recipe as shipped_recipe  # noqa: E402
+
+MODES = {"recorded": [], "online": ["--online"]}
+
+
+def tree_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optional[str], tmp: str) -> dict:
+    import yaml
+
+    from ttrace_megatron.cli import main
+
+    r = shipped_recipe(name, dtype, seed, wide)
+    path = os.path.join(tmp, f"{name}.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(r.to_json(), f)
+    out, report_path = os.path.join(tmp, "out"), os.path.join(tmp, "report.json")
+    argv = ["run", path, "--out", out, "--json", report_path, "--quiet"] + MODES[mode] + (
+        ["--inject", inject] if inject else [])
+    with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal):
+        main(argv)
+    with open(report_path) as f:
+        report = json.load(f)
+    sides = {}
+    for d, _, _ in os.walk(out):
+        rel = os.path.relpath(d, out)
+        if rel.count(os.sep) <= 1 and os.path.basename(d) in ("reference", "candidate", "reference-perturbed", "replay"):
+            sides[rel] = tree_bytes(d)
+    fm = report.get("first_mismatch") or {}
+    import megatron.core
+
+    row = {"recipe": name, "wide": wide, "dtype": dtype, "seed": seed, "mode": mode, "inject": inject,
+           "verdict": report["verdict"], "bytes": sides, "bytes_total": tree_bytes(out),
+           "first_mismatch": f"{fm.get('module')} {fm.get('phase')} {fm.get('tensor')}" if fm else None,
+           "culprit": next((f"{c['module']}, {c['phase']}, {c['tensor']}" for c in report.get("culprits") or []), None),
+           "judged": len(report.get("tensors") or []), "skipped": len(report.get("skipped") or []),
+           "timings_s": report.get("timings_s"),
+           "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
+                                    text=True).stdout.strip(),
+           "megatron_core": megatron.core.__version__,
+           "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo"}
+    twin = report.get("fp32_twin")
+    if twin is not None:
+        row.update(pair_verdict=report.get("pair_verdict"), twin_verdict=twin["verdict"])
+    shutil.rmtree(out, ignore_errors=True)
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--recipe", default="gpt_tp2_sp")
+    parser.add_argument("--wide", action="store_true")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32"])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--inject", help="a bug checked in both modes after the clean checks")
+    parser.add_argument("--dir", help="where the checks run (default: a temporary directory)")
+    parser.add_argument("--out", required=True, help="JSON lines are appended here")
+    args = parser.parse_args()
+    checks = [(dtype, None) for dtype in args.dtypes] + ([("fp32", args.inject)] if args.inject else [])
+    for dtype, inject in checks:
+        for mode in MODES:
+            with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+                row = check(args.recipe, dtype, args.seed, args.wide, mode, inject, tmp)
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
