@@ -91,7 +91,7 @@ CURRENT: Tuple[Source, ...] = (
            ("feature_heterogeneous_tp2_ddf9b46.jsonl",), "benchmarks/results/history/issue33_features.md"),
     Source("heterogeneous layers at TP2 × DP2 with the distributed optimizer, 3 seeds", FREE,
            ("feature_heterogeneous_tp2_dp2_distopt_ddf9b46.jsonl",), "benchmarks/results/history/issue33_features.md"),
-    Source("heterogeneous layers at 8 layers, h512, V32k (TP2), 3 seeds", FREE,
+    Source("heterogeneous layers at 8 layers, h512, V32k (TP2), 3 seeds fp32, 1 bf16", FREE,
            ("feature_heterogeneous_wide_tp2_0d0fd2f.jsonl", "feature_heterogeneous_wide_tp2_bf16_5c9a433.jsonl"),
            "benchmarks/results/history/issue33_features.md"),
     Source("configuration sweep: the bf16 draws of seed 0's first 200, with the fp32 twin", SWEEP,

@@ -123,8 +123,10 @@ class OnlineComparer:
         names = (key.tensor, keys.optimizer_state(param, keys.EXP_AVG), keys.optimizer_state(param, keys.EXP_AVG_SQ))
         try:
             mine = value if tuple(value.shape) == local else owned_piece(value, moments_layout, self.coords)
+            # the value sliced as the moments are split (its own scale), each moment by its own layout
+            layouts = (dataclasses.replace(moments_layout, scale=value_layout.scale), exp_avg[1], exp_avg_sq[1])
             refs = [self._reference_piece(dataclasses.replace(key, tensor=name), layout, local)
-                    for name, layout in zip(names, (moments_layout, exp_avg[1], exp_avg_sq[1]))]
+                    for name, layout in zip(names, layouts)]
         except PlacementError as e:
             self.entries[index] = dataclasses.replace(entry, update_detail=f"this rank's piece does not fit: {e}")
             return
@@ -149,8 +151,7 @@ class OnlineComparer:
         pieces = self._reference_groups.get(keys.reference_key(key))
         if pieces is None:
             return None
-        return slice_logical(logical_tensor(self.reference, pieces).tensor, dataclasses.replace(layout, scale=1.0),
-                             self.coords, local)
+        return slice_logical(logical_tensor(self.reference, pieces).tensor, layout, self.coords, local)
 
     def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout) -> ShardSums:
         pieces = self._reference_groups.get(keys.reference_key(key))
