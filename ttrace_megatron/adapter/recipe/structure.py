@@ -64,6 +64,7 @@ def decoder_modules(chunk: torch.nn.Module):
 # a sublayer a layer has in place of attention or an MLP: one column-parallel linear whose TP output
 # is gathered (a heterogeneous model's ``replace_with_linear``)
 LINEAR = "linear"
+HYBRID_FIELD = "hybrid_layer_pattern"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class LayerContent:
     mlp: Optional[str]
     num_query_groups: Optional[int] = None
     ffn_hidden_size: Optional[int] = None
-    field: str = "hybrid_layer_pattern"
+    field: str = HYBRID_FIELD
 
 
 def layer_contents(config, pattern: Optional[str] = None) -> List[LayerContent]:
@@ -207,10 +208,12 @@ def _check_attention(problems: List[str], where: str, attn, content: LayerConten
         _check_gathered_linear(problems, where, attn, content, config)
         return
     if not content.attention:
-        _expect(problems, where, f"{content.field} (no attention)", False, _has_params(attn))
+        absent = "an MLP layer, no attention" if content.field == HYBRID_FIELD else "no attention"
+        _expect(problems, where, f"{content.field} ({absent})", False, _has_params(attn))
         return
     if not hasattr(attn, "linear_qkv"):
-        problems.append(f"{where}: {content.field} asks for attention, the built model has {type(attn).__name__}")
+        asks = f"{HYBRID_FIELD} (*)" if content.field == HYBRID_FIELD else content.field
+        problems.append(f"{where}: {asks} asks for attention, the built model has {type(attn).__name__}")
         return
     kv = config.kv_channels or config.hidden_size // config.num_attention_heads
     groups = content.num_query_groups or config.num_query_groups or config.num_attention_heads
@@ -241,7 +244,8 @@ def _check_mlp(problems: List[str], where: str, module, content: LayerContent, c
         _check_gathered_linear(problems, where, module, content, config)
         return
     if mlp is None:
-        _expect(problems, where, f"{content.field} (no MLP)", False, _has_params(module))
+        absent = "an attention layer, no MLP" if content.field == HYBRID_FIELD else "no MLP"
+        _expect(problems, where, f"{content.field} ({absent})", False, _has_params(module))
         return
     is_moe = isinstance(module, MoELayer)
     moe_field = "num_moe_experts / moe_layer_freq (MoE layer)" if pattern is None else "hybrid_layer_pattern (E)"
