@@ -43,6 +43,7 @@ SWEEP = "sweep"          # sweep.py --jsonl rows: each configuration and its out
 
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
+EPYC = "CPU (2-core AMD EPYC, gloo)"  # result files named *_epyc: a session on another machine of the same kind
 H200 = "NVIDIA H200"
 H100 = "NVIDIA H100"
 LADDER_KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "norm terms", "clip", "moments",
@@ -88,11 +89,11 @@ CURRENT: Tuple[Source, ...] = (
            ("feature_quantile_balancing_tp2_sp_ep2_86d8817_mc0192.jsonl",),
            "benchmarks/results/history/issue33_features.md"),
     Source("heterogeneous layers (Nemotron-NAS blocks) at TP2, 3 seeds", FREE,
-           ("feature_heterogeneous_tp2_ddf9b46.jsonl",), "benchmarks/results/history/issue33_features.md"),
+           ("feature_heterogeneous_tp2_ddf9b46_epyc.jsonl",), "benchmarks/results/history/issue33_features.md"),
     Source("heterogeneous layers at TP2 × DP2 with the distributed optimizer, 3 seeds", FREE,
-           ("feature_heterogeneous_tp2_dp2_distopt_ddf9b46.jsonl",), "benchmarks/results/history/issue33_features.md"),
+           ("feature_heterogeneous_tp2_dp2_distopt_ddf9b46_epyc.jsonl",), "benchmarks/results/history/issue33_features.md"),
     Source("heterogeneous layers at 8 layers, h512, V32k (TP2), 3 seeds fp32, 1 bf16", FREE,
-           ("feature_heterogeneous_wide_tp2_0d0fd2f.jsonl", "feature_heterogeneous_wide_tp2_bf16_5c9a433.jsonl"),
+           ("feature_heterogeneous_wide_tp2_0d0fd2f_epyc.jsonl", "feature_heterogeneous_wide_tp2_bf16_5c9a433_epyc.jsonl"),
            "benchmarks/results/history/issue33_features.md"),
     Source("configuration sweep: the bf16 draws of seed 0's first 200, with the fp32 twin", SWEEP,
            ("sweep_bf16_twin_1acf866.jsonl",), "benchmarks/results/history/issue36_bf16_twin.md"),
@@ -100,9 +101,9 @@ CURRENT: Tuple[Source, ...] = (
            "quantile balancing, with the fp32 twin", SWEEP, ("sweep_features_mc0192_af0e2aa.jsonl",),
            "benchmarks/results/history/issue33_features.md"),
     Source("configuration sweep: seed 0's draws with heterogeneous layers (of 300), with the fp32 twin", SWEEP,
-           ("sweep_heterogeneous_5c9a433.jsonl",), "benchmarks/results/history/issue33_features.md"),
+           ("sweep_heterogeneous_5c9a433_epyc.jsonl",), "benchmarks/results/history/issue33_features.md"),
     Source("configuration sweep on megatron-core 0.19.2: seed 0's draws with heterogeneous layers (of 300), with "
-           "the fp32 twin", SWEEP, ("sweep_heterogeneous_5c9a433_mc0192.jsonl",),
+           "the fp32 twin", SWEEP, ("sweep_heterogeneous_5c9a433_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue33_features.md"),
     Source("scale ladder (with the norm's terms)", LADDER,
            ("scale_terms_68a3b73.jsonl", "scale_terms_5f03f30.jsonl", "scale_terms_seeds23_0f41cd6.jsonl",
@@ -154,7 +155,7 @@ def commit_of(name: str) -> str:
 
 def machine_of(name: str) -> str:
     stem = os.path.splitext(name)[0]
-    return H200 if stem.endswith("_h200") else H100 if stem.endswith("_h100") else CPU
+    return H200 if stem.endswith("_h200") else H100 if stem.endswith("_h100") else EPYC if stem.endswith("_epyc") else CPU
 
 
 def markdown_tables(path: str) -> List[List[Dict[str, str]]]:
