@@ -47,6 +47,7 @@ def test_blocks_read_as_the_hugging_face_config_gives_them():
     (_model([FULL, FULL], num_layers=3), {}, "2 block configs for num_layers 3"),
     (_model([FULL], num_moe_experts=4), {}, "'num_moe_experts' cannot be set"),
     (_model([FULL], mtp_num_layers=1), {}, "'mtp_num_layers' cannot be set"),
+    (_model([FULL], hybrid_layer_pattern="*-"), {}, "'hybrid_layer_pattern' cannot be set"),
     (_model([{"attention": {"no_op": True, "num_query_groups": 2}, "ffn": {"ffn_mult": None}}]), {},
      "gives num_query_groups"),
     (_model([{"attention": {"num_query_groups": None}, "ffn": {"replace_with_linear": True, "ffn_hidden_size": 64}}]),

@@ -320,6 +320,13 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
                             same_nonfinite=bool(torch.equal(bad_c, bad_r))))
 
 
+def relative_from_sums(diff_sq: float, ref_sq: float) -> float:
+    """‖cand − ref‖ / ‖ref‖ from the squared norms: 0 when both are zero, inf when only the reference is."""
+    if ref_sq == 0.0:
+        return 0.0 if diff_sq == 0.0 else math.inf
+    return math.sqrt(diff_sq) / math.sqrt(ref_sq)
+
+
 def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Record, num_layers: int, order: int,
                    tol_config: ToleranceConfig, where: str, notes: Sequence[str] = (),
                    replica_max_abs_diff: Optional[Callable[[List[int]], float]] = None,
@@ -366,12 +373,7 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
         expected_nonfinite = (f"{nonfinite_message(nc, nr, bool(nc and nr and same))} expected (the reference "
                               f"skipped this step: its loss-scaled grads overflowed); the finite values judged")
         nc = nr = 0
-    if compared == 0 and nc + nr:
-        error = math.nan  # nothing finite to compare
-    elif ref_sq == 0.0:
-        error = 0.0 if diff_sq == 0.0 else math.inf
-    else:
-        error = math.sqrt(diff_sq) / math.sqrt(ref_sq)
+    error = math.nan if compared == 0 and nc + nr else relative_from_sums(diff_sq, ref_sq)  # nan: nothing finite
     nonfinite = nonfinite_message(nc, nr, bool(nc and nr and same))
     if poisoned and not overflowed:
         # the merge takes the lowest rank's copy; another copy of the same values holds NaN/Inf: that

@@ -33,6 +33,7 @@ import torch
 from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, UpdateCheck,
                       UpdateVerdict, apply_update_verdict, blank_shard_sums, check_compatible,
                       combine_shards, decide, group_records, in_order, logical_tensor, missing_reference, piece_norm,
+                      relative_from_sums,
                       reference_order, replica_note, shard_sums, with_recomputed_aliases, OVERFLOW_PHASES,
                       overflowed_iterations)
 from .errors import TraceError
@@ -88,56 +89,53 @@ class OnlineComparer:
             return
         if key.module == keys.OPTIMIZER_MODULE and key.tensor == keys.CLIP_COEFFICIENT:
             self._clips[key.iteration] = float(tensor.reshape(-1)[0])  # this rank's own, for re-clipping
-        entry = self._judge_shard(key, tensor.detach(), layout)
+        entry, reference = self._judge_shard(key, tensor.detach(), layout)
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
         if self.update_check is not None and entry.status == "ok":
-            self._step_piece(key, tensor.detach(), layout, len(self.entries) - 1)
+            self._step_piece(key, tensor.detach(), layout, reference, len(self.entries) - 1)
 
-    def _step_piece(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, index: int) -> None:
-        """Keep a moment or an updated value of a step until the step's both moments are here, then
-        judge its updated values element by element (:meth:`_judge_update`)."""
+    def _step_piece(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, reference: torch.Tensor,
+                    index: int) -> None:
+        """Keep a moment or an updated value of a step (this rank's piece, and the reference's slice
+        of it) until the step's both moments are here, then judge its updated values element by
+        element (:meth:`_judge_update`)."""
         name = keys.param_name_of(key.tensor)
         moment = key.kind is TensorKind.OPTIMIZER_STATE and key.tensor in (
             keys.optimizer_state(name, keys.EXP_AVG), keys.optimizer_state(name, keys.EXP_AVG_SQ))
         if not moment and not keys.is_updated_value(key):
             return
+        # one host copy of the piece (the run goes on changing its own), the reference sliced alike
+        piece = (tensor.to("cpu", copy=True), slice_logical(reference, layout, self.coords, tuple(tensor.shape)),
+                 layout)
         step = self._steps.setdefault((key.iteration, key.module, name), {"values": []})
         if moment:
-            step[key.tensor.rpartition(".")[2]] = (tensor.cpu().clone(), layout)
+            step[key.tensor.rpartition(".")[2]] = piece
         else:
-            step["values"].append((index, tensor.cpu().clone(), layout))
+            step["values"].append((index, *piece))
         if keys.EXP_AVG in step and keys.EXP_AVG_SQ in step:
-            for index, value, value_layout in step["values"]:
-                self._judge_update(index, value, value_layout, step[keys.EXP_AVG], step[keys.EXP_AVG_SQ])
+            for index, value, ref_value, _ in step["values"]:
+                self._judge_update(index, (value, ref_value), step[keys.EXP_AVG], step[keys.EXP_AVG_SQ])
             step["values"] = []
 
-    def _judge_update(self, index: int, value: torch.Tensor, value_layout: Layout, exp_avg, exp_avg_sq) -> None:
+    def _judge_update(self, index: int, value, exp_avg, exp_avg_sq) -> None:
         """The element-wise Adam check of one updated value on this rank: the elements it holds the
         moments of (a distributed optimizer's range of a whole parameter, or the parameter's shard),
-        each operand of the reference sliced to the same elements; the verdict goes on the value's entry."""
+        the reference's at the same positions; the verdict goes on the value's entry. ``value`` and
+        each moment: (this rank's piece, the reference's slice of it[, layout])."""
         entry = self.entries[index]
-        key = entry.key
-        moments_layout = exp_avg[1]
+        moments_layout = exp_avg[2]
         local = tuple(exp_avg[0].shape)
-        param = keys.param_name_of(key.tensor)
-        names = (key.tensor, keys.optimizer_state(param, keys.EXP_AVG), keys.optimizer_state(param, keys.EXP_AVG_SQ))
-        try:
-            mine = value if tuple(value.shape) == local else owned_piece(value, moments_layout, self.coords)
-            # the value sliced as the moments are split (its own scale), each moment by its own layout
-            layouts = (dataclasses.replace(moments_layout, scale=value_layout.scale), exp_avg[1], exp_avg_sq[1])
-            refs = [self._reference_piece(dataclasses.replace(key, tensor=name), layout, local)
-                    for name, layout in zip(names, layouts)]
+        try:  # the value's piece is the whole shard where the moments hold a range of it
+            mine, ref_value = (v if tuple(v.shape) == local else owned_piece(v, moments_layout, self.coords)
+                               for v in value)
         except PlacementError as e:
             self.entries[index] = dataclasses.replace(entry, update_detail=f"this rank's piece does not fit: {e}")
             return
-        operands = [mine, exp_avg[0], exp_avg_sq[0]] + refs
-        if any(t is None for t in operands) or tuple(mine.shape) != local:
-            self.entries[index] = dataclasses.replace(entry, update_detail="no moments or reference recorded")
-            return
         mask = logical_mask(moments_layout, self.coords, local)
-        flat = [t.reshape(-1) if mask is None else t.reshape(-1)[mask.reshape(-1)] for t in operands]
-        verdict, detail = self.update_check.element_wise(key, flat[0], flat[3], (flat[1], flat[2]), (flat[4], flat[5]),
-                                                         str(value.dtype).replace("torch.", ""))
+        flat = [t.reshape(-1) if mask is None else t.reshape(-1)[mask.reshape(-1)]
+                for t in (mine, exp_avg[0], exp_avg_sq[0], ref_value, exp_avg[1], exp_avg_sq[1])]
+        verdict, detail = self.update_check.element_wise(entry.key, flat[0], flat[3], (flat[1], flat[2]),
+                                                         (flat[4], flat[5]), str(mine.dtype).replace("torch.", ""))
         if verdict is None:
             self.entries[index] = dataclasses.replace(entry, update_detail=detail)
             return
@@ -146,32 +144,27 @@ class OnlineComparer:
             update_residual=verdict.residual, update_slack=verdict.slack, update_k=self.update_check.k,
             update_detail=detail)
 
-    def _reference_piece(self, key: TensorKey, layout: Layout, local) -> Optional[torch.Tensor]:
-        """The reference's logical ``key`` sliced to this rank's piece of ``layout`` (None: not recorded)."""
+    def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout
+                     ) -> Tuple[ShardSums, Optional[torch.Tensor]]:
+        """The rank's sums for ``key``, and the reference's logical tensor as recorded (before any
+        re-clip; None where none was read), which the element-wise update check reuses."""
         pieces = self._reference_groups.get(keys.reference_key(key))
         if pieces is None:
-            return None
-        return slice_logical(logical_tensor(self.reference, pieces).tensor, layout, self.coords, local)
-
-    def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout) -> ShardSums:
-        pieces = self._reference_groups.get(keys.reference_key(key))
-        if pieces is None:
-            return missing_reference(key, cand, layout, self.coords)
+            return missing_reference(key, cand, layout, self.coords), None
         if any(isinstance(p, Partial) for p in layout.placements):
             scalar = cand.numel() == 1 and math.prod(layout.logical_shape) == 1
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
                                     detail="a partial sum; judge it offline", partial_norm=piece_norm(cand, layout),
                                     partial_value=float(cand.reshape(-1)[0].double()) / layout.scale if scalar else None,
                                     partial_position={p.axis: tuple(self.coords[p.axis]) for p in layout.placements
-                                                      if isinstance(p, Partial)}))
+                                                      if isinstance(p, Partial)})), None
         if key.kind is TensorKind.SELECTION:
             return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
-                                    detail="a top-k choice is judged against both sides' scores: offline only"))
-        ref_full = logical_tensor(self.reference, pieces).tensor
-        if self._reclips(key):
-            ref_full = self._reclip.state(key, ref_full, self._clips[key.iteration])
+                                    detail="a top-k choice is judged against both sides' scores: offline only")), None
+        recorded = logical_tensor(self.reference, pieces).tensor
+        judged_against = self._reclip.state(key, recorded, self._clips[key.iteration]) if self._reclips(key) else recorded
         try:
-            return shard_sums(key, cand, layout, self.coords, ref_full)
+            return shard_sums(key, cand, layout, self.coords, judged_against), recorded
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              rank=self.rank, tensor=str(key)) from None
@@ -188,7 +181,7 @@ class OnlineComparer:
 
     def flush(self, iteration: int) -> None:
         for step in [k for k in self._steps if k[0] <= iteration]:  # values whose moments never came
-            for index, _, _ in self._steps.pop(step)["values"]:
+            for index, *_ in self._steps.pop(step)["values"]:
                 self.entries[index] = dataclasses.replace(self.entries[index],
                                                           update_detail="no moments recorded on this rank")
         self._write(complete=False)
@@ -311,17 +304,11 @@ def perturbation_online(perturbed_dir: str, reference_dir: str) -> Dict[TensorKe
             if e.status == "shape":
                 moved[e.key] = math.inf
             elif e.status == "ok":
-                moved[e.key] = _relative(e.diff_sq, e.ref_sq)
+                moved[e.key] = relative_from_sums(e.diff_sq, e.ref_sq)
             elif e.status == "partial" and e.partial_value is not None and e.key in ref_groups:
                 value = float(logical_tensor(ref, ref_groups[e.key]).tensor.reshape(-1)[0].double())
-                moved[e.key] = _relative((e.partial_value - value) ** 2, value ** 2)
+                moved[e.key] = relative_from_sums((e.partial_value - value) ** 2, value ** 2)
     return moved
-
-
-def _relative(diff_sq: float, ref_sq: float) -> float:
-    if ref_sq == 0.0:
-        return 0.0 if diff_sq == 0.0 else math.inf
-    return math.sqrt(diff_sq / ref_sq)
 
 
 def _observed(moved: Optional[Dict[TensorKey, float]], key: TensorKey, statistic_of: str) -> Optional[float]:

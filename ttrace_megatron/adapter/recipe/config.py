@@ -94,9 +94,6 @@ def validate_recipe(recipe: Recipe) -> None:
     hybrid.check(recipe.model, recipe.parallel, where)  # before the fields: it names the pattern's own refusals
     heterogeneous.normalize(recipe.model, where)  # the blocks travel with the recipe, as text
     heterogeneous.check(recipe.model, recipe.parallel, where)
-    if heterogeneous.is_heterogeneous(recipe.model) and hybrid.pattern_of(recipe.model):
-        raise RecipeError(f"{where}: model: '{heterogeneous.JSON_KEY}' cannot be set with '{hybrid.PATTERN_KEY}': "
-                          f"megatron's heterogeneous layers are a GPTModel's")
     model_fields.check_fields(recipe.model, where)
     if "activation_func" in recipe.model and recipe.model["activation_func"] not in activations():
         raise RecipeError(f"{where}: model: 'activation_func' must name one of {sorted(activations())}, "

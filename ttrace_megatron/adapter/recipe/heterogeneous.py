@@ -45,6 +45,7 @@ _REFUSED_WITH = {
                       "past the block configs (get_config_for_layer raises for it): not supported by ttrace yet",
     "heterogeneous_block_specs": "megatron sets it from the block configs (HeterogeneousTransformerConfig."
                                  "__post_init__)",
+    "hybrid_layer_pattern": "megatron's heterogeneous layers are a GPTModel's",
 }
 
 

@@ -1009,6 +1009,11 @@ def adam_step_doubled_on_rank_1(chunks) -> None:
 
     if not dist.is_initialized() or dist.get_world_size() < 2:
         raise ValueError("bug injection: adam_step_doubled_on_rank_1 needs two ranks or more")
+    import megatron.core.optimizer as megatron_optimizer
+
+    if getattr(megatron_optimizer, "Adam", None) is not torch.optim.AdamW:  # TE's or apex's fused Adam: not patched
+        raise ValueError("bug injection: adam_step_doubled_on_rank_1 patches torch's AdamW, which this megatron-core "
+                         "does not use for Adam")
     original = torch.optim.AdamW.step
 
     @torch.no_grad()
