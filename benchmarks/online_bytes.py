@@ -29,7 +29,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from margins import recipe as shipped_recipe  # noqa: E402
 
-MODES = {"recorded": [], "online": ["--online"]}
+MODES = {"recorded": ["--keep-traces"], "online": []}  # online: ttrace run's default
 
 
 def tree_bytes(path: str) -> int:

@@ -76,8 +76,9 @@ def recipe_rows(paths):
         tmp = tempfile.mkdtemp(prefix="plan-check-")
         try:
             out = os.path.join(tmp, "out")
+            # every side recorded (run's default judges the candidate online and writes no tensor of it)
             proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "run", path, "--out", out, "--quiet",
-                                   "--no-localize"], capture_output=True, text=True, cwd=REPO)
+                                   "--no-localize", "--keep-traces"], capture_output=True, text=True, cwd=REPO)
             for side in plan.sides:
                 d = os.path.join(out, side.name)
                 measured = core.measured_bytes(d) if os.path.isdir(d) else 0

@@ -161,7 +161,9 @@ def run_rung(family: str, layout: str, axis: str, value: int, seed: int, dtype: 
     start = time.time()
     proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "run", path, "--out", out, "--no-localize",
                            # the ladder measures each dtype's own round-off: a bf16 rung's fp32 twin is the fp32 rung
-                           "--no-fp32-twin", "--json", report], capture_output=True, text=True, timeout=timeout, cwd=REPO)
+                           "--no-fp32-twin", "--json", report,
+                           # both sides' traces, as the ladder has always measured them (plan_check --ladder reads them)
+                           "--keep-traces"], capture_output=True, text=True, timeout=timeout, cwd=REPO)
     seconds = time.time() - start
     disk = _du(out)
     shutil.rmtree(out, ignore_errors=True)

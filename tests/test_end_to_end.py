@@ -255,8 +255,8 @@ def test_cli_run_json_and_exit_codes(tmp_path):
     assert main(["report", str(out)]) == 1
     # comparing the reference with itself is equivalent
     assert main(["compare", str(out / "reference"), str(out / "reference")]) == 0
-    # a missing rank is bad input
-    os.remove(out / "candidate" / "rank-00001" / "manifest.json")
+    # a missing rank is bad input (the default check: each candidate rank's verdict sums)
+    os.remove(out / "candidate" / "rank-00001" / "online.json")
     assert main(["compare", str(out / "reference"), str(out / "candidate")]) == 2
 
 
@@ -290,7 +290,7 @@ def test_cli_selective_recording(tmp_path):
 
     out = tmp_path / "out"
     rc = main(["run", os.path.join(RECIPES, "gpt_tp2.yaml"), "--out", str(out), "--iters", "2",
-               "--modules", "decoder.layers.1.*", "--microbatches", "1"])
+               "--modules", "decoder.layers.1.*", "--microbatches", "1", "--keep-traces"])
     assert rc == 0
     keys = [rec.key for _, rec in TraceReader(str(out / "candidate")).records()]
     assert keys and {k.iteration for k in keys} == {2}

@@ -2,6 +2,7 @@
 
 import math
 import os
+import re
 
 import pytest
 
@@ -14,41 +15,54 @@ from conftest import load
 pytestmark = pytest.mark.multiprocess
 
 
+CAPACITY = {"moe_expert_capacity_factor": 1.0, "moe_token_drop_policy": "probs"}
+
+
 def _both(runs, recipe, inject=()):
     ref = os.path.join(runs.reference(recipe), "reference")
     _, cand = runs.candidate(recipe, inject=inject, name="online", reference=ref, keep_tensors=True)
     return compare_traces(ref, cand), combine_online(cand)
 
 
-@pytest.mark.parametrize("name,dtype,inject", [
-    ("gpt_tp2", "fp32", ()),
-    ("gpt_tp2_sp", "bf16", ()),
-    ("gpt_tp4_sp", "fp32", ()),
-    ("gpt_tp2_sp_dp2", "bf16", ()),
-    ("gpt_tp2_sp", "fp32", ("row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",)),
-    ("gpt_tp2", "fp32", ("column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",)),
-    ("gpt_tp2", "fp32", ("embedding_mask_missing",)),
-    ("gpt_tp2_sp", "fp32", ("sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",)),
+@pytest.mark.parametrize("name,dtype,inject,model", [
+    ("gpt_tp2", "fp32", (), {}),
+    ("gpt_tp2_sp", "bf16", (), {}),
+    ("gpt_tp4_sp", "fp32", (), {}),
+    ("gpt_tp2_sp_dp2", "bf16", (), {}),
+    ("gpt_tp2_sp", "fp32", ("row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2",), {}),
+    ("gpt_tp2", "fp32", ("column_dgrad_allreduce_dropped:decoder.layers.1.self_attention.linear_qkv",), {}),
+    ("gpt_tp2", "fp32", ("embedding_mask_missing",), {}),
+    ("gpt_tp2_sp", "fp32", ("sp_norm_grad_not_reduced:decoder.layers.0.input_layernorm",), {}),
     # recomputed outputs: judged live against the reference's outputs (a KeyError before)
-    ("gpt_tp2_recompute", "fp32", ()),
+    ("gpt_tp2_recompute", "fp32", (), {}),
     # only the updated values show it (moments and settings right): judged element by element on
     # each rank's range of the distributed optimizer (skipped online before)
-    ("gpt_dp2_distopt", "fp32", ("adam_step_doubled_on_rank_1",)),
+    ("gpt_dp2_distopt", "fp32", ("adam_step_doubled_on_rank_1",), {}),
+    # routers' top-k choices judged by their scores on each rank's tokens (skipped online before):
+    # bf16's near-ties over TP ranks' sequence shards; a choice that skips the best expert; an
+    # expert's capacity, a top k of its column of tokens (each rank's microbatches)
+    ("moe_tp2_sp_ep2", "bf16", (), {}),
+    ("moe_tp2_sp_ep2", "bf16", ("router_topk_skips_best",), {}),
+    ("moe_ep2", "fp32", ("capacity_keeps_least_probable",), CAPACITY),
 ])
-def test_online_verdicts_equal_offline(runs, name, dtype, inject):
-    offline, online = _both(runs, load(name, dtype=dtype), inject)
+def test_online_verdicts_equal_offline(runs, name, dtype, inject, model):
+    offline, online = _both(runs, load(name, dtype=dtype, model=model), inject)
     assert online.verdict == offline.verdict == ("fail" if inject else "pass")
     off = {r.key: r for r in offline.results}
     on = {r.key: r for r in online.results}
     # every offline key is judged online, except per-rank partial sums (listed as skipped)
     assert set(on) | set(online.skipped) == set(off) and not set(on) & set(online.skipped)
-    # partial sums only: (lock-step, Adam) updated values are judged element by element online too,
-    # each rank over the elements it holds the moments of
-    assert all(k.phase == "backward" and k.tensor.endswith(".grad") for k in online.skipped)
+    # per-microbatch partial sums only (weight grads of SP replicas; an expert-TP layer's partial
+    # outputs and input grads): (lock-step, Adam) updated values are judged element by element
+    # online too, each rank over the elements it holds the moments of, and top-k choices by their scores
+    partial_experts = ("forward", "output"), ("backward", "grad_input")
+    assert all((k.phase == "backward" and k.tensor.endswith(".grad"))
+               or (".experts." in k.module and (k.phase, k.tensor) in partial_experts) for k in online.skipped)
     updated = [k for k in on if keys.is_updated_value(k)]
     assert updated and all(on[k].tolerance_source.startswith("Adam update, element-wise") for k in updated)
     if "sp" in name:
         assert any(k.phase == "backward" for k in online.skipped)
+    choices = 0
     for key, a in on.items():
         b = off[key]
         assert a.verdict == b.verdict, key
@@ -58,14 +72,29 @@ def test_online_verdicts_equal_offline(runs, name, dtype, inject):
             else:  # replicas that differ: offline checks the lowest rank's copy, online every rank's
                 assert a.tolerance_eps <= b.tolerance_eps * (1 + 1e-4), key
             continue
+        if key.kind is keys.TensorKind.SELECTION:  # by its scores, the same rows flipped, the same worst tie
+            prefix = "top-k choice judged by its scores: "
+            assert a.tolerance_source.startswith(prefix) and b.tolerance_source.startswith(prefix), key
+            assert _flipped(a.tolerance_source) == _flipped(b.tolerance_source), key
+            assert a.reason.split(" on ")[0] == b.reason.split(" on ")[0], key  # (online: counted on one piece)
+            assert a.tolerance_eps == pytest.approx(b.tolerance_eps, rel=1e-4), key
+            choices += 1
+            continue
         assert a.tolerance_eps == b.tolerance_eps
         if math.isfinite(b.error) and b.error > 0:
             # offline norms are float32 per 64 Ki-element chunk (relative_error: ~1e-5), online float64
             assert a.error == pytest.approx(b.error, rel=1e-4), key
         else:
             assert a.error == b.error or (math.isnan(a.error) and math.isnan(b.error)), key
+    assert bool(choices) == name.startswith("moe")
     if inject:
         assert online.first_mismatch.key == offline.first_mismatch.key
+
+
+def _flipped(source):
+    """How many rows a choice's judgement says were chosen differently (0: the same choice)."""
+    match = re.search(r"(\d+) of \d+ (?:token|column)s chose differently", source)
+    return int(match.group(1)) if match else 0
 
 
 def test_the_perturbation_estimate_online_widens_the_tolerances_as_offline(runs):

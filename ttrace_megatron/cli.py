@@ -65,13 +65,14 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
     from .online import combine_online, has_online_results
     from .report import render, to_json, write_json
 
-    if has_online_results(cand_dir) and not os.path.exists(os.path.join(cand_dir, "rank-00000", "manifest.json")):
-        comparison = combine_online(cand_dir, ref_dir, perturbed=perturbed)
-    else:
-        import contextlib
+    import contextlib
 
-        shown = _compare_progress(console) if show_progress else contextlib.nullcontext(None)
-        with shown as progress:
+    online = has_online_results(cand_dir) and not os.path.exists(os.path.join(cand_dir, "rank-00000", "manifest.json"))
+    shown = _compare_progress(console) if show_progress else contextlib.nullcontext(None)
+    with shown as progress:
+        if online:
+            comparison = combine_online(cand_dir, ref_dir, perturbed=perturbed, progress=progress)
+        else:
             comparison = compare_traces(ref_dir, cand_dir, perturbed=perturbed, workers=workers or available_cores(),
                                         progress=progress)
     report = to_json(comparison)
@@ -413,7 +414,7 @@ def cmd_compare(args, console: Console) -> int:
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 
 
-PLAN_FLAGS = ("online", "no_fp32_twin", "perturb", "no_lockstep")  # run's flags that change what a check writes
+PLAN_FLAGS = ("no_fp32_twin", "perturb", "no_lockstep")  # run's switches that change what a check writes (and --keep-traces)
 
 
 def _plan_of(recipe, args, keep: bool, shape=None):
@@ -429,12 +430,12 @@ def _plan_of(recipe, args, keep: bool, shape=None):
 
 
 # the selections `ttrace plan --budget` offers, each as run's flags: fewer iterations, one microbatch,
-# the online check, both sides free-running, no twin (what each leaves unjudged is the user's choice)
+# the online check (after --keep-traces), both sides free-running, no twin (what each leaves unjudged is the
+# user's choice); one that changes nothing of what was asked is not offered
 BUDGET_OPTIONS = (
     ("--iters 1 (in lock-step the reference still records every iteration)", dict(iters=[1])),
     ("--iters 1 --microbatches 0", dict(iters=[1], microbatches=[0])),
-    ("--online", dict(online=True)),
-    ("--online --iters 1 --microbatches 0", dict(online=True, iters=[1], microbatches=[0])),
+    ("without --keep-traces (the candidate judged online, writing no tensors)", dict(online=True)),
     ("--no-lockstep --iters 1 --microbatches 0", dict(no_lockstep=True, iters=[1], microbatches=[0])),
     ("--no-fp32-twin (the layout's logic then judged in the recipe's dtype only)", dict(no_fp32_twin=True)),
 )
@@ -479,7 +480,7 @@ def cmd_plan(args, console: Console) -> int:
     budget = core.parse_bytes(args.budget) if args.budget else None
     options = [("as asked", plan)] + [
         (flags, _plan_of(recipe, argparse.Namespace(**dict(vars(args), **change)), keep=bool(args.out), shape=shape))
-        for flags, change in BUDGET_OPTIONS if budget is not None]
+        for flags, change in BUDGET_OPTIONS if budget is not None and not change.items() <= vars(args).items()]
     planned = dict(plan.to_json(), free_bytes=free, where=os.path.abspath(where),
                    options=[dict(flags=flags, disk_needed=p.disk_needed()) for flags, p in options])
     if args.json == "-":
@@ -500,6 +501,7 @@ def _plan_command(recipe_path: str, plan_path: str, out: str, args) -> List[str]
     """``ttrace plan`` with the flags of ``ttrace run`` that change what a check writes."""
     cmd = [sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe_path, "--json", plan_path]
     cmd += [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag, False)]
+    cmd += [] if getattr(args, "online", True) else ["--keep-traces"]
     for flag in ("iters", "microbatches"):
         if getattr(args, flag, None):
             cmd += [f"--{flag}", ",".join(map(str, getattr(args, flag)))]
@@ -624,6 +626,25 @@ def _int_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def _add_online_arguments(parser: argparse.ArgumentParser, plan: bool = False) -> None:
+    """Online (the default) or --keep-traces: whether the candidate writes its tensors."""
+    how = parser.add_mutually_exclusive_group()
+    how.add_argument("--online", dest="online", action="store_true",
+                     help="as run by default: " + ONLINE_HELP if plan else "the default: " + ONLINE_HELP)
+    how.add_argument("--keep-traces", dest="online", action="store_false",
+                     help=("as run --keep-traces: " if plan else "") + KEEP_TRACES_HELP)
+    parser.set_defaults(online=True)
+
+
+ONLINE_HELP = ("each candidate rank judges its shards against the reference's trace while it runs and writes "
+               "verdict sums, not tensors (so does the perturbation run); only the reference's trace, and on a "
+               "mismatch the replay of its iteration, take disk")
+KEEP_TRACES_HELP = ("record the candidate's (and the perturbation run's) tensors too and compare the two traces "
+                    "after the run: about twice the disk, for `ttrace compare` to read again later; what only this "
+                    "judges: per-microbatch partial sums (an SP replica's weight grad, an expert-TP layer's partial "
+                    "outputs), whose reduced values are judged either way")
+
+
 def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("recipe", nargs="?",
                      help="recipe YAML, or a directory: run every recipe in it and print a summary "
@@ -636,11 +657,10 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
                      help="inject a known bug into the candidate (tests and the bug zoo)")
     run.add_argument("--no-localize", action="store_true",
                      help="on a mismatch, do not replay the candidate to find the module that introduces it")
-    run.add_argument("--online", action="store_true",
-                     help="the candidate compares against the reference while it runs and writes verdicts only")
+    _add_online_arguments(run)
     run.add_argument("--tensorboard", metavar="DIR",
                      help="the check's verdicts per iteration as TensorBoard scalars in DIR (worst error / tolerance "
-                          "per phase and layer, tensors over tolerance, the first failing tensor); with --online, "
+                          "per phase and layer, tensors over tolerance, the first failing tensor); online (the default), "
                           "written during the candidate's run, from every rank's shards")
     run.add_argument("--cpu", action="store_true", help="run on CPU with gloo even if GPUs are present")
     run.add_argument("--candidate-megatron", metavar="PATH",
@@ -705,7 +725,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--measure-disk", action="store_true",
                       help="time a 256 MiB write where the traces go, and estimate the write time")
     plan.add_argument("--json", help="write the plan here as JSON ('-': nothing printed)")
-    for flag, text in (("--online", "as run --online"), ("--no-fp32-twin", "as run --no-fp32-twin"),
+    _add_online_arguments(plan, plan=True)
+    for flag, text in (("--no-fp32-twin", "as run --no-fp32-twin"),
                        ("--perturb", "as run --perturb"), ("--no-lockstep", "as run --no-lockstep")):
         plan.add_argument(flag, action="store_true", help=text)
     plan.add_argument("--iters", type=_int_list, help="as run --iters")

@@ -246,9 +246,22 @@ class ShardSums:
     update_slack: float = 0.0
     update_k: float = 0.0
     update_detail: str = ""
+    # a top-k choice judged by its scores on this piece (online: ``selection.judge_along`` over the
+    # rows the rank holds whole): rows, rows chosen differently, the worst near-tie (its ratio and
+    # row of the piece), why the choice fails; ``choice_detail`` says why it was not judged (None ratio)
+    choice_rows: int = 0
+    choice_flipped: int = 0
+    choice_ratio: Optional[float] = None
+    choice_row: int = -1
+    choice_problem: str = ""
+    choice_detail: str = ""
 
     def to_json(self) -> dict:
-        obj = dataclasses.asdict(self)
+        """Fields at their default are left out (``from_json`` restores them): an online check writes
+        one of these per record and rank."""
+        obj = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+               if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
+               or getattr(self, f.name) != (f.default if f.default is not dataclasses.MISSING else f.default_factory())}
         obj["key"] = self.key.to_json()
         obj["logical_shape"] = list(self.logical_shape)
         return obj
@@ -274,6 +287,12 @@ class ShardSums:
         for name in ("update_residual", "update_slack", "update_k"):
             fields[name] = float(obj.get(name, 0.0))
         fields["update_detail"] = str(obj.get("update_detail", ""))
+        ratio = obj.get("choice_ratio")
+        fields["choice_ratio"] = None if ratio is None else float(ratio)
+        for name, default in (("choice_rows", 0), ("choice_flipped", 0), ("choice_row", -1)):
+            fields[name] = int(obj.get(name, default))
+        for name in ("choice_problem", "choice_detail"):
+            fields[name] = str(obj.get(name, ""))
         return ShardSums(**fields)
 
 
@@ -925,18 +944,21 @@ def judge_choice(result: TensorResult, key: TensorKey, cand_choice: torch.Tensor
     if any(s is None for s in scores) or tuple(cand_choice.shape) != tuple(ref_choice.shape):
         why = "no scores recorded" if any(s is None for s in scores) else "the shapes differ"
         return dataclasses.replace(result, verdict=FAIL, reason=result.reason or f"top-k choice not judged: {why}")
-    row = "token"
-    if keys.SELECTION_AXIS[key.tensor] == 0:  # a top k of each column: its rows are the columns
-        cand_choice, ref_choice, scores = cand_choice.t(), ref_choice.t(), [s.t() for s in scores]
-        row = "column"
-    v = selection.judge_topk_choice(cand_choice, ref_choice, scores[0], scores[1])
+    return apply_choice_verdict(result, *selection.judge_along(cand_choice, ref_choice, scores[0], scores[1],
+                                                               keys.SELECTION_AXIS[key.tensor]))
+
+
+def apply_choice_verdict(result: TensorResult, v: selection.ChoiceVerdict, row: str, where: str = "") -> TensorResult:
+    """A top-k choice's verdict from its ``selection`` judgement (offline of the merged choice, online
+    of the ranks' pieces added up); ``where``: whose row index the worst near-tie's is (one rank's
+    piece, online)."""
     ok = not v.problem and not result.reason and v.worst_ratio <= 1.0
     # the ratio shown is the worst near-tie's margin over the scores' differences (0: an exact tie)
     tolerance_eps = (result.tolerance_eps if result.error_eps == 0 or not ok else
                      result.error_eps / v.worst_ratio if v.worst_ratio > 0 else math.inf)
     return dataclasses.replace(result, verdict=PASS if ok else FAIL, tolerance_eps=tolerance_eps,
                                reason=result.reason or v.problem,
-                               tolerance_source=f"top-k choice judged by its scores: {selection.describe(v, row)}")
+                               tolerance_source=f"top-k choice judged by its scores: {selection.describe(v, row, where)}")
 
 
 # the iteration whose step both sides take from the seed checkpoint they both start from (iterations

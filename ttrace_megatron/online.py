@@ -14,9 +14,11 @@ A scalar partial sum (each parameter's term of the grad norm) is kept whole, 8 b
 pieces are added up after the run and judged like any scalar (:func:`_scalar_partial`).
 A lock-stepped Adam run's updated values are judged element by element against both sides'
 moments (``compare.UpdateCheck``) on each rank, over the elements it holds the moments of (a
-distributed optimizer's range), and the worst element over the ranks decides. A top-k choice (an MoE router's) is
-judged against both sides' scores (``selection``) offline only: online it is skipped, and its
-scores are judged.
+distributed optimizer's range), and the worst element over the ranks decides. A top-k choice (an MoE
+router's) is judged by both sides' scores (``selection``) on each rank, over the rows it holds whole
+(a token's choice of experts, or an expert's column of tokens), against the reference's choice and
+scores sliced alike; the rows add up over the ranks and the worst near-tie decides, as the merged
+choice's judgement would. (Rows split over ranks cannot be judged apart: such a choice is skipped.)
 
 Knows nothing about megatron.
 """
@@ -26,22 +28,23 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (FAIL, Cancellation, Comparison, Reclip, ShardSums, TensorResult, UpdateCheck,
+from .compare import (FAIL, apply_choice_verdict, Cancellation, Comparison, Reclip, ShardSums, TensorResult, UpdateCheck,
                       UpdateVerdict, apply_update_verdict, blank_shard_sums, check_compatible,
                       combine_shards, decide, group_records, in_order, logical_tensor, missing_reference, piece_norm,
                       relative_from_sums,
                       reference_order, replica_note, shard_sums, with_recomputed_aliases, OVERFLOW_PHASES,
                       overflowed_iterations)
 from .errors import TraceError
-from .placement import Coords, Layout, Partial, PlacementError, logical_mask, owned_piece, slice_logical
+from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
+                        slice_logical)
 from .scalars import IterationScalars, iteration_scalars, scalar_row
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
-from . import coverage, keys
+from . import coverage, keys, selection
 from .keys import TensorKey, TensorKind
 from .update_rules import AdamRule
 from .trace_store import RUN_FILE, TraceReader, atomic_write_json, read_json
@@ -65,6 +68,8 @@ class OnlineComparer:
         # (iteration, module, parameter) -> the pieces of its step seen so far: tensor and layout of
         # each moment, and the updated values' (entry index, tensor, layout) waiting for them
         self._steps: Dict[Tuple[int, str, str], Dict[str, tuple]] = {}
+        # a top-k choice's scores (this rank's piece, the reference's slice of it) until the choice comes
+        self._scores: Dict[TensorKey, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._reclip = Reclip(self.reference, self._reference_groups)
         self._clips: Dict[int, float] = {}
         self.rank = rank
@@ -90,6 +95,11 @@ class OnlineComparer:
         if key.module == keys.OPTIMIZER_MODULE and key.tensor == keys.CLIP_COEFFICIENT:
             self._clips[key.iteration] = float(tensor.reshape(-1)[0])  # this rank's own, for re-clipping
         entry, reference = self._judge_shard(key, tensor.detach(), layout)
+        if key.kind is TensorKind.SELECTION_SCORES and entry.status == "ok":
+            self._scores[key] = (tensor.detach().to("cpu", copy=True),
+                                 slice_logical(reference, layout, self.coords, tuple(tensor.shape)))
+        elif key.kind is TensorKind.SELECTION:
+            entry = self._judge_choice(entry, tensor.detach(), layout, reference)
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
         if self.update_check is not None and entry.status == "ok":
             self._step_piece(key, tensor.detach(), layout, reference, len(self.entries) - 1)
@@ -158,9 +168,6 @@ class OnlineComparer:
                                     partial_value=float(cand.reshape(-1)[0].double()) / layout.scale if scalar else None,
                                     partial_position={p.axis: tuple(self.coords[p.axis]) for p in layout.placements
                                                       if isinstance(p, Partial)})), None
-        if key.kind is TensorKind.SELECTION:
-            return ShardSums(**dict(blank_shard_sums(key, cand, layout, self.coords), status="partial",
-                                    detail="a top-k choice is judged against both sides' scores: offline only")), None
         recorded = logical_tensor(self.reference, pieces).tensor
         judged_against = self._reclip.state(key, recorded, self._clips[key.iteration]) if self._reclips(key) else recorded
         try:
@@ -168,6 +175,28 @@ class OnlineComparer:
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              rank=self.rank, tensor=str(key)) from None
+
+    def _judge_choice(self, entry: ShardSums, choice: torch.Tensor, layout: Layout,
+                      reference: Optional[torch.Tensor]) -> ShardSums:
+        """A top-k choice's piece judged by the scores each side took it on (``selection.judge_along``),
+        over the rows this rank holds whole: the reference's choice and scores sliced to the piece."""
+        scores = self._scores.pop(keys.sibling(entry.key, keys.SELECTION_SCORES_OF[entry.key.tensor]), None)
+        if entry.status != "ok":
+            return entry
+        axis = keys.SELECTION_AXIS[entry.key.tensor]
+        split = _rows_split(layout, axis, choice.dim()) or logical_mask(layout, self.coords, tuple(choice.shape))
+        if split is not None:
+            why = split if isinstance(split, str) else "its piece holds padding"
+            return dataclasses.replace(entry, status="partial",
+                                       detail=f"a top-k choice whose rows are not whole on a rank ({why}): "
+                                              "judged offline only")
+        if scores is None:
+            return dataclasses.replace(entry, choice_detail="no scores recorded with it on this rank")
+        mine = choice.to("cpu", copy=True)
+        theirs = slice_logical(reference, layout, self.coords, tuple(choice.shape))
+        v, _ = selection.judge_along(mine, theirs, scores[0], scores[1], axis)
+        return dataclasses.replace(entry, choice_rows=v.tokens, choice_flipped=v.flipped, choice_ratio=v.worst_ratio,
+                                   choice_row=v.worst_token, choice_problem=v.problem, choice_detail="judged")
 
     def _reclips(self, key: TensorKey) -> bool:
         """As ``StepBounds.reclipped`` decides it at the combination: a state its rule can re-clip,
@@ -180,6 +209,8 @@ class OnlineComparer:
                 and main_grad_key(key) in self._reference_groups)
 
     def flush(self, iteration: int) -> None:
+        for key in [k for k in self._scores if k.iteration <= iteration]:  # scores whose choice never came
+            del self._scores[key]
         for step in [k for k in self._steps if k[0] <= iteration]:  # values whose moments never came
             for index, *_ in self._steps.pop(step)["values"]:
                 self.entries[index] = dataclasses.replace(self.entries[index],
@@ -199,6 +230,11 @@ class OnlineComparer:
         for e in self.entries[self._warned:]:
             if e.status != "ok" or e.key.iteration != iteration or e.ref_sq == 0.0 or e.update_detail:
                 continue  # (an updated value: judged by its element-wise check, in the combination)
+            if e.key.kind is TensorKind.SELECTION:  # judged by its scores, not its relative error
+                if e.choice_problem:
+                    print(f"[ttrace] rank {self.rank} iteration {iteration}: {e.key.module} {e.key.tensor}: "
+                          f"{e.choice_problem}", flush=True)
+                continue
             ref_key = keys.reference_key(e.key)  # a recomputed output is judged against the reference's output
             rec = self._reference_groups[ref_key][0][1]
             judged.append(decide(e.key, rec, num_layers, self._order.get(ref_key, math.inf),
@@ -228,7 +264,7 @@ class OnlineComparer:
             atomic_write_json(os.path.join(self.dir, ONLINE_FILE), {
                 "rank": self.rank, "coords": self.coords, "complete": complete,
                 "reference": os.path.abspath(self.reference.dir), "failure": self.failed,
-                "entries": [e.to_json() for e in self.entries]})
+                "entries": [e.to_json() for e in self.entries]}, compact=True)
         except OSError as e:
             if self.failed is None:
                 self.failed = f"{type(e).__name__}: {e}"
@@ -342,11 +378,47 @@ def _with_update_verdict(result: TensorResult, entries: List[Tuple[int, ShardSum
     return apply_update_verdict(result, verdict, worst.update_detail, "lock-step", where=f" of rank {rank}'s piece")
 
 
+def _rows_split(layout: Layout, axis: int, ndim: int) -> Optional[str]:
+    """Why the rows of a choice taken along ``axis`` are not whole on one rank (None: they are)."""
+    if layout.permute is not None and list(layout.permute) != sorted(layout.permute):
+        return "stored in another dim order"
+    for p in layout.placements:
+        if isinstance(p, RangeShard) or (isinstance(p, Shard) and p.dim % ndim == axis % ndim):
+            return f"split along the choice's axis over {p.axis}"
+    return None
+
+
+def _with_choice_verdict(result: TensorResult, entries: List[Tuple[int, ShardSums]]) -> TensorResult:
+    """A top-k choice's verdict from its pieces' judgements (``OnlineComparer._judge_choice``): the
+    rows of each distinct piece (the lowest rank's copy, as a merge takes it) added up, the worst
+    near-tie over them, the first problem in rank order; a piece not judged fails the choice, as
+    offline where no scores were recorded."""
+    unjudged = [(rank, e) for rank, e in entries if e.choice_ratio is None]
+    if unjudged:
+        rank, e = unjudged[0]
+        return dataclasses.replace(result, verdict=FAIL, reason=result.reason or (
+            f"top-k choice not judged: rank {rank}: {e.choice_detail or 'no scores recorded'}"))
+    lowest: Dict[Tuple, Tuple[int, ShardSums]] = {}
+    for rank, e in sorted(entries, key=lambda re: re[0]):
+        lowest.setdefault(tuple(sorted(e.shard.items())), (rank, e))
+    pieces = sorted(lowest.values(), key=lambda re: re[0])
+    problems = [(rank, e) for rank, e in sorted(entries, key=lambda re: re[0]) if e.choice_problem]
+    rank, worst = max(pieces, key=lambda re: (re[1].choice_flipped > 0, re[1].choice_ratio))
+    problem = f"{problems[0][1].choice_problem} on rank {problems[0][0]}'s piece" if problems else ""
+    v = selection.ChoiceVerdict(sum(e.choice_rows for _, e in pieces), sum(e.choice_flipped for _, e in pieces),
+                                worst.choice_ratio if worst.choice_flipped else 0.0,
+                                worst.choice_row if worst.choice_flipped else -1, problem)
+    row = "column" if keys.SELECTION_AXIS[result.key.tensor] == 0 else "token"
+    return apply_choice_verdict(result, v, row, where=f" of rank {rank}'s piece")
+
+
 def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
-                   tol_config: ToleranceConfig = ToleranceConfig(), perturbed: Optional[str] = None) -> Comparison:
+                   tol_config: ToleranceConfig = ToleranceConfig(), perturbed: Optional[str] = None,
+                   progress: Optional[Callable[[int, int], None]] = None) -> Comparison:
     """Add up the ranks' shard sums into one :class:`~ttrace_megatron.compare.Comparison`;
     ``perturbed``: a perturbation-estimate run that compared online against the same reference
-    (:func:`perturbation_online`), whose movements widen the tolerances as offline."""
+    (:func:`perturbation_online`), whose movements widen the tolerances as offline; ``progress``:
+    called with (keys combined, keys) as ``compare_traces`` calls it."""
     cand_run = read_json(os.path.join(candidate_dir, RUN_FILE), rank=None)
     if not isinstance(cand_run, dict) or not isinstance(cand_run.get("world_size"), int):
         raise TraceError("run description lacks 'world_size'", path=os.path.join(candidate_dir, RUN_FILE))
@@ -374,7 +446,10 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
     overflowed = overflowed_iterations(ref, ref_groups)
     moved = perturbation_online(perturbed, ref.dir) if perturbed else None
-    for key in in_order((k for k in judged if k in ref_groups), order):
+    todo = in_order((k for k in judged if k in ref_groups), order)
+    for done, key in enumerate(todo):
+        if progress is not None:
+            progress(done, len(todo))
         entries = by_key[key]
         observed = _observed(moved, key, ref_groups[key][0][1].statistic_of)
         if entries and all(e.status == "partial" and e.partial_value is not None for _, e in entries):
@@ -393,7 +468,12 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
         result = combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
                                 candidate_dir, observed=observed, cancellation=cancellation, step=step_bounds,
                                 overflowed=key.phase in OVERFLOW_PHASES and key.iteration in overflowed)
+        if key.kind is TensorKind.SELECTION:
+            results.append(_with_choice_verdict(result, entries))
+            continue
         results.append(_with_update_verdict(result, entries, tol_config) if math.isfinite(result.error) else result)
+    if progress is not None:
+        progress(len(todo), len(todo))
     missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
                       ref.run, cand_run, skipped=skipped, unjudged=unjudged)

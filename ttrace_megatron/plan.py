@@ -37,6 +37,9 @@ COLUMN = {ACTIVATIONS: "activations", WEIGHT_GRADS: "wgrad/mb", MAIN_GRADS: "mai
 # each record's entry in its iteration file's safetensors header and in the manifest (its key,
 # layout and checksum): 700-1100 bytes measured on the shipped recipes; it matters at toy sizes only
 HEADER_BYTES_PER_RECORD = 900
+# a side judged online (the default check's candidate and perturbation run) writes one verdict-sums
+# entry per record and rank (``online.json``, compact JSON), no tensor: 366-379 bytes measured (moe_tp2_sp_ep2)
+ONLINE_BYTES_PER_RECORD = 370
 SEED_CHECKPOINT = "seed checkpoint"
 
 
@@ -68,11 +71,13 @@ class SidePlan:
     sizes: Dict[str, int]  # mesh axis -> size, for the placements
     iterations: int
     groups: List[TensorGroup]
+    online: bool = False  # judged against the reference as it runs: verdict sums, no tensors
 
     def bytes_per_iteration(self) -> Dict[str, int]:
         out = {k: 0 for k in KINDS}
         for g in self.groups:
-            out[g.kind] += g.bytes(self.sizes) + HEADER_BYTES_PER_RECORD * g.record_count(self.sizes)
+            out[g.kind] += (ONLINE_BYTES_PER_RECORD * g.record_count(self.sizes) if self.online else
+                            g.bytes(self.sizes) + HEADER_BYTES_PER_RECORD * g.record_count(self.sizes))
         return out
 
     def total(self) -> int:
@@ -100,7 +105,8 @@ class Plan:
     def to_json(self) -> dict:
         return {"recipe": self.recipe, "disk_needed": self.disk_needed(), "all_bytes": self.all_bytes(),
                 "seed_checkpoint_bytes": self.seed_checkpoint_bytes, "notes": self.notes,
-                "sides": [{"name": s.name, "ranks": s.ranks, "iterations": s.iterations, "total": s.total(),
+                "sides": [{"name": s.name, "ranks": s.ranks, "iterations": s.iterations, "online": s.online,
+                           "total": s.total(),
                            "per_iteration": s.bytes_per_iteration(),
                            "per_rank_per_iteration": sum(s.bytes_per_iteration().values()) // s.ranks}
                           for s in self.sides]}
@@ -153,7 +159,7 @@ def disk_refusal_text(name: str, need: int, free: int, out: str) -> str:
     """Why ``ttrace run`` refuses a check whose traces would not fit, with the numbers."""
     return (f"{name}: this check writes about {human(need)} under {os.path.abspath(out)}, and only {human(free)} "
             f"are free there (a check may plan to fill {DISK_HEADROOM:.0%} of it). Record fewer iterations (--iters), modules (--modules) or microbatches "
-            f"(--microbatches), judge online (--online), or point --out at a larger disk; `ttrace plan` shows "
+            f"(--microbatches), judge online (leave out --keep-traces), or point --out at a larger disk; `ttrace plan` shows "
             f"where the bytes go and `--budget` suggests a selection (--no-disk-check runs it anyway)")
 
 
@@ -182,7 +188,7 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
     lines.append(head)
     for s in plan.sides:
         per = s.bytes_per_iteration()
-        lines.append(f"{s.name:22} {s.ranks:>5} {s.iterations:>5} "
+        lines.append(f"{s.name + (' (online)' if s.online else ''):22} {s.ranks:>5} {s.iterations:>5} "
                      + " ".join(f"{human(per[k]):>11}" for k in KINDS)
                      + f" {human(sum(per.values())):>10} {human(s.total()):>10}")
     lines.append(f"{SEED_CHECKPOINT:22} {'':>5} {'':>5} " + " " * (12 * len(KINDS))

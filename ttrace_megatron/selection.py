@@ -20,7 +20,7 @@ Knows nothing about megatron.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
@@ -84,12 +84,23 @@ def judge_topk_choice(cand_choice: torch.Tensor, ref_choice: torch.Tensor, cand_
     return ChoiceVerdict(tokens, int(flipped_rows.numel()), worst, worst_token, problem)
 
 
-def describe(v: ChoiceVerdict, row: str = "token") -> Optional[str]:
-    """``row``: what one row of the choice is (a token choosing experts, an expert choosing tokens)."""
+def judge_along(cand_choice: torch.Tensor, ref_choice: torch.Tensor, cand_scores: torch.Tensor,
+                ref_scores: torch.Tensor, axis: int) -> Tuple[ChoiceVerdict, str]:
+    """:func:`judge_topk_choice` of [tokens, n] maps whose top k is taken along ``axis``: 1, each
+    token's (its rows are tokens); 0, each column's (the columns are judged as rows). Returns the
+    verdict and what one of its rows is, for :func:`describe`."""
+    if axis == 0:
+        return judge_topk_choice(cand_choice.t(), ref_choice.t(), cand_scores.t(), ref_scores.t()), "column"
+    return judge_topk_choice(cand_choice, ref_choice, cand_scores, ref_scores), "token"
+
+
+def describe(v: ChoiceVerdict, row: str = "token", where: str = "") -> Optional[str]:
+    """``row``: what one row of the choice is (a token choosing experts, an expert choosing tokens);
+    ``where``: whose rows ``worst_token`` counts (one rank's piece, when the pieces were judged apart)."""
     if v.problem:
         return v.problem
     if not v.flipped:
         return f"the same top-k choice on every {row}"
     return (f"{v.flipped} of {v.tokens} {row}s chose differently, each the top k of its own scores: near-ties "
-            f"the scores' differences explain (worst: {row} {v.worst_token}, its margin {v.worst_ratio:.3g}× "
+            f"the scores' differences explain (worst: {row} {v.worst_token}{where}, its margin {v.worst_ratio:.3g}× "
             f"those differences)")

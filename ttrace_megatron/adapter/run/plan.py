@@ -268,11 +268,20 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
             add(core.WEIGHT_GRADS, p.numel, act, micro, split)
         owned = (_even_ranges(dp_axis, p.numel, sizes[dp_axis]),) if distopt else (Replicate(dp_axis),)
         add(core.MAIN_GRADS, p.numel, main_grad, 1, split + owned)
+        # its term of the grad norm, a scalar on every rank holding a piece of its main grad
+        add(core.MAIN_GRADS, 1, FP64, 1, tuple(Replicate(q.axis) for q in split + owned))
         # the updated parameter: whole on every replica, or its owned range under overlap_param_gather
         updated = split + owned if distopt and ddp.overlap_param_gather else (Replicate(dp_axis),) + split
         add(core.OPTIMIZER, p.numel, act, 1, updated)
         add(core.OPTIMIZER, p.numel, FP32, states, split + owned)
+    if selection.wants(keys.OPTIMIZER_MODULE):
+        # the step's scalars on every rank: the grad norm and its fp64 twin, the clip coefficient, the
+        # step count, and the lr and weight decay of the two param groups (a record, or an online entry, each)
+        add(core.OPTIMIZER, 1, FP64, STEP_SCALARS, (Replicate(TP), Replicate(DP), Replicate(PP)))
     return out
+
+
+STEP_SCALARS = 8  # the optimizer scalars recorded on each rank in an iteration (side_groups)
 
 
 def _even_ranges(axis: str, numel: int, n: int) -> RangeShard:
@@ -284,7 +293,9 @@ def _even_ranges(axis: str, numel: int, n: int) -> RangeShard:
 def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] = None, twin: bool = True,
                keep: bool = True, selection: Selection = Selection(), reference_everything: bool = True,
                shape: Optional[ModelShape] = None) -> core.Plan:
-    """What ``ttrace run`` of ``recipe`` writes with these options. ``keep``: ``--out`` keeps every
+    """What ``ttrace run`` of ``recipe`` writes with these options. ``online``: the candidate and the
+    perturbation run judge their tensors as they run and write verdict sums (run's default; False:
+    ``--keep-traces``). ``keep``: ``--out`` keeps every
     side's traces (else a pair's traces go before its twin runs). ``reference_everything``: in
     lock-step the reference records every iteration, module and microbatch whatever the selection
     (the candidate takes its weights after each step)."""
@@ -302,12 +313,12 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
         cand_sizes = side_sizes(r, r.world_size)
         sides.append(core.SidePlan(prefix + REFERENCE, 1, ref_sizes, ref_iterations,
                                    side_groups(reference, shape, ref_sizes, ref_selection, REFERENCE)))
-        cand = [] if online else side_groups(r, shape, cand_sizes, selection, CANDIDATE)
-        sides.append(core.SidePlan(prefix + CANDIDATE, r.world_size, cand_sizes, iterations, cand))
-        if (bool(perturb) or r.tolerance.perturbation) and not online:
+        sides.append(core.SidePlan(prefix + CANDIDATE, r.world_size, cand_sizes, iterations,
+                                   side_groups(r, shape, cand_sizes, selection, CANDIDATE), online=online))
+        if bool(perturb) or r.tolerance.perturbation:
             # the reference again, recording what the candidate records (cli: the selection applies)
             sides.append(core.SidePlan(prefix + PERTURBED, 1, ref_sizes, iterations,
-                                       side_groups(reference, shape, ref_sizes, selection, REFERENCE)))
+                                       side_groups(reference, shape, ref_sizes, selection, REFERENCE), online=online))
     pair = tuple(s.name for s in sides if not s.name.startswith(TWIN))
     twin_sides = tuple(s.name for s in sides if s.name.startswith(TWIN))
     peak = (pair + twin_sides,) if keep or not twin_sides else (pair, twin_sides)
