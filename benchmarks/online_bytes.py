@@ -8,6 +8,11 @@ and each part's seconds. The same recipe, seed and bug in both modes, one after 
 
 ``--wide``: the recipe at the scale ladder's 50M-parameter rung (margins.WIDE: 8 layers, hidden 512,
 vocabulary 32768). Each check's directory is removed after it is measured.
+
+``--plain``: first, each dtype's two layouts trained by plain megatron-core (the same launcher, no
+tracer attached), each timed from its launch to its exit: the whole check's wall time (``wall_s``,
+``ttrace run`` from its start to its report, the disk check's plan included) over their sum is the
+check's cost as a ratio (issue #35: ≤ 2× for a clean fp32 check in lock-step, no replay).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from typing import Optional
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,8 +54,10 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
     out, report_path = os.path.join(tmp, "out"), os.path.join(tmp, "report.json")
     argv = ["run", path, "--out", out, "--json", report_path, "--quiet"] + MODES[mode] + (
         ["--inject", inject] if inject else [])
+    start = time.monotonic()
     with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal):
         main(argv)
+    wall = round(time.monotonic() - start, 2)
     with open(report_path) as f:
         report = json.load(f)
     sides = {}
@@ -65,7 +73,7 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
            "first_mismatch": f"{fm.get('module')} {fm.get('phase')} {fm.get('tensor')}" if fm else None,
            "culprit": next((f"{c['module']}, {c['phase']}, {c['tensor']}" for c in report.get("culprits") or []), None),
            "judged": len(report.get("tensors") or []), "skipped": len(report.get("skipped") or []),
-           "timings_s": report.get("timings_s"),
+           "timings_s": report.get("timings_s"), "wall_s": wall,
            "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
                                     text=True).stdout.strip(),
            "megatron_core": megatron.core.__version__,
@@ -77,6 +85,32 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
     return row
 
 
+def plain(name: str, dtype: str, seed: int, wide: bool, tmp: str) -> dict:
+    """The check's two layouts trained by plain megatron-core (no tracer attached): seconds of each
+    from its launch to its exit, as ``ttrace run`` launches its sides (a warm launcher, as the checks
+    after it find it)."""
+    import megatron.core
+
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, Probes, RunSpec, trace_options
+
+    r = shipped_recipe(name, dtype, seed, wide)
+    seconds = {}
+    # twice: the first launch of a process starts the launcher's fork server (its imports), which the
+    # checks after it find started; the second's seconds are kept
+    for role in (REFERENCE, CANDIDATE, REFERENCE, CANDIDATE):
+        start = time.monotonic()
+        launch(RunSpec(recipe=r.to_json(), role=role, trace=trace_options(os.path.join(tmp, role),
+                                                                          os.path.join(tmp, "seed.safetensors"))),
+               probes=Probes(trace=False), timeout_s=3600)
+        seconds[role] = round(time.monotonic() - start, 2)
+    return {"recipe": name, "wide": wide, "dtype": dtype, "seed": seed, "mode": "plain", "seconds": seconds,
+            "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
+                                     text=True).stdout.strip(),
+            "megatron_core": megatron.core.__version__,
+            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo"}
+
+
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--recipe", default="gpt_tp2_sp")
@@ -86,7 +120,14 @@ def main():
     parser.add_argument("--inject", help="a bug checked in both modes after the clean checks")
     parser.add_argument("--dir", help="where the checks run (default: a temporary directory)")
     parser.add_argument("--out", required=True, help="JSON lines are appended here")
+    parser.add_argument("--plain", action="store_true",
+                        help="first time each dtype's two layouts trained without ttrace (the whole check's ratio)")
     args = parser.parse_args()
+    for dtype in args.dtypes if args.plain else []:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            row = plain(args.recipe, dtype, args.seed, args.wide, tmp)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
     checks = [(dtype, None) for dtype in args.dtypes] + ([("fp32", args.inject)] if args.inject else [])
     for dtype, inject in checks:
         for mode in MODES:
