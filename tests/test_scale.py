@@ -4,7 +4,8 @@ A GPT-3-like model at 23M parameters, most of them in a 32k-row tied embedding, 
 iterations with clipping active in both: megatron's grad norm sums 23M squares, and on the CPU
 its own round-off outgrows every GEMM bound (docs/tolerance.md, "The grad norm and what the clip
 coefficient scales"). The clean rung must pass, and a norm over the wrong grads must still fail
-by far on the fp64 twin, whatever the kernel's round-off."""
+by far on the fp64 twin, whatever the kernel's round-off. The candidate is judged online, as
+``ttrace run`` judges it by default."""
 
 import os
 import shutil
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import scale  # noqa: E402
 
 from ttrace_megatron import keys  # noqa: E402
-from ttrace_megatron.compare import compare_traces  # noqa: E402
+from ttrace_megatron.online import combine_online  # noqa: E402
 from ttrace_megatron.recipe import recipe_from_dict  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -53,12 +54,14 @@ def rung(tmp_path_factory):
     ref = _run(recipe, REFERENCE, os.path.join(root, "reference"), seed_path=seed)
 
     def candidate(name, inject=()):
-        """A lock-stepped candidate; the one before it is deleted first (the disk holds two traces)."""
+        """A lock-stepped candidate's comparison; the one before it is deleted first."""
         for other in os.listdir(root):
             if other.startswith("candidate-"):
                 shutil.rmtree(os.path.join(root, other))
-        return _run(recipe, CANDIDATE, os.path.join(root, f"candidate-{name}"), seed_path=seed, lockstep=ref,
-                    inject=list(inject))
+        # judged online, as ttrace run judges it by default: its ranks write verdict sums, not tensors
+        out = _run(recipe, CANDIDATE, os.path.join(root, f"candidate-{name}"), seed_path=seed, lockstep=ref,
+                   inject=list(inject), reference=ref, keep_tensors=False)
+        return combine_online(out)
 
     yield ref, candidate
     shutil.rmtree(root, ignore_errors=True)
@@ -80,7 +83,7 @@ def _scalars(comparison, name):
 
 def test_clean_rung_at_width_passes(rung):
     ref, candidate = rung
-    c = compare_traces(ref, candidate("clean"))
+    c = candidate("clean")
     assert c.verdict == "pass", [str(r.key) for r in c.failures][:5]
     assert c.coverage["total"]["elements"] > 20e6
     clips = _reference_values(ref, keys.CLIP_COEFFICIENT)
@@ -96,7 +99,7 @@ def test_clean_rung_at_width_passes(rung):
 
 def test_a_norm_over_the_wrong_grads_fails_on_the_fp64_twin(rung):
     ref, candidate = rung
-    c = compare_traces(ref, candidate("bug", ["grad_norm_counts_tp_replicas"]))
+    c = candidate("bug", ["grad_norm_counts_tp_replicas"])
     assert c.verdict == "fail"
     twin = _scalars(c, keys.GRAD_NORM_FP64)[0]
     assert twin.verdict == "fail" and twin.ratio > 10, (twin.error_eps, twin.tolerance_eps)

@@ -144,8 +144,8 @@ def test_a_rank_hung_in_a_collective_is_shown_where_it_waits(tmp_path):
     before = error_dirs()
     spec = RunSpec(recipe=load("gpt_tp2", train={"iterations": 100000}).to_json(), role=CANDIDATE,
                    trace=trace_options(str(tmp_path / "cand"), seed, iterations=[1]))
-    thread, outcome = launch_in_thread(spec, timeout_s=45)
-    pid, deadline = None, time.monotonic() + 40
+    thread, outcome = launch_in_thread(spec, timeout_s=25)
+    pid, deadline = None, time.monotonic() + 20
     while pid is None and time.monotonic() < deadline:
         time.sleep(0.5)
         pid = rank_pid(before, tmp_path / "cand", 1)
@@ -154,7 +154,7 @@ def test_a_rank_hung_in_a_collective_is_shown_where_it_waits(tmp_path):
     os.kill(pid, signal.SIGSTOP)
     thread.join(120)
     message = outcome["error"]
-    assert "did not finish within 45 s; where its ranks were" in message
+    assert "did not finish within 25 s; where its ranks were" in message
     assert "--- candidate rank 1: no stack (it did not answer SIGUSR1) ---" in message
     blocked = message.split("--- candidate rank 0, innermost frame first ---", 1)[1].split("---", 1)[0]
     # the training thread's innermost frame: a collective of torch.distributed, or megatron's wait on one

@@ -316,6 +316,12 @@ def cmd_run(args, console: Console) -> int:
     from .report import first_mismatch_of, headline
 
     _check_tensorboard(args)
+    if not getattr(args, "megatron_lm", None):  # (pretrain_gpt.py runs are started by torchrun)
+        import torch
+
+        from .adapter.run.launch import prestart
+
+        prestart(cpu=args.cpu or not torch.cuda.is_available())
     targets = _recipe_paths(args.recipe) if args.recipe else [None]
     many = len(targets) > 1 or (args.recipe and os.path.isdir(args.recipe))
     out_root = args.out or tempfile.mkdtemp(prefix="ttrace-")
@@ -512,14 +518,34 @@ def _plan_command(recipe_path: str, plan_path: str, out: str, args) -> List[str]
     return cmd
 
 
+def _plan_in_process(argv: List[str], error_path: str) -> None:
+    """``ttrace plan ARGV`` as the body of a process of its own (``_check_disk``): nothing printed,
+    its error's last line kept in ``error_path``, its status the process's exit code."""
+    import contextlib
+    import io
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            rc = main(argv)
+    except BaseException as e:  # noqa: BLE001 - reported to the parent, which runs the check without it
+        err.write(f"{type(e).__name__}: {e}\n")
+        rc = EXIT_ERROR
+    if rc != EXIT_PASS:
+        with open(error_path, "w") as f:
+            f.write(_last_line(err.getvalue()))
+    sys.exit(rc)
+
+
 def _check_disk(recipe, out: str, args, console: Console) -> None:
     """Refuse a check whose traces would not fit the disk under ``out``, with the numbers, before
     anything runs (``--no-disk-check`` runs it anyway). The plan is made in a process of its own:
-    it starts megatron's parallel state, which this process must not hold. A plan that fails or
-    hangs never stops the check: it runs without the disk check, and says so."""
-    import subprocess
-
+    it starts megatron's parallel state, which this process must not hold; on CPU that process is
+    forked from the ranks' fork server, its imports done (a fresh interpreter spent ~5 s importing
+    torch and megatron-core). A plan that fails or hangs never stops the check: it runs without the
+    disk check, and says so."""
     from . import plan as core
+    from .adapter.run.launch import run_function
 
     if getattr(args, "no_disk_check", False):
         return
@@ -527,12 +553,16 @@ def _check_disk(recipe, out: str, args, console: Console) -> None:
         recipe_path, plan_path = os.path.join(tmp, "recipe.yaml"), os.path.join(tmp, "plan.json")
         with open(recipe_path, "w") as f:
             json.dump(dict(recipe.to_json(), name=recipe.name), f)  # JSON is YAML
-        try:
-            proc = subprocess.run(_plan_command(recipe_path, plan_path, out, args), capture_output=True, text=True,
-                                  timeout=PLAN_TIMEOUT_S)
-            failed = None if proc.returncode == 0 and os.path.exists(plan_path) else _last_line(proc.stderr)
-        except subprocess.TimeoutExpired:
+        command, error_path = _plan_command(recipe_path, plan_path, out, args), os.path.join(tmp, "error.txt")
+        rc = run_function(_plan_in_process, (command[command.index("plan"):], error_path), PLAN_TIMEOUT_S)
+        failed = None
+        if rc is None:
             failed = f"no plan within {PLAN_TIMEOUT_S} s"
+        elif rc != 0 or not os.path.exists(plan_path):
+            failed = f"exit code {rc}"
+            if os.path.exists(error_path):
+                with open(error_path) as f:
+                    failed = f.read() or failed
         if failed:
             console.print(f"[yellow]the disk check could not plan this check ({failed}); running without it[/]",
                           highlight=False)

@@ -827,7 +827,7 @@ class Reclip:
             self._grad = (grad_key, logical_tensor(self.reader, self.groups[grad_key]).tensor)
         delta = reclip_delta(state_of(key), self.rule, self._grad[1], candidate_clip,
                              self.clip(self.reader, self.groups, key.iteration))
-        return state.to(torch.float64) + delta.reshape(state.shape)
+        return delta.reshape(state.shape).add_(state)  # (a new tensor: reclip_delta's)
 
 
 class UpdateCheck:

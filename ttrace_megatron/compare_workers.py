@@ -24,6 +24,7 @@ worker (BENCHMARKS.md, issue #35, measures it). Knows nothing about megatron.
 
 from __future__ import annotations
 
+import math
 import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
@@ -69,7 +70,7 @@ def _candidate_bytes(judge, keys: List[TensorKey]) -> int:
     for key in keys:
         for _, rec in judge.cand_groups[key]:
             itemsize = getattr(torch, rec.dtype, torch.float32).itemsize  # record dtypes are torch's names
-            total += itemsize * int(torch.Size(rec.shape).numel())
+            total += itemsize * math.prod(int(s) for s in rec.shape)  # (a damaged manifest's may not fit int64)
     return total
 
 

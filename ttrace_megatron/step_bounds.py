@@ -69,11 +69,12 @@ def reclip_delta(state: str, rule: dict, reference_main_grad, candidate_clip: fl
     import torch
 
     g = reference_main_grad.to(torch.float64)
+    # each product as written above, left to right, into one new tensor (g may be the caller's)
     if state == keys.EXP_AVG:
-        return (1.0 - float(rule["beta1"])) * (candidate_clip - reference_clip) * g
+        return torch.mul(g, (1.0 - float(rule["beta1"])) * (candidate_clip - reference_clip))
     if state == keys.EXP_AVG_SQ:
-        return (1.0 - float(rule["beta2"])) * (candidate_clip ** 2 - reference_clip ** 2) * g * g
-    return (candidate_clip - reference_clip) * g
+        return torch.mul(g, (1.0 - float(rule["beta2"])) * (candidate_clip ** 2 - reference_clip ** 2)).mul_(g)
+    return torch.mul(g, candidate_clip - reference_clip)
 
 
 def main_grad_key(key: TensorKey) -> TensorKey:

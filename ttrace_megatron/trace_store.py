@@ -364,10 +364,10 @@ class TraceReader:
         if tuple(shape) != rec.shape or dtype_name(dtype) != rec.dtype:
             raise TraceError(f"file holds {dtype_name(dtype)}{list(shape)}, manifest says {rec.dtype}{list(rec.shape)}",
                              path=path, rank=rank_trace.rank, tensor=str(rec.key))
-        buf = bytearray(nbytes)
+        raw = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled, as a bytearray would be
         try:
             with open(path, "rb") as f:
-                got = os.preadv(f.fileno(), [buf], start) if nbytes else 0
+                got = os.preadv(f.fileno(), [raw.numpy()], start) if nbytes else 0
         except OSError as e:
             raise TraceError(f"cannot read tensor ({e.strerror})", path=path, rank=rank_trace.rank,
                              tensor=str(rec.key)) from None
@@ -376,7 +376,7 @@ class TraceReader:
                              rank=rank_trace.rank, tensor=str(rec.key))
         if nbytes == 0:
             return torch.empty(shape, dtype=dtype)
-        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
+        return raw.view(dtype).reshape(shape)
 
     def _open_file(self, rank_trace: RankTrace, fname: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]]:
         """Verify a data file's size and checksum (streamed through one reused buffer), then index

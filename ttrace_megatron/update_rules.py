@@ -41,6 +41,7 @@ Knows nothing about megatron.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional
 
 import torch
@@ -81,6 +82,11 @@ class UpdateVerdict:
     slack: float
 
 
+# elements judged at a time: the float64 temporaries of a chunk stay in cache (the whole tensor's did
+# not: the update check was most of an online rank's judging time at the 50M rung)
+UPDATE_CHUNK = 1 << 16
+
+
 def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
                       cand_param: torch.Tensor, ref_param: torch.Tensor,
                       cand_moments, ref_moments, k: float = 4.0,
@@ -93,28 +99,43 @@ def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
     start it from the same one (no lock-step: each side steps from its own). Their difference,
     decayed as the step decays it, is then part of the expected difference, and each side's own
     rounding of ``p·(1 − lr·wd)`` part of the slack: the step's own round-off is judged at every
-    iteration, not what earlier steps left behind."""
-    u_c = rule.direction(*cand_moments, step)
-    u_r = rule.direction(*ref_moments, step)
-    pc = cand_param.to(torch.float64)
-    pr = ref_param.to(torch.float64)
+    iteration, not what earlier steps left behind.
+
+    Judged ``UPDATE_CHUNK`` elements at a time; the worst element is the first of the largest ratio
+    (a NaN first), as ``torch.argmax`` over the whole tensor picks it."""
+    operands = [cand_param, ref_param, *cand_moments, *ref_moments, *(previous or ())]
+    flat = [t.reshape(-1) for t in operands]
+    n = flat[0].numel()
+    best = UpdateVerdict(0.0, -1, 0.0, 0.0)
+    for begin in range(0, n, UPDATE_CHUNK):
+        piece = [t[begin:begin + UPDATE_CHUNK] for t in flat]
+        ratio, residual, slack = _adam_ratios(rule, lr, step, param_dtype, piece, k, previous is not None,
+                                              weight_decay)
+        worst = int(torch.argmax(ratio))
+        value = float(ratio[worst])
+        if best.worst_index < 0 or value > best.worst_ratio or (math.isnan(value) and not math.isnan(best.worst_ratio)):
+            best = UpdateVerdict(value, begin + worst, float(residual[worst]), float(slack[worst]))
+    return best
+
+
+def _adam_ratios(rule: AdamRule, lr: float, step: float, param_dtype: str, piece, k: float, stepped_apart: bool,
+                 weight_decay: float):
+    """|residual| / slack of one chunk's elements (flat), with the residual and the slack."""
+    pc, pr = piece[0].to(torch.float64), piece[1].to(torch.float64)
+    u_c = rule.direction(piece[2], piece[3], step)
+    u_r = rule.direction(piece[4], piece[5], step)
     residual = (pc - pr) + lr * (u_c - u_r)
     fmt = number_format(param_dtype)
     # each stored parameter is rounded once: by u_fmt of its size, or by half the subnormal gap
     # below the smallest normal number (fp16's: weights under 6e-5 round to multiples of 2^-24)
     stored = fmt.unit_roundoff * (pc.abs() + pr.abs()) + fmt.smallest_subnormal
-    if previous is not None:
+    if stepped_apart:
         # as recorded, each previous parameter is its step's stored value: a bf16 model parameter is
         # the rounding of the fp32 main parameter the optimizer stepped from, so their difference is
         # known to u_fmt of each (and each side rounds its own p·(1 − lr·wd), u_32, below that)
-        prev_c, prev_r = (t.to(torch.float64).reshape(pc.shape) for t in previous)
+        prev_c, prev_r = piece[6].to(torch.float64), piece[7].to(torch.float64)
         residual = residual - (1.0 - lr * weight_decay) * (prev_c - prev_r)
         stored = stored + max(fmt.unit_roundoff, U_32) * (prev_c.abs() + prev_r.abs())
     slack = k * (stored + 4.0 * U_32 * lr * (u_c.abs() + u_r.abs()))
     slack = torch.clamp(slack, min=torch.finfo(torch.float64).tiny)
-    ratio = (residual.abs() / slack).reshape(-1)
-    if ratio.numel() == 0:
-        return UpdateVerdict(0.0, -1, 0.0, 0.0)
-    worst = int(torch.argmax(ratio))
-    return UpdateVerdict(float(ratio[worst]), worst, float(residual.reshape(-1)[worst]),
-                         float(slack.reshape(-1)[worst]))
+    return residual.abs() / slack, residual, slack

@@ -127,6 +127,42 @@ def _where(error: BaseException) -> str:
     return ""
 
 
+def _context(cpu: bool):
+    """The ranks' process context: on CPU, forked from a fork server that imported ``PRELOAD`` once
+    (a rank starts in well under a second, not the ~5 s of importing torch and megatron-core); on
+    GPUs, spawned (CUDA cannot be forked into)."""
+    if cpu:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(PRELOAD)
+        return ctx
+    return mp.get_context("spawn")
+
+
+def prestart(cpu: bool) -> None:
+    """On CPU, start the ranks' fork server now: its imports (torch and megatron-core, ~4 s) run
+    while the calling process does its own work (validating a recipe imports megatron-core too),
+    instead of before the first rank."""
+    if cpu:
+        from multiprocessing import forkserver
+
+        _context(cpu)
+        forkserver.ensure_running()
+
+
+def run_function(target, args: tuple, timeout_s: float) -> Optional[int]:
+    """``target(*args)`` in a process of the ranks' kind (on CPU forked from their fork server, its
+    imports done): its exit code, or None when it did not end within ``timeout_s`` (then killed).
+    ``ttrace run``'s disk check plans this way, in a process of its own that starts in no time."""
+    p = _context(cpu=not torch.cuda.is_available()).Process(target=target, args=args, daemon=True)
+    p.start()
+    p.join(timeout_s)
+    if p.is_alive():
+        p.kill()
+        p.join()
+        return None
+    return p.exitcode
+
+
 def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = Probes()) -> None:
     """Run every rank of ``spec`` and wait for all of them (``probes``: what tests and benchmarks
     measure beside the trace)."""
@@ -138,11 +174,7 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
     if not spec.cpu and torch.cuda.device_count() < spec.world_size:
         raise RunFailed(f"{spec.world_size} ranks need {spec.world_size} GPUs, {torch.cuda.device_count()} visible")
     spec.master_port = spec.master_port or free_port()
-    if spec.cpu:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-    else:
-        ctx = mp.get_context("spawn")
+    ctx = _context(spec.cpu)
     with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as error_dir:
         procs = [ctx.Process(target=_worker, args=(r, spec, probes, error_dir), daemon=False) for r in range(spec.world_size)]
         for p in procs:
