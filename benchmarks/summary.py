@@ -40,6 +40,7 @@ TWIN_COST = "twin_cost"  # twin_cost.py rows (jsonl)
 WORKERS = "workers"      # compare_workers.py rows (jsonl)
 PLAN = "plan"            # plan_check.py rows (jsonl): ttrace plan's bytes against a real check's
 SWEEP = "sweep"          # sweep.py --jsonl rows: each configuration and its outcome (--twin: the twin's too)
+CHECK_COST = "check_cost"  # online_bytes.py --plain rows: a whole check, online and --keep-traces, against training
 
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
@@ -130,7 +131,9 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
-    Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_bc42628.jsonl",),
+    Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
+           ("online_bytes_wide_27e1638_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_27fbeff_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("`ttrace plan` against each side of every shipped recipe's check", PLAN, ("plan_recipes_f7d53dd.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
@@ -549,6 +552,16 @@ def summary() -> str:
                        f"{len(ratios)} trace directories, nothing run to predict them"
                        + (f" ({len(refused)} recipes refused by plan and run alike: {', '.join(refused)})"
                           if refused else "") + f" ({_files(s)}; {machine_of(s.files[0])}).")
+        elif s.kind == CHECK_COST:
+            plain = {r["dtype"]: r["seconds"] for r in rows if r["mode"] == "plain"}
+            for r in (r for r in rows if r["mode"] != "plain"):
+                trained = sum(plain[r["dtype"]].values())
+                what = f"{r['dtype']}" + (f", `{r['inject'].split(':')[0]}`" if r.get("inject") else ", clean") + \
+                    (" with its fp32 twin" if r.get("twin_verdict") else "")
+                mode = "the default (online)" if r["mode"] == "online" else "`--keep-traces`"
+                out.append(f"- {s.population}, {what}, {mode}: verdict {r['verdict']}, {r['bytes_total'] / 1e9:.2f} GB "
+                           f"written, {r['wall_s']:.0f} s, {r['wall_s'] / trained:.1f}× the two layouts trained "
+                           f"without ttrace ({trained:.1f} s) ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == WORKERS:
             one = next(r for r in rows if r["workers"] == 1)
             best = min(rows, key=lambda r: r["seconds"])
