@@ -207,8 +207,6 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
         micro = min(micro, len(selection.microbatches))
     tokens = data.micro_batch_size * data.seq_length
     sp = bool(recipe.parallel.get("sequence_parallel", False)) and sizes[TP] > 1
-    distopt = bool(recipe.optimizer.get("use_distributed_optimizer", False))
-    ddp = cfg.ddp_config(recipe)
     topk = int(model.get("moe_router_topk", 2) or 2)
     experts = int(model.get("num_moe_experts") or 1)
     calls = _calls(model, keys.LOSS_MODULE)  # each MTP depth has a loss of its own
@@ -253,6 +251,22 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
             add(core.ROUTING, tokens * s.out_features, FP32, routed * per_micro, seq_split)
     if selection.wants(keys.LOSS_MODULE):
         add(core.LOSS, tokens, FP32, 2 * micro * calls, (Replicate(TP),))  # per-token loss, loss mask (per depth)
+    _param_groups(recipe, shape, sizes, selection, micro, experts_unrecorded, add)
+    if selection.wants(keys.OPTIMIZER_MODULE):
+        # the step's scalars on every rank: the grad norm and its fp64 twin, the clip coefficient, the
+        # step count, and the lr and weight decay of the two param groups (a record, or an online entry, each)
+        add(core.OPTIMIZER, 1, FP64, STEP_SCALARS, (Replicate(TP), Replicate(DP), Replicate(PP)))
+    return out
+
+
+def _param_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], selection: Selection, micro: int,
+                  experts_unrecorded: bool, add) -> None:
+    """Each trainable parameter's records of an iteration (``side_groups``): its per-microbatch grads,
+    main grad and grad-norm term, updated value and optimizer state."""
+    act = _ITEMSIZE[recipe.dtype]
+    distopt = bool(recipe.optimizer.get("use_distributed_optimizer", False))
+    ddp = cfg.ddp_config(recipe)
+    model = recipe.model
     main_grad = FP32 if ddp.grad_reduce_in_fp32 else act
     opt = recipe.optimizer.get("optimizer", "adam")
     states = 2 if opt == "adam" else (1 if float(recipe.optimizer.get("sgd_momentum", 0.9)) else 0)
@@ -274,11 +288,6 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
         updated = split + owned if distopt and ddp.overlap_param_gather else (Replicate(dp_axis),) + split
         add(core.OPTIMIZER, p.numel, act, 1, updated)
         add(core.OPTIMIZER, p.numel, FP32, states, split + owned)
-    if selection.wants(keys.OPTIMIZER_MODULE):
-        # the step's scalars on every rank: the grad norm and its fp64 twin, the clip coefficient, the
-        # step count, and the lr and weight decay of the two param groups (a record, or an online entry, each)
-        add(core.OPTIMIZER, 1, FP64, STEP_SCALARS, (Replicate(TP), Replicate(DP), Replicate(PP)))
-    return out
 
 
 STEP_SCALARS = 8  # the optimizer scalars recorded on each rank in an iteration (side_groups)
@@ -328,6 +337,6 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
     if recipe.dtype == "fp16":
         notes.append("fp16: a step the loss scaler skips records no optimizer moments, which the plan counts (an "
                      "upper bound: the first steps of a dynamic scaler usually skip)")
-    notes.append("a failing check also writes a replay of the candidate up to the failing iteration "
-                 "(at most the candidate's bytes again)")
+    notes.append("a failing check also writes a replay of the candidate's failing iteration (at most one "
+                 "iteration of what the candidate records with --keep-traces)")
     return core.Plan(recipe.name, sides, seed, peak, notes)
