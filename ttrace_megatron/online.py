@@ -32,7 +32,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (FAIL, apply_choice_verdict, Cancellation, Comparison, Reclip, ShardSums, TensorResult, UpdateCheck,
+from .compare import (FAIL, FIRST_STEP, apply_choice_verdict, in_lockstep, not_recorded_by, recorded_by_choice, Cancellation, Comparison, Reclip, ShardSums, TensorResult, UpdateCheck,
                       UpdateVerdict, apply_update_verdict, blank_shard_sums, check_compatible,
                       combine_shards, decide, group_records, in_order, logical_tensor, missing_reference, piece_norm,
                       relative_from_sums,
@@ -62,9 +62,12 @@ class OnlineComparer:
         self._reference_groups = group_records(self.reference)
         # in lock-step under Adam an updated value is judged element by element against both sides'
         # moments (compare.UpdateCheck): on each rank, over the elements it holds the moments of
-        rule = AdamRule.from_run(self.reference.run) if lockstep else None
+        # free-running, only the first step starts both sides from the same (seed) parameters: the
+        # later ones are not judged (combine_online lists them as diverged, as offline)
+        rule = AdamRule.from_run(self.reference.run)
+        self.lockstep = lockstep
         self.update_check = None if rule is None else UpdateCheck(rule, self.reference, self._reference_groups, None,
-                                                                  None, ToleranceConfig(), lockstep=True)
+                                                                  None, ToleranceConfig(), lockstep=lockstep)
         # (iteration, module, parameter) -> the pieces of its step seen so far: tensor and layout of
         # each moment, and the updated values' (entry index, tensor, layout) waiting for them
         self._steps: Dict[Tuple[int, str, str], Dict[str, tuple]] = {}
@@ -101,7 +104,7 @@ class OnlineComparer:
         elif key.kind is TensorKind.SELECTION:
             entry = self._judge_choice(entry, tensor.detach(), layout, reference)
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
-        if self.update_check is not None and entry.status == "ok":
+        if self.update_check is not None and entry.status == "ok" and (self.lockstep or key.iteration == FIRST_STEP):
             self._step_piece(key, tensor.detach(), layout, reference, len(self.entries) - 1)
 
     def _step_piece(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, reference: torch.Tensor,
@@ -361,7 +364,7 @@ def _observed(moved: Optional[Dict[TensorKey, float]], key: TensorKey, statistic
 
 
 def _with_update_verdict(result: TensorResult, entries: List[Tuple[int, ShardSums]],
-                         tol_config: ToleranceConfig) -> TensorResult:
+                         tol_config: ToleranceConfig, how: str) -> TensorResult:
     """An updated value's verdict from its pieces' element-wise checks (``OnlineComparer._judge_update``):
     the worst element over the ranks, its ratio taken to the comparison's k; the relative-error verdict
     where no piece was checked, or with the reason where one could not be."""
@@ -370,12 +373,12 @@ def _with_update_verdict(result: TensorResult, entries: List[Tuple[int, ShardSum
         return result
     unchecked = [e for _, e in tried if e.update_ratio is None] + [e for _, e in entries if not e.update_detail]
     if unchecked:
-        return apply_update_verdict(result, None, unchecked[0].update_detail or "a piece was not checked", "lock-step")
+        return apply_update_verdict(result, None, unchecked[0].update_detail or "a piece was not checked", how)
     rank, worst = max(tried, key=lambda re: (re[1].update_ratio, re[1].update_index >= 0))  # ties: a checked element
     scale = worst.update_k / tol_config.k  # the slack is k times the step's round-off
     verdict = UpdateVerdict(worst.update_ratio * scale, worst.update_index, worst.update_residual,
                             worst.update_slack / scale)
-    return apply_update_verdict(result, verdict, worst.update_detail, "lock-step", where=f" of rank {rank}'s piece")
+    return apply_update_verdict(result, verdict, worst.update_detail, how, where=f" of rank {rank}'s piece")
 
 
 def _rows_split(layout: Layout, axis: int, ndim: int) -> Optional[str]:
@@ -440,7 +443,15 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     skipped: List[TensorKey] = []
     unjudged_params = {**coverage.unjudged_params(ref.run), **coverage.unjudged_params(cand_run)}
     unjudged = in_order((k for k in by_key if k in ref_groups and coverage.param_of(k) in unjudged_params), order)
-    judged = set(by_key) - set(unjudged)
+    # as offline: free-running (or lock-stepped with another reference) under Adam, what comes after
+    # the first step has no round-off bound (compare.FREE_RUNNING); online keeps no previous
+    # parameters to judge a later update from, so every later key is listed as diverged
+    lockstep = in_lockstep(ref.run, cand_run, ref.dir)
+    free = AdamRule.from_run(ref.run) is not None and not lockstep
+    diverged = in_order((k for k in by_key if free and k in ref_groups and k.iteration > FIRST_STEP
+                         and k not in set(unjudged)), order)
+    how = "lock-step" if lockstep else "not in lock-step, first iteration: both from the seed checkpoint"
+    judged = set(by_key) - set(unjudged) - set(diverged)
     missing_in_reference = sorted((k for k, es in by_key.items() if es[0][1].status == "missing_reference"), key=str)
     cancellations = Cancellation(ref, ref_groups)  # as compare_traces keeps them
     step_bounds = StepBounds(ref.run, num_layers, tol_config, has_reference=lambda k: k in ref_groups)
@@ -471,9 +482,14 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
         if key.kind is TensorKind.SELECTION:
             results.append(_with_choice_verdict(result, entries))
             continue
-        results.append(_with_update_verdict(result, entries, tol_config) if math.isfinite(result.error) else result)
+        results.append(_with_update_verdict(result, entries, tol_config, how) if math.isfinite(result.error)
+                       else result)
     if progress is not None:
         progress(len(todo), len(todo))
-    missing_in_candidate = sorted((k for k in ref_groups if k not in by_key), key=lambda k: order[k])
+    # as offline: a key the candidate's selection left out is not missing, and one its layout cannot
+    # record (run.json's not_recorded) is skipped
+    absent = sorted((k for k in ref_groups if k not in by_key and recorded_by_choice(cand_run, k)), key=lambda k: order[k])
+    skipped += [k for k in absent if not_recorded_by(cand_run, k)]
+    missing_in_candidate = [k for k in absent if not not_recorded_by(cand_run, k)]
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
-                      ref.run, cand_run, skipped=skipped, unjudged=unjudged)
+                      ref.run, cand_run, skipped=skipped, unjudged=unjudged, diverged=diverged)
