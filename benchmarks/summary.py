@@ -40,6 +40,7 @@ TWIN_COST = "twin_cost"  # twin_cost.py rows (jsonl)
 WORKERS = "workers"      # compare_workers.py rows (jsonl)
 PLAN = "plan"            # plan_check.py rows (jsonl): ttrace plan's bytes against a real check's
 SWEEP = "sweep"          # sweep.py --jsonl rows: each configuration and its outcome (--twin: the twin's too)
+PARITY = "parity"        # online_parity.py rows: each recipe judged online and offline from one candidate run
 CHECK_COST = "check_cost"  # online_bytes.py --plain rows: a whole check, online and --keep-traces, against training
 
 GOAL_MARGIN = 10.0
@@ -51,7 +52,9 @@ LADDER_KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "norm ter
                 "update", "loss", "routing")
 # Clean recipes that fail on stock megatron-core because of a live megatron bug (each an entry of
 # benchmarks/upstream_bugs/, which passes with the entry's fix): their failures are true positives.
-KNOWN_MEGATRON_BUGS = {"gptoss_tp2_sp_ep2": "softmax_offset_counted_on_tp_rank0_only"}
+KNOWN_MEGATRON_BUGS = {"gptoss_tp2_sp_ep2": "softmax_offset_counted_on_tp_rank0_only",
+                      "gpt_tp2_sinks": "softmax_offset_counted_on_tp_rank0_only",
+                      "padded_moe_tp2_sp_ep2": "moe_z_loss_padding_mean_per_sequence_shard"}
 
 
 @dataclass(frozen=True)
@@ -131,6 +134,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
+    Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
+           ("online_parity_753f8a8_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
            ("online_bytes_wide_27e1638_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_27fbeff_epyc.jsonl",),
@@ -276,6 +281,25 @@ def free_rows(source: Source) -> List[CleanRow]:
                                     sum(r[verdict] != "pass" for r in judged), {}, None, worst[worst_key],
                                     worst.get("worst_tensor") or worst["recipe"], commit_of(name), machine_of(name),
                                     source.detail))
+    return out
+
+
+def parity_rows(source: Source) -> List[CleanRow]:
+    """The default (online) verdict of each clean recipe, with how often it is the recorded check's
+    of the same candidate run (``online_parity.py``); a known megatron bug's failure is a true one."""
+    out = []
+    for name in source.files:
+        rows = [r for r in jsonl(_path(name)) if "online" in r]
+        for dtype in sorted({r["dtype"] for r in rows}):
+            group = [r for r in rows if r["dtype"] == dtype]
+            fails = [r for r in group if r["online"] != "pass"]
+            true = {r["recipe"]: 1 for r in fails if r["recipe"] in KNOWN_MEGATRON_BUGS}
+            worst = max((r for r in group if r["recipe"] not in true), key=lambda r: r["worst_online"])
+            same = sum(r["same"] and not r["verdicts_differ"] for r in group)
+            out.append(CleanRow(f"{source.population} (the recorded check's verdict on every tensor: {same} of "
+                                f"{len(group)})", dtype, len(group), len(fails) - len(true), true, None,
+                                worst["worst_online"], worst["recipe"], commit_of(name), machine_of(name),
+                                source.detail))
     return out
 
 
@@ -488,6 +512,8 @@ def summary() -> str:
             clean += free_rows(s)
         elif s.kind == SWEEP:
             clean += sweep_rows(s)
+        elif s.kind == PARITY:
+            clean += parity_rows(s)
         elif s.kind == BUGS:
             bugs += bug_rows(s)
         elif s.kind == UPSTREAM:
