@@ -135,7 +135,11 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
-           ("online_parity_753f8a8_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+           ("online_parity_753f8a8_epyc.jsonl", "online_parity_bf16_0d477de_epyc.jsonl"),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
+           "candidate run that also recorded", PARITY, ("online_parity_0d477de_mc0192_epyc.jsonl",),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
            ("online_bytes_wide_27e1638_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_27fbeff_epyc.jsonl",),
