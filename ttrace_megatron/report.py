@@ -203,8 +203,8 @@ def _pair_headline(report: dict) -> str:
         skipped = report["summary"].get("skipped", 0)
         return (f"equivalent within floating-point round-off: {report['summary']['compared']} logical tensors "
                 f"compared, none above its tolerance"
-                + (f" ({skipped} skipped: per-rank partial sums online, or per-microbatch tensors the candidate's "
-                   f"layout has no counterpart for)" if skipped else ""))
+                + (f" ({skipped} skipped: per-rank partial sums online, which --keep-traces judges too, or "
+                   f"per-microbatch tensors the candidate's layout has no counterpart for)" if skipped else ""))
     build = report.get("build")
     if build:
         more = len(build["problems"]) - 1
