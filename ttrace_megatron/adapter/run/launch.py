@@ -43,6 +43,7 @@ def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
     from . import worker_env
 
     worker_env.quiet_warnings()
+    worker_env.whole_lines()
     # where each thread is, on SIGUSR1: what launch reports of a rank that outlived its timeout
     stacks = open(os.path.join(error_dir, f"rank{rank}.stack"), "w")
     # which process a rank is, and whose trace it writes, for whoever watches the run
