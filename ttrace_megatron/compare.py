@@ -376,9 +376,7 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     shaped = [e for _, e in entries if e.status == "shape"]
     if shaped:
         return decide(*args, math.inf, shaped[0].detail, **terms())
-    positions: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
-    for rank, e in entries:
-        positions.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
+    positions = shard_positions(entries)
     expected = {tuple(sorted(zip(entries[0][1].shard, combo)))
                 for combo in itertools.product(*(range(size) for _, size in entries[0][1].shard.values()))}
     if set(positions) != expected:
@@ -407,6 +405,14 @@ def combine_shards(key: TensorKey, entries: List[Tuple[int, ShardSums]], rec: Re
     if step is not None and not overflowed:
         step.note(key, result.error, result.reference_norm)
     return result
+
+
+def shard_positions(entries: List[Tuple[int, ShardSums]]) -> Dict[Tuple, List[Tuple[int, ShardSums]]]:
+    """Each shard position's copies ((rank, sums) of the ranks that hold it); replicas share one."""
+    positions: Dict[Tuple, List[Tuple[int, ShardSums]]] = {}
+    for rank, e in entries:
+        positions.setdefault(tuple(sorted((axis, pos) for axis, (pos, _) in e.shard.items())), []).append((rank, e))
+    return positions
 
 
 def _lowest_copies(positions: Dict[Tuple, List[Tuple[int, ShardSums]]], notes: List[str],

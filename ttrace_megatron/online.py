@@ -32,12 +32,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from .compare import (FAIL, FIRST_STEP, apply_choice_verdict, in_lockstep, not_recorded_by, recorded_by_choice, Cancellation, Comparison, Reclip, ShardSums, TensorResult, UpdateCheck,
-                      UpdateVerdict, apply_update_verdict, blank_shard_sums, check_compatible,
-                      combine_shards, decide, group_records, in_order, logical_tensor, missing_reference, piece_norm,
-                      relative_from_sums,
-                      reference_order, replica_note, shard_sums, with_recomputed_aliases, OVERFLOW_PHASES,
-                      overflowed_iterations)
+from .compare import (FAIL, FIRST_STEP, OVERFLOW_PHASES, Cancellation, Comparison, Reclip, ShardSums, TensorResult,
+                      UpdateCheck, UpdateVerdict, apply_choice_verdict, apply_update_verdict, blank_shard_sums,
+                      check_compatible, combine_shards, decide, group_records, in_lockstep, in_order, logical_tensor,
+                      missing_reference, not_recorded_by, overflowed_iterations, piece_norm, recorded_by_choice,
+                      reference_order, relative_from_sums, replica_note, shard_positions, shard_sums,
+                      with_recomputed_aliases)
 from .errors import TraceError
 from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
                         slice_logical)
@@ -187,9 +187,10 @@ class OnlineComparer:
         if entry.status != "ok":
             return entry
         axis = keys.SELECTION_AXIS[entry.key.tensor]
-        split = _rows_split(layout, axis, choice.dim()) or logical_mask(layout, self.coords, tuple(choice.shape))
-        if split is not None:
-            why = split if isinstance(split, str) else "its piece holds padding"
+        why = _rows_split(layout, axis, choice.dim())
+        if why is None and logical_mask(layout, self.coords, tuple(choice.shape)) is not None:
+            why = "its piece holds padding"
+        if why is not None:
             return dataclasses.replace(entry, status="partial",
                                        detail=f"a top-k choice whose rows are not whole on a rank ({why}): "
                                               "judged offline only")
@@ -403,10 +404,9 @@ def _with_choice_verdict(result: TensorResult, entries: List[Tuple[int, ShardSum
         rank, e = unjudged[0]
         return dataclasses.replace(result, verdict=FAIL, reason=result.reason or (
             f"top-k choice not judged: rank {rank}: {e.choice_detail or 'no scores recorded'}"))
-    lowest: Dict[Tuple, Tuple[int, ShardSums]] = {}
-    for rank, e in sorted(entries, key=lambda re: re[0]):
-        lowest.setdefault(tuple(sorted(e.shard.items())), (rank, e))
-    pieces = sorted(lowest.values(), key=lambda re: re[0])
+    # each position's lowest-rank copy, as a merge takes it
+    pieces = sorted((min(copies, key=lambda re: re[0]) for copies in shard_positions(entries).values()),
+                    key=lambda re: re[0])
     problems = [(rank, e) for rank, e in sorted(entries, key=lambda re: re[0]) if e.choice_problem]
     rank, worst = max(pieces, key=lambda re: (re[1].choice_flipped > 0, re[1].choice_ratio))
     problem = f"{problems[0][1].choice_problem} on rank {problems[0][0]}'s piece" if problems else ""
