@@ -5,11 +5,14 @@ import os
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ttrace_megatron.compare import compare_traces
 from ttrace_megatron.errors import ConfigMismatchError, TraceError
-from ttrace_megatron.placement import Layout, Replicate, Shard
+from ttrace_megatron.placement import Layout, RangeShard, Replicate, Shard, slice_logical
 from ttrace_megatron.trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
+from test_placement import _all_coords, layouts
 
 KEY = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", "forward", "output")
 
@@ -249,3 +252,76 @@ def test_format_1_traces_keep_their_scale(tmp_path):
         path.write_text(json.dumps(m))
     reader = TraceReader(str(tmp_path / "a"))
     assert {rec.layout.scale for _, rec in reader.records()} == {4.0}
+
+
+@settings(max_examples=150, deadline=None)
+@given(layouts(), st.integers(0, 2**31 - 1), st.sampled_from([1.0, 0.5]), st.booleans())
+def test_reading_a_rank_piece_of_a_reference_reads_what_slicing_the_whole_gives(case, seed, scale, row_by_row):
+    """compare.reference_piece reads only the bytes of a rank's piece from a single-device
+    reference (row by row, or the span of short rows): bitwise what slicing the whole tensor gives,
+    for every layout of the placement vocabulary and every rank."""
+    import dataclasses
+    import tempfile
+
+    from ttrace_megatron import trace_store
+    from ttrace_megatron.compare import group_records, reference_piece
+
+    layout, sizes, stored = case
+    layout = dataclasses.replace(layout, scale=scale)
+    full = torch.randn(layout.logical_shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        write_run_info(tmp, {"role": "reference", "world_size": 1, "num_layers": 2})
+        w = TraceWriter(tmp, 0, {"tp": (0, 1)})
+        w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
+        w.flush(1)
+        w.close()
+        reader = TraceReader(tmp)
+        pieces = group_records(reader)[KEY]
+        local_shape = list(stored)
+        for p in layout.placements:
+            if isinstance(p, Shard):
+                local_shape[p.dim] //= sizes[p.axis]
+        before = trace_store.RUN_BYTES
+        trace_store.RUN_BYTES = 1 if row_by_row else before
+        try:
+            for coords in _all_coords(sizes):
+                last = layout.placements[-1]
+                shape = (lambda s, e: (e - s,))(*last.piece(coords[last.axis][0])) if isinstance(last, RangeShard) \
+                    else local_shape
+                want = slice_logical(full, layout, coords, shape)
+                got = reference_piece(reader, pieces, layout, coords, shape)
+                assert got.dtype == want.dtype and torch.equal(got, want), (layout, coords)
+                unscaled = reference_piece(reader, pieces, layout, coords, shape, scaled=False)
+                assert torch.equal(unscaled, slice_logical(full, dataclasses.replace(layout, scale=1.0), coords, shape))
+        finally:
+            trace_store.RUN_BYTES = before
+
+
+@pytest.mark.parametrize("placement, rows", [(Shard(0, "tp"), False), (Shard(1, "tp"), True), (Shard(1, "tp"), False)])
+def test_a_rank_piece_reads_only_its_bytes(tmp_path, monkeypatch, placement, rows):
+    """A row shard, and a column shard of long rows, read their half of the tensor, no more; a
+    column shard of short rows reads the span from its first element to its last."""
+    from ttrace_megatron import trace_store
+    from ttrace_megatron.compare import group_records, reference_piece
+
+    full = torch.randn(64, 32768 if rows else 64)  # half a row: 64 KiB (RUN_BYTES), or 128 bytes
+    write_run_info(str(tmp_path), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
+    w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
+    w.flush(1)
+    w.close()
+    reader = TraceReader(str(tmp_path))
+    read = []
+    real = TraceReader._read_into
+    monkeypatch.setattr(TraceReader, "_read_into",
+                        lambda self, path, rank, rec, parts: (read.extend(len(b) for _, b in parts),
+                                                              real(self, path, rank, rec, parts)))
+    layout = Layout((placement,), tuple(full.shape))
+    shape = tuple(full.chunk(2, dim=placement.dim)[1].shape)
+    got = reference_piece(reader, group_records(reader)[KEY], layout, {"tp": (1, 2)}, shape)
+    assert torch.equal(got, full.chunk(2, dim=placement.dim)[1])
+    half = full.numel() * 4 // 2
+    if placement.dim == 0 or rows:
+        assert sum(read) == half and len(read) == (1 if placement.dim == 0 else 64)
+    else:
+        assert sum(read) == 2 * half - 32 * 4 and len(read) == 1  # every row but the first's left half

@@ -168,9 +168,10 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
                   tensorboard=_tensorboard_dir(args, out)) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     console.print(f"reference run (1 rank) → {ref_dir}")
-    # in lock-step the candidate takes the reference's weights after every step: record all of it
-    timed("reference", run_side, REFERENCE, ref_dir, **({} if args.no_lockstep else dict(
-        iterations=None, modules=("*",), microbatches=None)))
+    # in lock-step the candidate takes the reference's weights after every step: record all of it;
+    # read right after by the candidate (lock-step, online), it is written through the page cache
+    timed("reference", run_side, REFERENCE, ref_dir, page_cache=bool(online or lockstep), **(
+        {} if args.no_lockstep else dict(iterations=None, modules=("*",), microbatches=None)))
     console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
                   + (f", injected bugs: {args.inject}" if args.inject else "")
                   + (", comparing online" if args.online else "")

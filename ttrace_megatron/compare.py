@@ -132,6 +132,33 @@ def logical_tensor(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]) 
                          tensor=str(first.key)) from None
 
 
+def reference_piece(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]], layout: Layout, coords: Coords,
+                    local_shape: Sequence[int], *, scaled: bool = True) -> torch.Tensor:
+    """``slice_logical(logical_tensor(reader, pieces).tensor, layout, coords, local_shape)``: the
+    piece of a reference tensor a rank at ``coords`` holds under ``layout``, as it stores it
+    (``scaled=False``: the layout's scale left out), reading only the bytes that piece covers where
+    the reference holds the logical tensor whole (a single-device reference) and the piece is a
+    view of it; else the logical tensor is read whole and sliced. The view is what ``slice_logical``
+    makes of a tensor on the meta device: the placement rules stay in one place."""
+    unscaled = dataclasses.replace(layout, scale=1.0) if layout.scale != 1.0 else layout
+    rt, rec = pieces[0]
+    if len(pieces) == 1 and _whole_logical(rt, rec):
+        meta = torch.empty(rec.shape, device="meta")  # (offsets and strides count elements, of any dtype)
+        view = slice_logical(meta, unscaled, coords, local_shape, contiguous=False)
+        if view is meta or view._base is meta:
+            piece = reader.load_view(rt, rec, view.shape, view.stride(), view.storage_offset())
+            return piece.to(torch.float64) * layout.scale if scaled and layout.scale != 1.0 else piece
+    return slice_logical(logical_tensor(reader, pieces).tensor, layout if scaled else unscaled, coords, local_shape)
+
+
+def _whole_logical(rt: RankTrace, rec: Record) -> bool:
+    """A record that is its logical tensor as stored: one rank's, every axis of its layout of size 1,
+    no scale, permutation or padding."""
+    lay = rec.layout
+    return (lay.scale == 1.0 and lay.permute is None and tuple(rec.shape) == tuple(lay.logical_shape)
+            and all(rt.coords.get(p.axis, (0, 1))[1] == 1 for p in lay.placements))
+
+
 def nonfinite_message(candidate_count: int, reference_count: int, same_positions: bool) -> Optional[str]:
     if candidate_count == 0 and reference_count == 0:
         return None
@@ -313,13 +340,23 @@ def missing_reference(key: TensorKey, cand: torch.Tensor, layout: Layout, coords
 def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords, ref_full: torch.Tensor) -> ShardSums:
     """Judge one candidate piece, as the rank stores it, against the logical reference sliced to it
     (``slice_logical``, which also applies the layout's scale)."""
+    local = tuple(cand.shape)
+    return sliced_shard_sums(key, cand, layout, coords, tuple(ref_full.shape),
+                             lambda: slice_logical(ref_full, layout, coords, local, contiguous=False))
+
+
+def sliced_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords,
+                      ref_shape: Sequence[int], reference_piece: Callable[[], torch.Tensor]) -> ShardSums:
+    """:func:`shard_sums` given the reference's logical shape and a function that gives its piece
+    as the rank stores it (raising :class:`PlacementError` where the piece does not fit): an online
+    rank reads only that piece (:func:`reference_piece`)."""
     base = blank_shard_sums(key, cand, layout, coords)
-    if tuple(ref_full.shape) != tuple(layout.logical_shape):
+    if tuple(ref_shape) != tuple(layout.logical_shape):
         return ShardSums(**dict(base, status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs "
-                                                               f"from the reference's {tuple(ref_full.shape)}"))
+                                                               f"from the reference's {tuple(ref_shape)}"))
     local = tuple(cand.shape)
     try:
-        ref_piece = slice_logical(ref_full, layout, coords, local, contiguous=False)
+        ref_piece = reference_piece()
     except PlacementError as e:
         return ShardSums(**dict(base, status="shape", detail=f"the candidate's piece {local} does not fit the "
                                                                f"reference's logical shape: {e}"))
@@ -826,12 +863,16 @@ class Reclip:
         pieces = groups.get(TensorKey(iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, keys.CLIP_COEFFICIENT))
         return None if pieces is None else float(logical_tensor(reader, pieces).tensor.reshape(-1)[0])
 
-    def state(self, key: TensorKey, state: torch.Tensor, candidate_clip: float) -> torch.Tensor:
-        """The reference's ``state`` (of ``key``) as it would be with ``candidate_clip``, in float64."""
+    def state(self, key: TensorKey, state: torch.Tensor, candidate_clip: float,
+              main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """The reference's ``state`` (of ``key``) as it would be with ``candidate_clip``, in float64.
+        ``main_grad``: the reference's main grad at the same positions as ``state`` (a rank's piece
+        of both); by default the logical main grad is read."""
         grad_key = main_grad_key(key)
-        if self._grad[0] != grad_key:  # a parameter's states come one after another
+        if main_grad is None and self._grad[0] != grad_key:  # a parameter's states come one after another
             self._grad = (grad_key, logical_tensor(self.reader, self.groups[grad_key]).tensor)
-        delta = reclip_delta(state_of(key), self.rule, self._grad[1], candidate_clip,
+        grad = self._grad[1] if main_grad is None else main_grad
+        delta = reclip_delta(state_of(key), self.rule, grad, candidate_clip,
                              self.clip(self.reader, self.groups, key.iteration))
         return delta.reshape(state.shape).add_(state)  # (a new tensor: reclip_delta's)
 

@@ -36,11 +36,10 @@ from .compare import (FAIL, FIRST_STEP, OVERFLOW_PHASES, Cancellation, Compariso
                       UpdateCheck, UpdateVerdict, apply_choice_verdict, apply_update_verdict, blank_shard_sums,
                       check_compatible, combine_shards, decide, group_records, in_lockstep, in_order, logical_tensor,
                       missing_reference, not_recorded_by, overflowed_iterations, piece_norm, recorded_by_choice,
-                      reference_order, relative_from_sums, replica_note, shard_positions, shard_sums,
-                      with_recomputed_aliases)
+                      reference_order, reference_piece, relative_from_sums, replica_note, shard_positions,
+                      sliced_shard_sums, with_recomputed_aliases)
 from .errors import TraceError
-from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
-                        slice_logical)
+from .placement import Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece
 from .scalars import IterationScalars, iteration_scalars, scalar_row
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
@@ -74,6 +73,7 @@ class OnlineComparer:
         # a top-k choice's scores (this rank's piece, the reference's slice of it) until the choice comes
         self._scores: Dict[TensorKey, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._reclip = Reclip(self.reference, self._reference_groups)
+        self._grad: tuple = (None, None, None, None)  # (main grad key, layout, shape, this rank's piece)
         self._clips: Dict[int, float] = {}
         self.rank = rank
         self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
@@ -99,8 +99,7 @@ class OnlineComparer:
             self._clips[key.iteration] = float(tensor.reshape(-1)[0])  # this rank's own, for re-clipping
         entry, reference = self._judge_shard(key, tensor.detach(), layout)
         if key.kind is TensorKind.SELECTION_SCORES and entry.status == "ok":
-            self._scores[key] = (tensor.detach().to("cpu", copy=True),
-                                 slice_logical(reference, layout, self.coords, tuple(tensor.shape)))
+            self._scores[key] = (tensor.detach().to("cpu", copy=True), reference)
         elif key.kind is TensorKind.SELECTION:
             entry = self._judge_choice(entry, tensor.detach(), layout, reference)
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
@@ -118,8 +117,7 @@ class OnlineComparer:
         if not moment and not keys.is_updated_value(key):
             return
         # one host copy of the piece (the run goes on changing its own), the reference sliced alike
-        piece = (tensor.to("cpu", copy=True), slice_logical(reference, layout, self.coords, tuple(tensor.shape)),
-                 layout)
+        piece = (tensor.to("cpu", copy=True), reference, layout)
         step = self._steps.setdefault((key.iteration, key.module, name), {"values": []})
         if moment:
             step[key.tensor.rpartition(".")[2]] = piece
@@ -159,8 +157,10 @@ class OnlineComparer:
 
     def _judge_shard(self, key: TensorKey, cand: torch.Tensor, layout: Layout
                      ) -> Tuple[ShardSums, Optional[torch.Tensor]]:
-        """The rank's sums for ``key``, and the reference's logical tensor as recorded (before any
-        re-clip; None where none was read), which the element-wise update check reuses."""
+        """The rank's sums for ``key``, and the reference's piece of it as this rank stores it, as
+        recorded (before any re-clip; None where none was read), which the element-wise update check
+        and a top-k choice's judgement reuse. Only that piece of the reference is read
+        (``reference_piece``)."""
         pieces = self._reference_groups.get(keys.reference_key(key))
         if pieces is None:
             return missing_reference(key, cand, layout, self.coords), None
@@ -171,13 +171,33 @@ class OnlineComparer:
                                     partial_value=float(cand.reshape(-1)[0].double()) / layout.scale if scalar else None,
                                     partial_position={p.axis: tuple(self.coords[p.axis]) for p in layout.placements
                                                       if isinstance(p, Partial)})), None
-        recorded = logical_tensor(self.reference, pieces).tensor
-        judged_against = self._reclip.state(key, recorded, self._clips[key.iteration]) if self._reclips(key) else recorded
+        local = tuple(cand.shape)
+        read: List[torch.Tensor] = []  # the reference's piece as recorded (before any re-clip)
+
+        def piece() -> torch.Tensor:  # the reference's piece, re-clipped where the step needs it
+            if not self._reclips(key):
+                read.append(reference_piece(self.reference, pieces, layout, self.coords, local))
+                return read[0]
+            raw = reference_piece(self.reference, pieces, layout, self.coords, local, scaled=False)
+            judged = self._reclip.state(key, raw, self._clips[key.iteration], self._main_grad_piece(key, layout, local))
+            read.append(_scaled(raw, layout))
+            return _scaled(judged, layout)
+
         try:
-            return shard_sums(key, cand, layout, self.coords, judged_against), recorded
+            sums = sliced_shard_sums(key, cand, layout, self.coords, pieces[0][1].layout.logical_shape, piece)
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              rank=self.rank, tensor=str(key)) from None
+        return sums, (read[0] if read else None)
+
+    def _main_grad_piece(self, key: TensorKey, layout: Layout, local: Tuple[int, ...]) -> torch.Tensor:
+        """The reference's main grad of a state's parameter, at the state's positions on this rank
+        (a parameter's states come one after another: the last one read is kept)."""
+        grad_key = main_grad_key(key)
+        if self._grad[:3] != (grad_key, layout, local):
+            self._grad = (grad_key, layout, local, reference_piece(self.reference, self._reference_groups[grad_key],
+                                                                   layout, self.coords, local, scaled=False))
+        return self._grad[3]
 
     def _judge_choice(self, entry: ShardSums, choice: torch.Tensor, layout: Layout,
                       reference: Optional[torch.Tensor]) -> ShardSums:
@@ -197,8 +217,7 @@ class OnlineComparer:
         if scores is None:
             return dataclasses.replace(entry, choice_detail="no scores recorded with it on this rank")
         mine = choice.to("cpu", copy=True)
-        theirs = slice_logical(reference, layout, self.coords, tuple(choice.shape))
-        v, _ = selection.judge_along(mine, theirs, scores[0], scores[1], axis)
+        v, _ = selection.judge_along(mine, reference, scores[0], scores[1], axis)
         return dataclasses.replace(entry, choice_rows=v.tokens, choice_flipped=v.flipped, choice_ratio=v.worst_ratio,
                                    choice_row=v.worst_token, choice_problem=v.problem, choice_detail="judged")
 
@@ -275,6 +294,11 @@ class OnlineComparer:
             if self.failed is None:
                 self.failed = f"{type(e).__name__}: {e}"
                 print(f"[ttrace] rank {self.rank}: online compare stopped: {self.failed}", flush=True)
+
+
+def _scaled(piece: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A piece as the rank stores it: the layout's scale applied in float64, as ``slice_logical`` does."""
+    return piece.to(torch.float64) * layout.scale if layout.scale != 1.0 else piece
 
 
 def has_online_results(trace_dir: str) -> bool:

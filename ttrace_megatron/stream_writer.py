@@ -95,8 +95,9 @@ class StreamingFile:
     """One safetensors file being written. Its methods run on the recording thread; the writes
     they queue run on the :class:`BackgroundWriter`'s thread."""
 
-    def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool):
+    def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool, sync: bool = True):
         self.writer = writer
+        self.sync = sync  # fsync the file once whole (else its checksum alone vouches for it after a crash)
         self.error: Optional[OSError] = None  # set by the writer thread
         self._data_hash = xxhash.xxh3_64()  # of the data region, kept by the checksum thread
         self._hashed = threading.Event()  # set by the checksum thread once the last data is in
@@ -220,7 +221,8 @@ class StreamingFile:
             if self.error is None:
                 self._pwrite_all(self.fd, memoryview(head), 0)
                 os.ftruncate(self.fd, size)
-                os.fsync(self.fd)
+                if self.sync:
+                    os.fsync(self.fd)
         except OSError as e:
             self.error = e
         self._close_fds()

@@ -43,6 +43,9 @@ REFERENCE = "reference"  # the single-device run the others are judged against
 CANDIDATE = "candidate"  # the distributed run under test
 REPLAY = "replay"  # the candidate again, every hooked module on the reference's inputs (localization)
 
+# a strided read (:meth:`TraceReader.load_view`) reads row by row from rows of this size on: shorter
+# rows cost more in calls than reading the span between them (page cache: ~9 GB/s here)
+RUN_BYTES = 64 << 10
 _DATA_FILE_RE = re.compile(r"^iter-\d{6}(-\d{3})?\.safetensors$")
 _RANK_DIR = "rank-{:05d}"
 
@@ -127,11 +130,19 @@ class TraceWriter:
     warning is printed once, and the manifest says why the trace is incomplete.
     """
 
-    def __init__(self, trace_dir: str, rank: int, coords: Dict[str, Tuple[int, int]], *, direct_io: bool = True):
+    def __init__(self, trace_dir: str, rank: int, coords: Dict[str, Tuple[int, int]], *, direct_io: bool = True,
+                 page_cache: bool = False):
         self.rank = rank
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
         self.coords = {k: [int(v[0]), int(v[1])] for k, v in coords.items()}
-        self.direct_io = direct_io
+        # ``page_cache``: a trace read right after on this machine (a check's reference, which the
+        # candidate reads while it runs): written through the page cache and not fsync'd, so that
+        # neither the writes nor the reads wait for the disk; its files' checksums, which every
+        # read verifies, still catch what a crash would leave half-written. (Through the page cache
+        # and fsync'd, it cost a 50M-parameter check's reference 5 s more than O_DIRECT on the
+        # 2-core development VM, and the candidate's reads as much less.)
+        self.direct_io = direct_io and not page_cache
+        self.sync = not page_cache
         self.records: List[Record] = []  # of the files written whole; guarded by _lock
         self.files: Dict[str, dict] = {}
         self._lock = threading.RLock()  # the writer thread lists files and may fail too
@@ -217,7 +228,7 @@ class TraceWriter:
         fname = f"iter-{iteration:06d}.safetensors" if part == 0 else f"iter-{iteration:06d}-{part:03d}.safetensors"
         if self._writer is None:
             self._writer = BackgroundWriter(f"ttrace-writer-rank{self.rank}")
-        self._file = StreamingFile(self._writer, os.path.join(self.dir, fname), self.direct_io)
+        self._file = StreamingFile(self._writer, os.path.join(self.dir, fname), self.direct_io, self.sync)
         self._file_index[iteration] = part + 1
         self._file_name, self._file_iteration, self._file_records = fname, iteration, []
 
@@ -348,6 +359,65 @@ class TraceReader:
 
     def load(self, rank_trace: RankTrace, rec: Record) -> torch.Tensor:
         """Read one tensor: only its bytes, at its offset (no memory map, no whole-file buffer)."""
+        path, dtype, shape, start, nbytes = self._locate(rank_trace, rec)
+        raw = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled, as a bytearray would be
+        self._read_into(path, rank_trace.rank, rec, [(start, raw.numpy())])
+        if nbytes == 0:
+            return torch.empty(shape, dtype=dtype)
+        return raw.view(dtype).reshape(shape)
+
+    def load_view(self, rank_trace: RankTrace, rec: Record, shape: Sequence[int], stride: Sequence[int],
+                  offset: int) -> torch.Tensor:
+        """Read only the elements of one tensor that a strided view of it covers (``shape``,
+        ``stride`` and ``offset`` in elements, as ``torch.as_strided`` takes them, with strides
+        >= 0), into a new contiguous tensor of ``shape``: what one rank's slice of a logical tensor
+        needs (``compare.reference_piece``). Rows of at least :data:`RUN_BYTES` each are read one by
+        one; shorter ones as the span from the first element to the last, in one read."""
+        path, dtype, whole, start, nbytes = self._locate(rank_trace, rec)
+        shape, stride = tuple(int(n) for n in shape), tuple(int(n) for n in stride)
+        out = torch.empty(shape, dtype=dtype)
+        if out.numel() == 0:
+            return out
+        item = dtype.itemsize
+        last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
+        if min(stride, default=0) < 0 or offset < 0 or (last + 1) * item > nbytes:
+            raise TraceError(f"a view of {list(shape)} at {offset} does not fit the tensor's {list(whole)}",
+                             path=path, rank=rank_trace.rank, tensor=str(rec.key))
+        # rows: the innermost dims the view holds as one contiguous run (stride 1, then each outer dim
+        # whose stride is the size of what it holds)
+        inner, run = len(shape), 1
+        while inner > 0 and (shape[inner - 1] == 1 or stride[inner - 1] == run):
+            run *= shape[inner - 1]
+            inner -= 1
+        if run * item >= RUN_BYTES:
+            firsts = torch.zeros((), dtype=torch.int64) + offset
+            for n, st in zip(shape[:inner], stride[:inner]):
+                firsts = firsts.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * st
+            rows = out.view(-1, run).view(torch.uint8).numpy()
+            self._read_into(path, rank_trace.rank, rec,
+                            [(start + int(f) * item, rows[i]) for i, f in enumerate(firsts.reshape(-1).tolist())])
+            return out
+        span = torch.empty((last + 1 - offset) * item, dtype=torch.uint8)
+        self._read_into(path, rank_trace.rank, rec, [(start + offset * item, span.numpy())])
+        out.copy_(span.view(dtype).as_strided(shape, stride))
+        return out
+
+    def _read_into(self, path: str, rank: int, rec: Record, parts) -> None:
+        """Fill each buffer of ``parts`` ((absolute file offset, writable buffer), ...) from the file."""
+        try:
+            with open(path, "rb") as f:
+                for at, buffer in parts:
+                    want = len(buffer)
+                    got = os.preadv(f.fileno(), [buffer], at) if want else 0
+                    if got != want:
+                        raise TraceError(f"read {got} of {want} bytes (file changed since it was verified?)",
+                                         path=path, rank=rank, tensor=str(rec.key))
+        except OSError as e:
+            raise TraceError(f"cannot read tensor ({e.strerror})", path=path, rank=rank, tensor=str(rec.key)) from None
+
+    def _locate(self, rank_trace: RankTrace, rec: Record) -> Tuple[str, torch.dtype, Tuple[int, ...], int, int]:
+        """Where one record's bytes are: its file (verified and indexed on first use), dtype,
+        shape, absolute offset and byte count, checked against the manifest."""
         cache_key = (rank_trace.rank, rec.file)
         index = self._cache.get(cache_key)
         if index is None:
@@ -364,19 +434,7 @@ class TraceReader:
         if tuple(shape) != rec.shape or dtype_name(dtype) != rec.dtype:
             raise TraceError(f"file holds {dtype_name(dtype)}{list(shape)}, manifest says {rec.dtype}{list(rec.shape)}",
                              path=path, rank=rank_trace.rank, tensor=str(rec.key))
-        raw = torch.empty(nbytes, dtype=torch.uint8)  # not zero-filled, as a bytearray would be
-        try:
-            with open(path, "rb") as f:
-                got = os.preadv(f.fileno(), [raw.numpy()], start) if nbytes else 0
-        except OSError as e:
-            raise TraceError(f"cannot read tensor ({e.strerror})", path=path, rank=rank_trace.rank,
-                             tensor=str(rec.key)) from None
-        if got != nbytes:
-            raise TraceError(f"read {got} of {nbytes} bytes (file changed since it was verified?)", path=path,
-                             rank=rank_trace.rank, tensor=str(rec.key))
-        if nbytes == 0:
-            return torch.empty(shape, dtype=dtype)
-        return raw.view(dtype).reshape(shape)
+        return path, dtype, shape, start, nbytes
 
     def _open_file(self, rank_trace: RankTrace, fname: str) -> Dict[str, Tuple[torch.dtype, Tuple[int, ...], int, int]]:
         """Verify a data file's size and checksum (streamed through one reused buffer), then index

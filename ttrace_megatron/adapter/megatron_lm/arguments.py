@@ -61,6 +61,9 @@ FLAGS = (
         metavar="DIR", help="lock-step: after each optimizer step, take this reference trace's parameters and "
                             "optimizer state, so every iteration is judged given identical weights and state "
                             "(the reference must record every iteration)")),
+    ("--ttrace-page-cache", dict(
+        action="store_true", help="write the trace through the page cache (no O_DIRECT, no fsync): a check that reads it "
+                                  "right after on this machine (lock-step, online) reads it from memory")),
     ("--ttrace-role", dict(choices=("auto", REFERENCE, CANDIDATE), default="auto",
                            help="label of this run (auto: reference when TP=PP=CP=EP=DP=1)")),
 )

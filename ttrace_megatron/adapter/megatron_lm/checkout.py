@@ -289,6 +289,8 @@ def trace_args(trace: TraceOptions, recipe: Optional[Recipe] = None) -> List[str
             argv += ["--ttrace-seed-init", seed_init]
     if trace.lockstep:
         argv += ["--ttrace-lockstep", trace.lockstep]
+    if trace.page_cache:
+        argv += ["--ttrace-page-cache"]
     if trace.reference:  # online compare; its verdicts go out through Megatron-LM's own TensorBoard writer
         argv += ["--ttrace-reference", trace.reference] + (["--ttrace-keep-tensors"] if trace.keep_tensors else [])
         if trace.tensorboard:

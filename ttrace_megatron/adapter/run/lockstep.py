@@ -23,19 +23,22 @@ training is the run without it.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from ... import keys
 from ...keys import TensorKey
 from ...placement import owned_piece
+from ...trace_store import TraceReader
 from ..record.layouts import Site
 from ..record.recorder import Recorder
 from .replay import ReferenceValues
 
 
 class LockStep:
-    def __init__(self, reference_dir: str, recorder: Recorder):
-        self.reference = ReferenceValues(reference_dir, recorder.coords)
+    def __init__(self, reference_dir: str, recorder: Recorder, reader: Optional[TraceReader] = None):
+        self.reference = ReferenceValues(reference_dir, recorder.coords, reader)
         self.recorder = recorder
         self.layouts = recorder.layouts
         recorder.after_step.append(self.align)

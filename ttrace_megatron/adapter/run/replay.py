@@ -32,10 +32,10 @@ from typing import Optional
 import torch
 
 from ... import keys
-from ...compare import group_records, logical_tensor
+from ...compare import group_records, reference_piece
 from ...errors import TraceError
 from ...keys import TensorKey
-from ...placement import Coords, Layout, PlacementError, logical_mask, owned_piece, slice_logical
+from ...placement import Coords, Layout, PlacementError, logical_mask, owned_piece
 from ...trace_store import TraceReader
 from ..record.hooks import GRAD_ARRIVES, INPUT_ARRIVES, SUBSTITUTE, Call, Feature
 from ..record.layouts import Site
@@ -58,8 +58,10 @@ class ReferenceValues:
     """The reference trace's values, sliced to this rank as it stores them: what the replay and the
     lock-step put into the candidate."""
 
-    def __init__(self, reference_dir: str, coords: Coords):
-        self.reader = TraceReader(reference_dir)
+    def __init__(self, reference_dir: str, coords: Coords, reader: Optional[TraceReader] = None):
+        # ``reader``: one already open on the same trace (the online comparer's), whose files are
+        # then verified once for both
+        self.reader = reader if reader is not None else TraceReader(reference_dir)
         self._groups = group_records(self.reader)
         self.coords = coords
         self.substituted = 0
@@ -72,9 +74,9 @@ class ReferenceValues:
         if pieces is None:
             self.absent += 1
             return None
-        full = logical_tensor(self.reader, pieces).tensor
         try:
-            shard = slice_logical(full, layout, self.coords, like.shape).to(dtype=like.dtype, device=like.device)
+            shard = reference_piece(self.reader, pieces, layout, self.coords, tuple(like.shape)).to(
+                dtype=like.dtype, device=like.device)
             mask = logical_mask(layout, self.coords, tuple(like.shape))
             if mask is not None:
                 # padding (the vocabulary padded per TP size) is not in the logical tensor: keep the

@@ -43,6 +43,9 @@ class TraceOptions:
     perturb: int = 0  # > 0: the perturbation-estimate run, round-off-sized noise seeded by this (run.perturb)
     lockstep: Optional[str] = None  # after each step, take this reference trace's parameters and state (run.lockstep)
     seed_init: str = SEED_INIT_MEGATRON  # what the reference writes to the seed checkpoint (run.sensitize)
+    # write through the page cache, not O_DIRECT, and without fsync: a check on this machine reads
+    # this trace right after (lock-step, online), from memory instead of the disk (TraceWriter)
+    page_cache: bool = False
     # with ``reference``: the verdicts per iteration as scalars (live_scalars), through ttrace's own
     # SummaryWriter in this directory, and/or through Megatron-LM's TensorBoard and W&B writers
     tensorboard: Optional[str] = None
@@ -65,6 +68,7 @@ class TraceOptions:
             perturb=int(getattr(args, "ttrace_perturb", 0) or 0),
             lockstep=getattr(args, "ttrace_lockstep", None),
             seed_init=getattr(args, "ttrace_seed_init", None) or SEED_INIT_MEGATRON,
+            page_cache=bool(getattr(args, "ttrace_page_cache", False)),
             # Megatron-LM makes its writers on the last rank from these; every rank holds the arguments
             megatron_writers=bool(getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)),
         )
@@ -334,11 +338,13 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
 
     sinks: List[Any] = []
     if options.write_tensors:
-        sinks.append(TraceWriter(options.dir, rank, coords))
+        sinks.append(TraceWriter(options.dir, rank, coords, page_cache=options.page_cache))
+    online = None
     if options.reference:
         from ...online import OnlineComparer
 
-        sinks.append(OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep)))
+        online = OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep))
+        sinks.append(online)
     clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
     dispatcher = Dispatcher(chunks, clock)
     record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
@@ -355,7 +361,9 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
     if options.lockstep:
         from .lockstep import LockStep
 
-        LockStep(options.lockstep, recorder)
+        # on the online comparer's trace: its reader (each file verified once in this process)
+        same = online is not None and os.path.samefile(options.lockstep, options.reference)
+        LockStep(options.lockstep, recorder, online.reference if same else None)
     return dispatcher, recorder
 
 
