@@ -6,9 +6,10 @@
    set against the time to write its bytes at the disk bandwidth measured here: fsync'd writes of
    the same size, through the page cache and with O_DIRECT, whichever is faster.
 2. Compare throughput (trace bytes read per second) against memory bandwidth measured here (a
-   large tensor copy into a touched buffer), and compare peak memory (RSS high-water mark of a fresh
-   process, reset through /proc/self/clear_refs after imports) against
-   the largest logical tensor.
+   large tensor copy into a touched buffer), on one process and on ``--workers`` (default: one
+   and every core), and compare peak memory (RSS high-water mark of a fresh process, reset
+   through /proc/self/clear_refs after imports: the comparing process's, not its workers')
+   against the largest logical tensor.
 3. Compare time against trace size (1, 2 and 4 recorded iterations).
 
     python benchmarks/costs.py > costs.md
@@ -53,7 +54,7 @@ before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark (VmHWM) to the current RSS
     f.write("5")
 t = time.perf_counter()
-c = compare_traces(sys.argv[1], sys.argv[2])
+c = compare_traces(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]))
 elapsed = time.perf_counter() - t
 print(json.dumps({"seconds": elapsed, "peak_kib_over_baseline": status("VmHWM") - before, "tensors": len(c.results),
                   "verdict": c.verdict}))
@@ -112,7 +113,11 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--vocab-size", type=int, default=MODEL["data"]["vocab_size"],
                         help="a larger vocabulary makes the largest tensors (embedding, logits) larger")
-    vocab = parser.parse_args().vocab_size
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1],
+                        help="compare the trace in the page cache on this many processes (each a row)")
+    parser.add_argument("--no-scale", action="store_true", help="leave out part 3 (compare time against trace size)")
+    args = parser.parse_args()
+    vocab = args.vocab_size
     MODEL["data"] = dict(MODEL["data"], vocab_size=vocab)
     warnings.filterwarnings("ignore")
     import torch
@@ -197,7 +202,9 @@ def main():
         largest = max(largest, numel * torch.empty(0, dtype=getattr(torch, r.dtype)).element_size())
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
     nbytes = dir_bytes(os.path.join(tmp, "reference")) + dir_bytes(rec_dir)
-    for cache in ("as written (O_DIRECT: not in the page cache)", "in the page cache (read once before)"):
+    cases = [("as written (O_DIRECT: not in the page cache)", 1)] + [
+        ("in the page cache (read once before)", n) for n in dict.fromkeys(args.workers)]
+    for cache, workers in cases:
         if cache.startswith("in"):
             for d in (os.path.join(tmp, "reference"), rec_dir):
                 for root, _, fs in os.walk(d):
@@ -205,24 +212,27 @@ def main():
                         with open(os.path.join(root, f), "rb") as fh:
                             while fh.read(16 << 20):
                                 pass
-        out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, os.path.join(tmp, "reference"), rec_dir],
-                             capture_output=True, text=True, env=env, check=True)
+        out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, os.path.join(tmp, "reference"), rec_dir,
+                              str(workers)], capture_output=True, text=True, env=env, check=True)
         res = json.loads(out.stdout.strip().splitlines()[-1])
         thr = nbytes / res["seconds"]
-        print(f"| compare throughput, trace {cache} ({res['tensors']} tensors, {nbytes / 2**20:.1f} MiB, "
-              f"verdict {res['verdict']}) | {thr / 2**20:.0f} MiB/s | {thr / mem_bw:.3f}× memory bandwidth "
-              f"({mem_bw / 2**30:.1f} GiB/s) | ≥ 0.5× |")
-    peak = res["peak_kib_over_baseline"] * 1024
-    print(f"| compare peak memory over baseline | {peak / 2**20:.1f} MiB | {peak / largest:.1f}× the largest "
-          f"logical tensor ({largest / 2**20:.1f} MiB) | ≤ 2× |")
+        print(f"| compare throughput, trace {cache}, {workers} worker{'s' if workers > 1 else ''} "
+              f"({res['tensors']} tensors, {nbytes / 2**20:.1f} MiB, verdict {res['verdict']}) | "
+              f"{thr / 2**20:.0f} MiB/s | {thr / mem_bw:.3f}× memory bandwidth ({mem_bw / 2**30:.1f} GiB/s) | ≥ 0.5× |")
+        peak = res["peak_kib_over_baseline"] * 1024
+        print(f"| compare peak memory over baseline, the comparing process, {workers} worker"
+              f"{'s' if workers > 1 else ''} | {peak / 2**20:.1f} MiB | {peak / largest:.1f}× the largest "
+              f"logical tensor ({largest / 2**20:.1f} MiB) | ≤ 2× |")
 
+    if args.no_scale:
+        return
     print("\n| recorded iterations | trace MiB (both sides) | compare s | s per MiB |")
     print("|---|---|---|---|")
     for iters in ([1], [1, 2], [1, 2, 3, 4]):
         name = "scale-" + "-".join(map(str, iters))
         rd, _ = run(REFERENCE, name + "-ref", iterations=iters)
         cd, _ = run(CANDIDATE, name + "-cand", iterations=iters)
-        out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, rd, cd], capture_output=True, text=True,
+        out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, rd, cd, "1"], capture_output=True, text=True,
                              env=env, check=True)
         r = json.loads(out.stdout.strip().splitlines()[-1])
         mib = (dir_bytes(rd) + dir_bytes(cd)) / 2**20

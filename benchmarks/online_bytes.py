@@ -42,7 +42,8 @@ def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
 
-def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optional[str], tmp: str) -> dict:
+def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optional[str], tmp: str,
+          cpu: bool = False, reference_io: str = "page-cache") -> dict:
     import yaml
 
     from ttrace_megatron.cli import main
@@ -53,9 +54,10 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
         yaml.safe_dump(r.to_json(), f)
     out, report_path = os.path.join(tmp, "out"), os.path.join(tmp, "report.json")
     argv = ["run", path, "--out", out, "--json", report_path, "--quiet"] + MODES[mode] + (
-        ["--inject", inject] if inject else [])
+        ["--inject", inject] if inject else []) + (["--cpu"] if cpu else [])
     start = time.monotonic()
-    with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal):
+    with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal), \
+            _reference_io(reference_io):
         main(argv)
     wall = round(time.monotonic() - start, 2)
     with open(report_path) as f:
@@ -76,7 +78,7 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
            "timings_s": report.get("timings_s"), "wall_s": wall,
            "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
                                     text=True).stdout.strip(),
-           "megatron_core": megatron.core.__version__,
+           "megatron_core": megatron.core.__version__, "reference_io": reference_io,
            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo"}
     twin = report.get("fp32_twin")
     if twin is not None:
@@ -85,7 +87,24 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
     return row
 
 
-def plain(name: str, dtype: str, seed: int, wide: bool, tmp: str) -> dict:
+@contextlib.contextmanager
+def _reference_io(how: str):
+    """``direct``: every side written with O_DIRECT and fsync'd, as before ``ttrace run`` wrote a
+    reference read right after through the page cache (``TraceOptions.page_cache``): the A/B of it."""
+    if how == "page-cache":
+        yield
+        return
+    from ttrace_megatron.adapter.run import runner
+
+    real = runner.trace_options
+    runner.trace_options = lambda *a, **kw: real(*a, **dict(kw, page_cache=False))
+    try:
+        yield
+    finally:
+        runner.trace_options = real
+
+
+def plain(name: str, dtype: str, seed: int, wide: bool, tmp: str, cpu: bool = False) -> dict:
     """The check's two layouts trained by plain megatron-core (no tracer attached): seconds of each
     from its launch to its exit, as ``ttrace run`` launches its sides (a warm launcher, as the checks
     after it find it)."""
@@ -100,8 +119,8 @@ def plain(name: str, dtype: str, seed: int, wide: bool, tmp: str) -> dict:
     # checks after it find started; the second's seconds are kept
     for role in (REFERENCE, CANDIDATE, REFERENCE, CANDIDATE):
         start = time.monotonic()
-        launch(RunSpec(recipe=r.to_json(), role=role, trace=trace_options(os.path.join(tmp, role),
-                                                                          os.path.join(tmp, "seed.safetensors"))),
+        launch(RunSpec(recipe=r.to_json(), role=role, cpu=cpu,
+                       trace=trace_options(os.path.join(tmp, role), os.path.join(tmp, "seed.safetensors"))),
                probes=Probes(trace=False), timeout_s=3600)
         seconds[role] = round(time.monotonic() - start, 2)
     return {"recipe": name, "wide": wide, "dtype": dtype, "seed": seed, "mode": "plain", "seconds": seconds,
@@ -122,17 +141,22 @@ def main():
     parser.add_argument("--out", required=True, help="JSON lines are appended here")
     parser.add_argument("--plain", action="store_true",
                         help="first time each dtype's two layouts trained without ttrace (the whole check's ratio)")
+    parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
+    parser.add_argument("--reference-io", nargs="+", choices=("page-cache", "direct"), default=["page-cache"],
+                        help="how the reference is written (direct: O_DIRECT and fsync'd, as before 3831f07); "
+                             "each check runs once per choice")
+    parser.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs are (ttrace run --cpu)")
     args = parser.parse_args()
     for dtype in args.dtypes if args.plain else []:
         with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-            row = plain(args.recipe, dtype, args.seed, args.wide, tmp)
+            row = plain(args.recipe, dtype, args.seed, args.wide, tmp, args.cpu)
         with open(args.out, "a") as f:
             f.write(json.dumps(row) + "\n")
     checks = [(dtype, None) for dtype in args.dtypes] + ([("fp32", args.inject)] if args.inject else [])
     for dtype, inject in checks:
-        for mode in MODES:
+        for mode, how in ((m, h) for m in args.modes for h in args.reference_io):
             with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-                row = check(args.recipe, dtype, args.seed, args.wide, mode, inject, tmp)
+                row = check(args.recipe, dtype, args.seed, args.wide, mode, inject, tmp, args.cpu, how)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 
