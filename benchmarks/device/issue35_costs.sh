@@ -17,18 +17,20 @@ export PYTHONUNBUFFERED=1
 python3 -c "import megatron.core, torch, xxhash, rich, yaml, safetensors; print(megatron.core.__version__, torch.__version__)" >> $OUT/machine.txt 2>&1 || exit 1
 cat $OUT/machine.txt
 if [ -n "$SMALL" ]; then dev="--device cpu --small"; wide=""; workers="1 2"; else dev="--repeats 3"; wide="--wide"; workers="1 $(nproc)"; fi
+PARTS=${PARTS:-"record whole costs"}
+modes=${MODES:-"online recorded"}
 # 1. a recorded iteration from device memory against its write time (TraceWriter)
-timeout 150 python3 benchmarks/gpu_roundoff.py --sections record $dev --workdir /tmp --jsonl $OUT/record.jsonl > $OUT/record.log 2>&1
+[[ $PARTS == *record* ]] && timeout 150 python3 benchmarks/gpu_roundoff.py --sections record $dev --workdir /tmp --jsonl $OUT/record.jsonl > $OUT/record.log 2>&1
 echo "record rc=$?"; tail -5 $OUT/record.log
 # 2. the whole check against plain training at the ladder's 50M rung (gloo on the host's cores:
 #    one GPU cannot hold a TP2 candidate), the reference through the page cache and with O_DIRECT
-timeout 330 python3 benchmarks/online_bytes.py --recipe gpt_tp2_sp $wide --dtypes fp32 --plain --cpu \
-  --modes online recorded --reference-io page-cache direct --dir /tmp --out $OUT/online_bytes.jsonl > $OUT/online_bytes.log 2>&1
+[[ $PARTS == *whole* ]] && timeout 240 python3 benchmarks/online_bytes.py --recipe gpt_tp2_sp $wide --dtypes fp32 --plain --cpu \
+  --modes $modes --reference-io page-cache direct --dir /tmp --out $OUT/online_bytes.jsonl > $OUT/online_bytes.log 2>&1
 echo "online_bytes rc=$?"; tail -3 $OUT/online_bytes.log
 python3 -c "
 import json
 for l in open('$OUT/online_bytes.jsonl'):
     r = json.loads(l); print(r['mode'], r.get('reference_io'), r.get('verdict'), r.get('wall_s'), r.get('seconds') or r.get('timings_s'), r.get('bytes_total'))"
 # 3. the costs table: step overhead, recorded iteration, compare throughput on 1 and every core, peak
-timeout 300 python3 benchmarks/costs.py --no-scale --workers $workers > $OUT/costs.md 2> $OUT/costs.log
+[[ $PARTS == *costs* ]] && timeout 270 python3 benchmarks/costs.py --no-scale --workers $workers > $OUT/costs.md 2> $OUT/costs.log
 echo "costs rc=$?"; cat $OUT/costs.md

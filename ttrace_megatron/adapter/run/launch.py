@@ -135,8 +135,27 @@ def _context(cpu: bool):
     if cpu:
         ctx = mp.get_context("forkserver")
         ctx.set_forkserver_preload(PRELOAD)
+        _start_without_gpus()
         return ctx
     return mp.get_context("spawn")
+
+
+def _start_without_gpus() -> None:
+    """Start the fork server, if it is not running, with every GPU hidden from it and so from every
+    rank forked from it: a CPU run on a machine with GPUs (``ttrace run --cpu``) runs its ranks
+    through cuda_shim, which refuses a process that sees CUDA. This process's own view is left as it
+    was."""
+    from multiprocessing import forkserver
+
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def prestart(cpu: bool) -> None:
@@ -144,10 +163,7 @@ def prestart(cpu: bool) -> None:
     while the calling process does its own work (validating a recipe imports megatron-core too),
     instead of before the first rank."""
     if cpu:
-        from multiprocessing import forkserver
-
         _context(cpu)
-        forkserver.ensure_running()
 
 
 def run_function(target, args: tuple, timeout_s: float) -> Optional[int]:
