@@ -555,7 +555,8 @@ def _check_disk(recipe, out: str, args, console: Console) -> None:
         with open(recipe_path, "w") as f:
             json.dump(dict(recipe.to_json(), name=recipe.name), f)  # JSON is YAML
         command, error_path = _plan_command(recipe_path, plan_path, out, args), os.path.join(tmp, "error.txt")
-        rc = run_function(_plan_in_process, (command[command.index("plan"):], error_path), PLAN_TIMEOUT_S)
+        rc = run_function(_plan_in_process, (command[command.index("plan"):], error_path), PLAN_TIMEOUT_S,
+                          cpu=bool(getattr(args, "cpu", False)))
         failed = None
         if rc is None:
             failed = f"no plan within {PLAN_TIMEOUT_S} s"
