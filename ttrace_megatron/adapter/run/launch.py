@@ -170,8 +170,8 @@ def run_function(target, args: tuple, timeout_s: float, cpu: bool = False) -> Op
     """``target(*args)`` in a process of the ranks' kind (on CPU, ``cpu`` or no GPU here, forked from
     their fork server, its imports done): its exit code, or None when it did not end within
     ``timeout_s`` (then killed). ``ttrace run``'s disk check plans this way, in a process of its own
-    that starts in no time. (On a machine with GPUs a ``--cpu`` check spawned it, a fresh interpreter
-    importing torch and megatron-core: ~20 s of its whole check on the H100 machine.)"""
+    that starts in no time. (On a machine with GPUs a ``--cpu`` check spawned it instead: a fresh
+    interpreter importing torch and megatron-core.)"""
     p = _context(cpu=cpu or not torch.cuda.is_available()).Process(target=target, args=args, daemon=True)
     p.start()
     p.join(timeout_s)
