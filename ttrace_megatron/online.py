@@ -26,6 +26,7 @@ Knows nothing about megatron.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 from typing import Callable, Dict, List, Optional, Tuple
@@ -46,7 +47,7 @@ from .tolerance import ToleranceConfig
 from . import coverage, keys, selection
 from .keys import TensorKey, TensorKind
 from .update_rules import AdamRule
-from .trace_store import RUN_FILE, TraceReader, atomic_write_json, read_json
+from .trace_store import RUN_FILE, TraceReader, atomic_write_text, read_json
 
 ONLINE_FILE = "online.json"
 _RANK_DIR = "rank-{:05d}"
@@ -58,6 +59,7 @@ class OnlineComparer:
 
     def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False):
         self.reference = TraceReader(reference_dir)
+        self.reference.prefetch()  # read while this rank builds its model and runs its first layers
         self._reference_groups = group_records(self.reference)
         # in lock-step under Adam an updated value is judged element by element against both sides'
         # moments (compare.UpdateCheck): on each rank, over the elements it holds the moments of
@@ -79,6 +81,7 @@ class OnlineComparer:
         self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
         self.entries: List[ShardSums] = []
+        self._texts: Dict[int, Tuple[ShardSums, str]] = {}  # entry index -> (the entry, its JSON as last written)
         self._warned = 0
         self._order = reference_order(self._reference_groups)
         self.last_scalars: Optional[IterationScalars] = None  # this rank's shards of the last flushed iteration
@@ -285,11 +288,19 @@ class OnlineComparer:
         self._write(complete=False)
 
     def _write(self, complete: bool) -> None:
+        """online.json anew (written at every flush, so a stopped run leaves what it judged): each
+        entry's JSON is kept from the last write until the entry is replaced."""
+        texts = []
+        for i, e in enumerate(self.entries):
+            kept = self._texts.get(i)
+            if kept is None or kept[0] is not e:
+                kept = self._texts[i] = (e, json.dumps(e.to_json(), separators=(",", ":")))
+            texts.append(kept[1])
+        head = json.dumps({"rank": self.rank, "coords": self.coords, "complete": complete,
+                           "reference": os.path.abspath(self.reference.dir), "failure": self.failed},
+                          separators=(",", ":"))
         try:
-            atomic_write_json(os.path.join(self.dir, ONLINE_FILE), {
-                "rank": self.rank, "coords": self.coords, "complete": complete,
-                "reference": os.path.abspath(self.reference.dir), "failure": self.failed,
-                "entries": [e.to_json() for e in self.entries]}, compact=True)
+            atomic_write_text(os.path.join(self.dir, ONLINE_FILE), head[:-1] + ',"entries":[' + ",".join(texts) + "]}")
         except OSError as e:
             if self.failed is None:
                 self.failed = f"{type(e).__name__}: {e}"

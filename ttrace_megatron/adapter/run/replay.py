@@ -61,7 +61,10 @@ class ReferenceValues:
     def __init__(self, reference_dir: str, coords: Coords, reader: Optional[TraceReader] = None):
         # ``reader``: one already open on the same trace (the online comparer's), whose files are
         # then verified once for both
-        self.reader = reader if reader is not None else TraceReader(reference_dir)
+        if reader is None:
+            reader = TraceReader(reference_dir)
+            reader.prefetch()
+        self.reader = reader
         self._groups = group_records(self.reader)
         self.coords = coords
         self.substituted = 0
