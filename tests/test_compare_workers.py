@@ -3,6 +3,8 @@
 import json
 import pickle
 import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -72,3 +74,21 @@ def test_only_microbatch_keys_go_to_the_pool():
     assert not compare_workers.per_microbatch(TensorKey(1, -1, "decoder.layers.0.mlp.linear_fc1", "main_grad",
                                                         "weight.main_grad"))
 
+
+
+def test_the_fork_server_hides_every_gpu_from_what_it_forks():
+    """A CPU rank on a machine with GPUs runs through cuda_shim, which refuses a process that sees
+    CUDA (`ttrace run --cpu` on the H100 machine did): the fork server the ranks and the compare
+    workers come from starts with CUDA_VISIBLE_DEVICES empty; the calling process keeps its own."""
+    script = (
+        "import os\n"
+        "os.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
+        "from multiprocessing import forkserver\n"
+        "from ttrace_megatron.compare_workers import forkserver_context\n"
+        "forkserver_context([])\n"
+        "pid = forkserver._forkserver._forkserver_pid\n"
+        "with open(f'/proc/{pid}/environ', 'rb') as f:\n"
+        "    env = f.read().split(b'\\0')\n"
+        "assert b'CUDA_VISIBLE_DEVICES=' in env, env\n"
+        "assert os.environ['CUDA_VISIBLE_DEVICES'] == '0'\n")
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=120)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 
 from ttrace_megatron import stream_writer
+from ttrace_megatron.errors import TraceError
 from ttrace_megatron.placement import Layout, Replicate
 from ttrace_megatron.trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
 
@@ -77,6 +78,30 @@ def test_direct_and_page_cache_writes_give_the_same_bytes(tmp_path):
     name = "rank-00000/iter-000001.safetensors"
     assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "buffered" / name).read_bytes()
     _check_round_trip(tmp_path / "direct", tensors)
+
+
+def test_a_trace_read_right_after_is_written_through_the_page_cache_unsynced(tmp_path, monkeypatch):
+    """``page_cache``: the same bytes, written without O_DIRECT and without an fsync of its data
+    files (only the manifest, written atomically, is synced); the checksums still catch damage."""
+    tensors = _tensors()
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (synced.append(os.readlink(f"/proc/self/fd/{fd}")), real_fsync(fd)))
+    _record(tmp_path / "direct", tensors)
+    direct_synced, synced[:] = list(synced), []
+    writer = _record(tmp_path / "cached", tensors, page_cache=True)
+    assert not writer.direct_io
+    name = "rank-00000/iter-000001.safetensors"
+    assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "cached" / name).read_bytes()
+    assert any(p.endswith(".safetensors") for p in direct_synced)
+    assert synced and not any(p.endswith(".safetensors") for p in synced)
+    _check_round_trip(tmp_path / "cached", tensors)
+    data = tmp_path / "cached" / name
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 1
+    data.write_bytes(bytes(raw))
+    with pytest.raises(TraceError, match="corrupt"):
+        _check_round_trip(tmp_path / "cached", tensors)
 
 
 def test_a_filesystem_that_refuses_direct_writes_falls_back(tmp_path, monkeypatch):

@@ -84,8 +84,7 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
         for key in judge.common:
             yield judge.tensor(key)
         return
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["ttrace_megatron.compare"])
+    ctx = forkserver_context(["ttrace_megatron.compare"])
     chunk = max(1, min(64, len(parallel) // (8 * workers)))
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
                                initargs=(open_judge, dirs, judge.tol_config, verified))
@@ -116,6 +115,29 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
             yield result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+def forkserver_context(preload: List[str]):
+    """The fork-server context this process's CPU work is forked from (a ``ttrace run``'s ranks, a
+    compare's workers), its server started now if it is not running: with ``preload`` imported
+    once, and every GPU hidden from it and so from every process forked from it. A CPU rank on a
+    machine with GPUs runs through a shim that refuses a process seeing CUDA (``ttrace run --cpu``
+    there); a compare worker needs no GPU. This process's own view is left as it was. (Whoever
+    starts the server first chooses its preload: the other's imports then happen in each child.)"""
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
+    before = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["CUDA_VISIBLE_DEVICES"]
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = before
+    return ctx
 
 
 def _main_importable() -> bool:

@@ -23,6 +23,7 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
+from ...compare_workers import forkserver_context
 from ...errors import BuiltOtherwise, RecipeError, RunFailed
 from .runner import Probes, RunSpec, run_rank
 
@@ -133,29 +134,8 @@ def _context(cpu: bool):
     (a rank starts in well under a second, not the ~5 s of importing torch and megatron-core); on
     GPUs, spawned (CUDA cannot be forked into)."""
     if cpu:
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(PRELOAD)
-        _start_without_gpus()
-        return ctx
+        return forkserver_context(PRELOAD)
     return mp.get_context("spawn")
-
-
-def _start_without_gpus() -> None:
-    """Start the fork server, if it is not running, with every GPU hidden from it and so from every
-    rank forked from it: a CPU run on a machine with GPUs (``ttrace run --cpu``) runs its ranks
-    through cuda_shim, which refuses a process that sees CUDA. This process's own view is left as it
-    was."""
-    from multiprocessing import forkserver
-
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
 
 
 def prestart(cpu: bool) -> None:
