@@ -48,6 +48,8 @@ CPU = "CPU (2-core Xeon, gloo)"
 EPYC = "CPU (2-core AMD EPYC, gloo)"  # result files named *_epyc: a session on another machine of the same kind
 H200 = "NVIDIA H200"
 H100 = "NVIDIA H100"
+# result files named *_h100host: gloo on the 16-core Xeon host of the H100 machine, its GPU unused
+H100_HOST = "CPU (the H100 machine's 16-core Xeon host, gloo)"
 LADDER_KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "norm terms", "clip", "moments",
                 "update", "loss", "routing")
 # Clean recipes that fail on stock megatron-core because of a live megatron bug (each an entry of
@@ -141,7 +143,11 @@ CURRENT: Tuple[Source, ...] = (
            "candidate run that also recorded", PARITY, ("online_parity_0d477de_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
-           ("online_bytes_wide_27e1638_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+           ("online_bytes_wide_98cdf9f_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at e64d6b6 (before the prefetch and the kept JSON), recorded too and with a bug", CHECK_COST,
+           ("online_bytes_wide_e64d6b6_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at e64d6b6 on the H100 machine's CPU", CHECK_COST,
+           ("online_bytes_wide_e64d6b6_h100host.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_27fbeff_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("`ttrace plan` against each side of every shipped recipe's check", PLAN, ("plan_recipes_f7d53dd.jsonl",),
@@ -167,7 +173,8 @@ def commit_of(name: str) -> str:
 
 def machine_of(name: str) -> str:
     stem = os.path.splitext(name)[0]
-    return H200 if stem.endswith("_h200") else H100 if stem.endswith("_h100") else EPYC if stem.endswith("_epyc") else CPU
+    return H200 if stem.endswith("_h200") else H100 if stem.endswith("_h100") else \
+        H100_HOST if stem.endswith("_h100host") else EPYC if stem.endswith("_epyc") else CPU
 
 
 def markdown_tables(path: str) -> List[List[Dict[str, str]]]:
@@ -589,6 +596,9 @@ def summary() -> str:
                 what = f"{r['dtype']}" + (f", `{r['inject'].split(':')[0]}`" if r.get("inject") else ", clean") + \
                     (" with its fp32 twin" if r.get("twin_verdict") else "")
                 mode = "the default (online)" if r["mode"] == "online" else "`--keep-traces`"
+                if r.get("reference_io") == "direct":  # the A/B of 3831f07, which writes it through the page cache
+                    mode = mode.replace("the default (online)", "online") + ", the reference written with O_DIRECT " \
+                                                                            "as before 3831f07"
                 out.append(f"- {s.population}, {what}, {mode}: verdict {r['verdict']}, {r['bytes_total'] / 1e9:.2f} GB "
                            f"written, {r['wall_s']:.0f} s, {r['wall_s'] / trained:.1f}× the two layouts trained "
                            f"without ttrace ({trained:.1f} s) ({_files(s)}; {machine_of(s.files[0])}).")
