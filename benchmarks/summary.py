@@ -140,7 +140,7 @@ CURRENT: Tuple[Source, ...] = (
            ("online_parity_21bd849_epyc.jsonl", "online_parity_bf16_21bd849_epyc.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
-           "candidate run that also recorded", PARITY, ("online_parity_0d477de_mc0192_epyc.jsonl",),
+           "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
            ("online_bytes_wide_98cdf9f_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
