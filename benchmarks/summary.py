@@ -144,6 +144,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
            ("online_bytes_wide_98cdf9f_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same in bf16 with its fp32 twin", CHECK_COST,
+           ("online_bytes_wide_bf16_013f3c2_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same at e64d6b6 (before the prefetch and the kept JSON), recorded too and with a bug", CHECK_COST,
            ("online_bytes_wide_e64d6b6_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same at e64d6b6 on the H100 machine's CPU", CHECK_COST,
