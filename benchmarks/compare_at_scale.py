@@ -26,7 +26,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from costs import COMPARE_CHILD, dir_bytes, memory_bandwidth  # noqa: E402
+from costs import COMPARE_CHILD, dir_bytes, memory_bandwidth, read_into_page_cache  # noqa: E402
 from margins import recipe as shipped_recipe  # noqa: E402
 
 
@@ -66,12 +66,7 @@ def main():
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=7", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         for workers in args.workers:
-            for d in (ref, cand):  # into the page cache
-                for root, _, files in os.walk(d):
-                    for name in files:
-                        with open(os.path.join(root, name), "rb") as fh:
-                            while fh.read(16 << 20):
-                                pass
+            read_into_page_cache(ref, cand)
             run = subprocess.run([sys.executable, "-c", COMPARE_CHILD, ref, cand, str(workers)], capture_output=True,
                                  text=True, env=env, check=True)
             res = json.loads(run.stdout.strip().splitlines()[-1])

@@ -93,6 +93,16 @@ def disk_bandwidth(directory, nbytes, repeats=3):
     return {mode: statistics.median(r) for mode, r in rates.items()}
 
 
+def read_into_page_cache(*dirs):
+    """Read every file under ``dirs`` once, so that what reads them next finds them in memory."""
+    for d in dirs:
+        for root, _, files in os.walk(d):
+            for name in files:
+                with open(os.path.join(root, name), "rb") as fh:
+                    while fh.read(16 << 20):
+                        pass
+
+
 def memory_bandwidth():
     """Best of 5 copies of 256 MiB into an already-touched buffer (read + write bytes per second)."""
     import torch
@@ -206,12 +216,7 @@ def main():
         ("in the page cache (read once before)", n) for n in dict.fromkeys(args.workers)]
     for cache, workers in cases:
         if cache.startswith("in"):
-            for d in (os.path.join(tmp, "reference"), rec_dir):
-                for root, _, fs in os.walk(d):
-                    for f in fs:
-                        with open(os.path.join(root, f), "rb") as fh:
-                            while fh.read(16 << 20):
-                                pass
+            read_into_page_cache(os.path.join(tmp, "reference"), rec_dir)
         out = subprocess.run([sys.executable, "-c", COMPARE_CHILD, os.path.join(tmp, "reference"), rec_dir,
                               str(workers)], capture_output=True, text=True, env=env, check=True)
         res = json.loads(out.stdout.strip().splitlines()[-1])

@@ -19,7 +19,7 @@ from .errors import ConfigMismatchError, TraceError
 from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label: part of this module's face)
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
                         content_digest, logical_mask, merge_pieces, replicas_split_alike, alike_but_scale,
-                        slice_logical)
+                        slice_logical, with_scale)
 from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
 from .tolerance import Tolerance, ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
 from .update_rules import AdamRule, UpdateVerdict, judge_adam_update
@@ -140,15 +140,17 @@ def reference_piece(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]],
     the reference holds the logical tensor whole (a single-device reference) and the piece is a
     view of it; else the logical tensor is read whole and sliced. The view is what ``slice_logical``
     makes of a tensor on the meta device: the placement rules stay in one place."""
-    unscaled = dataclasses.replace(layout, scale=1.0) if layout.scale != 1.0 else layout
+    unscaled = dataclasses.replace(layout, scale=1.0)
     rt, rec = pieces[0]
+    piece = None
     if len(pieces) == 1 and _whole_logical(rt, rec):
         meta = torch.empty(rec.shape, device="meta")  # (offsets and strides count elements, of any dtype)
         view = slice_logical(meta, unscaled, coords, local_shape, contiguous=False)
         if view is meta or view._base is meta:
             piece = reader.load_view(rt, rec, view.shape, view.stride(), view.storage_offset())
-            return piece.to(torch.float64) * layout.scale if scaled and layout.scale != 1.0 else piece
-    return slice_logical(logical_tensor(reader, pieces).tensor, layout if scaled else unscaled, coords, local_shape)
+    if piece is None:
+        piece = slice_logical(logical_tensor(reader, pieces).tensor, unscaled, coords, local_shape)
+    return with_scale(piece, layout) if scaled else piece
 
 
 def _whole_logical(rt: RankTrace, rec: Record) -> bool:

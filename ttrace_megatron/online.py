@@ -40,7 +40,8 @@ from .compare import (FAIL, FIRST_STEP, OVERFLOW_PHASES, Cancellation, Compariso
                       reference_order, reference_piece, relative_from_sums, replica_note, shard_positions,
                       sliced_shard_sums, with_recomputed_aliases)
 from .errors import TraceError
-from .placement import Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece
+from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
+                        with_scale)
 from .scalars import IterationScalars, iteration_scalars, scalar_row
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
@@ -175,23 +176,23 @@ class OnlineComparer:
                                     partial_position={p.axis: tuple(self.coords[p.axis]) for p in layout.placements
                                                       if isinstance(p, Partial)})), None
         local = tuple(cand.shape)
-        read: List[torch.Tensor] = []  # the reference's piece as recorded (before any re-clip)
+        recorded = None  # the reference's piece as recorded (before any re-clip)
 
         def piece() -> torch.Tensor:  # the reference's piece, re-clipped where the step needs it
-            if not self._reclips(key):
-                read.append(reference_piece(self.reference, pieces, layout, self.coords, local))
-                return read[0]
+            nonlocal recorded
             raw = reference_piece(self.reference, pieces, layout, self.coords, local, scaled=False)
-            judged = self._reclip.state(key, raw, self._clips[key.iteration], self._main_grad_piece(key, layout, local))
-            read.append(_scaled(raw, layout))
-            return _scaled(judged, layout)
+            recorded = with_scale(raw, layout)
+            if not self._reclips(key):
+                return recorded
+            grad = self._main_grad_piece(key, layout, local)
+            return with_scale(self._reclip.state(key, raw, self._clips[key.iteration], grad), layout)
 
         try:
             sums = sliced_shard_sums(key, cand, layout, self.coords, pieces[0][1].layout.logical_shape, piece)
         except PlacementError as e:
             raise TraceError(f"cannot slice the reference to this rank's shard: {e}", path=self.reference.dir,
                              rank=self.rank, tensor=str(key)) from None
-        return sums, (read[0] if read else None)
+        return sums, recorded
 
     def _main_grad_piece(self, key: TensorKey, layout: Layout, local: Tuple[int, ...]) -> torch.Tensor:
         """The reference's main grad of a state's parameter, at the state's positions on this rank
@@ -305,11 +306,6 @@ class OnlineComparer:
             if self.failed is None:
                 self.failed = f"{type(e).__name__}: {e}"
                 print(f"[ttrace] rank {self.rank}: online compare stopped: {self.failed}", flush=True)
-
-
-def _scaled(piece: torch.Tensor, layout: Layout) -> torch.Tensor:
-    """A piece as the rank stores it: the layout's scale applied in float64, as ``slice_logical`` does."""
-    return piece.to(torch.float64) * layout.scale if layout.scale != 1.0 else piece
 
 
 def has_online_results(trace_dir: str) -> bool:

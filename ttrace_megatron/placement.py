@@ -319,8 +319,14 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
     if tuple(t.shape) != local_shape:
         raise PlacementError(f"slice gave shape {tuple(t.shape)}, the rank holds {local_shape}")
     if layout.scale != 1.0:
-        return t.to(torch.float64) * layout.scale
+        return with_scale(t, layout)
     return t.contiguous() if contiguous else t
+
+
+def with_scale(piece: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """A rank's piece in logical units as the rank stores it: the layout's scale applied in float64
+    (:func:`slice_logical`'s last step; the piece itself where the scale is 1)."""
+    return piece.to(torch.float64) * layout.scale if layout.scale != 1.0 else piece
 
 
 def owned_piece(whole: torch.Tensor, layout: Layout, coords: Coords) -> torch.Tensor:
