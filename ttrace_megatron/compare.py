@@ -14,15 +14,17 @@ from typing import Callable, Dict, Iterable, List, Optional, Sequence, Set, Tupl
 
 import torch
 
-from . import coverage, keys, selection
+from . import coverage, keys, selection, streaming
 from .errors import ConfigMismatchError, TraceError
 from .keys import TensorKey, TensorKind, phase_label  # noqa: F401  (phase_label: part of this module's face)
 from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementError, Replicate, check_coords,
                         content_digest, logical_mask, merge_pieces, replicas_split_alike, alike_but_scale,
                         slice_logical, with_scale)
 from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
-from .tolerance import Tolerance, ToleranceConfig, difference_norms, relative_error, tolerance_for, with_perturbation
-from .update_rules import AdamRule, UpdateVerdict, judge_adam_update
+from .streaming import MappedSource, MemorySource, RecordSource, TensorSource, chunks, read_flat, source_norm
+from .tolerance import (Tolerance, ToleranceConfig, difference_norms, difference_sums, relative_error, tolerance_for,
+                        with_perturbation)
+from .update_rules import AdamRule, UpdateVerdict, judge_adam_chunks, judge_adam_update
 from .trace_store import RankTrace, Record, TraceReader
 
 PASS = "pass"
@@ -140,24 +142,48 @@ def reference_piece(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]],
     the reference holds the logical tensor whole (a single-device reference) and the piece is a
     view of it; else the logical tensor is read whole and sliced. The view is what ``slice_logical``
     makes of a tensor on the meta device: the placement rules stay in one place."""
-    unscaled = dataclasses.replace(layout, scale=1.0)
     rt, rec = pieces[0]
     piece = None
     if len(pieces) == 1 and _whole_logical(rt, rec):
-        meta = torch.empty(rec.shape, device="meta")  # (offsets and strides count elements, of any dtype)
-        view = slice_logical(meta, unscaled, coords, local_shape, contiguous=False)
-        if view is meta or view._base is meta:
-            piece = reader.load_view(rt, rec, view.shape, view.stride(), view.storage_offset())
+        view = piece_view(rec.shape, layout, coords, local_shape)
+        if view is not None:
+            piece = RecordSource(reader, rt, rec).read(view)
     if piece is None:
-        piece = slice_logical(logical_tensor(reader, pieces).tensor, unscaled, coords, local_shape)
+        piece = slice_logical(logical_tensor(reader, pieces).tensor, dataclasses.replace(layout, scale=1.0), coords,
+                              local_shape)
     return with_scale(piece, layout) if scaled else piece
 
 
-def _whole_logical(rt: RankTrace, rec: Record) -> bool:
+def piece_view(logical_shape: Sequence[int], layout: Layout, coords: Coords,
+               local_shape: Sequence[int]) -> Optional[torch.Tensor]:
+    """Where a rank's piece lies in its logical tensor: the view ``slice_logical`` makes of a meta
+    tensor of ``logical_shape`` (the layout's scale left out; offsets and strides count elements,
+    of any dtype), or None where the piece is no view of it (padding, zigzag). Raises
+    :class:`PlacementError` where the piece does not fit."""
+    meta = torch.empty(tuple(logical_shape), device="meta")
+    view = slice_logical(meta, dataclasses.replace(layout, scale=1.0), coords, local_shape, contiguous=False)
+    return view if view is meta or view._base is meta else None
+
+
+def logical_source(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]) -> Tuple[TensorSource, list]:
+    """A logical tensor to read a chunk at a time (``streaming``): its record where one rank holds
+    it whole as stored (a single-device reference), else merged in memory; and the mismatches of
+    its replicas (merged)."""
+    rt, rec = pieces[0]
+    if len(pieces) == 1 and _whole_logical(rt, rec, flattened=True):
+        return RecordSource(reader, rt, rec, tuple(rec.layout.logical_shape)), []
+    merged = logical_tensor(reader, pieces)
+    return MemorySource(merged.tensor), merged.replica_mismatches
+
+
+def _whole_logical(rt: RankTrace, rec: Record, flattened: bool = False) -> bool:
     """A record that is its logical tensor as stored: one rank's, every axis of its layout of size 1,
-    no scale, permutation or padding."""
+    no scale, permutation or padding. ``flattened``: or its elements in the same order under
+    another shape (a single-device distributed optimizer's one range of a whole parameter)."""
     lay = rec.layout
-    return (lay.scale == 1.0 and lay.permute is None and tuple(rec.shape) == tuple(lay.logical_shape)
+    same = (tuple(rec.shape) == tuple(lay.logical_shape) if not flattened
+            else math.prod(rec.shape) == math.prod(lay.logical_shape))
+    return (lay.scale == 1.0 and lay.permute is None and same
             and all(rt.coords.get(p.axis, (0, 1))[1] == 1 for p in lay.placements))
 
 
@@ -325,10 +351,11 @@ class ShardSums:
         return ShardSums(**fields)
 
 
-def blank_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords) -> dict:
+def blank_shard_sums(key: TensorKey, cand: Optional[torch.Tensor], layout: Layout, coords: Coords) -> dict:
+    """A piece's sums before any are taken (``cand`` None: its digest too, taken as it is read)."""
     shard = {p.axis: tuple(coords[p.axis]) for p in layout.placements if isinstance(p, SHARDING)}
     # a digest only matters where replicas exist to compare it with
-    replicated = any(isinstance(p, Replicate) for p in layout.placements)
+    replicated = cand is not None and any(isinstance(p, Replicate) for p in layout.placements)
     return dict(key=key, shard=shard, digest=content_digest(cand) if replicated else 0, diff_sq=0.0, ref_sq=0.0,
                 compared=0,
                 candidate_nonfinite=0, reference_nonfinite=0, same_nonfinite=True,
@@ -376,6 +403,49 @@ def sliced_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords
     return ShardSums(**dict(base, diff_sq=diff_norm ** 2, ref_sq=ref_norm ** 2, compared=int(keep.sum()),
                             candidate_nonfinite=int(bad_c.sum()), reference_nonfinite=int(bad_r.sum()),
                             same_nonfinite=bool(torch.equal(bad_c, bad_r))))
+
+
+def streamed_shard_sums(key: TensorKey, cand: TensorSource, layout: Layout, coords: Coords,
+                        reference: TensorSource) -> Optional[ShardSums]:
+    """:func:`shard_sums` a chunk at a time (``streaming``): the candidate's piece as the rank
+    stores it and the logical ``reference`` at its positions, :data:`streaming.STREAM_CHUNK`
+    elements of each in memory at once. None where the piece is no view of the logical tensor
+    (padding, zigzag): the caller reads it whole."""
+    local = tuple(cand.shape)
+    base = blank_shard_sums(key, None, layout, coords)
+    if tuple(reference.shape) != tuple(layout.logical_shape):
+        return ShardSums(**dict(base, status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs "
+                                                               f"from the reference's {tuple(reference.shape)}"))
+    try:
+        view = piece_view(reference.shape, layout, coords, local)
+    except PlacementError as e:
+        return ShardSums(**dict(base, status="shape", detail=f"the candidate's piece {local} does not fit the "
+                                                               f"reference's logical shape: {e}"))
+    if view is None or logical_mask(layout, coords, local) is not None:
+        return None
+    replicated = any(isinstance(p, Replicate) for p in layout.placements)
+    whole = cand.meta()
+    sums = dict(digest=0, diff_sq=0.0, ref_sq=0.0, compared=0, candidate_nonfinite=0, reference_nonfinite=0,
+                same_nonfinite=True)
+    for begin, end in chunks(view.numel()):
+        c = read_flat(cand, whole, begin, end)
+        r = with_scale(read_flat(reference, view, begin, end), layout)
+        if replicated:
+            sums["digest"] = content_digest(c, sums["digest"])
+        diff_sq, ref_sq = difference_sums(c, r)
+        if math.isfinite(diff_sq) and math.isfinite(ref_sq):  # no NaN/Inf in the chunk: no element-wise scan
+            sums.update(diff_sq=sums["diff_sq"] + diff_sq, ref_sq=sums["ref_sq"] + ref_sq,
+                        compared=sums["compared"] + c.numel())
+            continue
+        bad_c, bad_r = ~torch.isfinite(c), ~torch.isfinite(r)
+        keep = ~bad_c & ~bad_r
+        diff_sq, ref_sq = difference_sums(c[keep], r[keep])
+        sums.update(diff_sq=sums["diff_sq"] + diff_sq, ref_sq=sums["ref_sq"] + ref_sq,
+                    compared=sums["compared"] + int(keep.sum()),
+                    candidate_nonfinite=sums["candidate_nonfinite"] + int(bad_c.sum()),
+                    reference_nonfinite=sums["reference_nonfinite"] + int(bad_r.sum()),
+                    same_nonfinite=sums["same_nonfinite"] and bool(torch.equal(bad_c, bad_r)))
+    return ShardSums(**dict(base, **sums))
 
 
 def relative_from_sums(diff_sq: float, ref_sq: float) -> float:
@@ -533,8 +603,13 @@ class BiasTerms:
 
     def _magnitude(self, key: TensorKey) -> Optional[torch.Tensor]:
         if key not in self._magnitudes:
-            g = logical_tensor(self.reader, self.groups[key]).tensor.to(torch.float64)
-            self._magnitudes[key] = g.abs().reshape(-1, g.shape[-1]).sum(0) if g.dim() >= 1 else None
+            source = logical_source(self.reader, self.groups[key])[0]
+            self._magnitudes[key] = None
+            if source.shape:  # Σ over tokens of |g|, whole rows a chunk at a time
+                width, whole, total = source.shape[-1], source.meta(), 0
+                for begin, end in chunks(whole.numel(), max(streaming.STREAM_CHUNK // width, 1) * width):
+                    total = total + read_flat(source, whole, begin, end).to(torch.float64).abs().reshape(-1, width).sum(0)
+                self._magnitudes[key] = total if whole.numel() else torch.zeros(width, dtype=torch.float64)
         return self._magnitudes[key]
 
     def factor(self, key: TensorKey, reference: torch.Tensor) -> float:
@@ -589,10 +664,11 @@ class Cancellation:
             and (key.iteration, coverage.param_of(key)) in self._grad_magnitude)
 
     def factor(self, key: TensorKey, reference: torch.Tensor) -> float:
-        return self.factor_measured(key, fp64_norm(reference) if self._reduced(key) else 0.0,
+        return self.factor_measured(key, fp64_norm(reference) if self.reduced(key) else 0.0,
                                     self.bias_terms.factor(key, reference))
 
-    def _reduced(self, key: TensorKey) -> bool:
+    def reduced(self, key: TensorKey) -> bool:
+        """Whether ``key`` is a main grad added up from partial sums (its factor needs ‖reference‖)."""
         return key.kind is TensorKind.MAIN_GRAD and (key.iteration, coverage.param_of(key)) in self._grad_magnitude
 
     def factor_measured(self, key: TensorKey, reference_norm: float, bias: float) -> float:
@@ -600,7 +676,7 @@ class Cancellation:
         norm and its bias-terms factor (which a moment of the same bias takes later)."""
         at = (key.iteration, coverage.param_of(key))
         reduced = 1.0
-        if self._reduced(key):
+        if self.reduced(key):
             reduced = self._main_grad[at] = cancellation_factor(self._grad_magnitude[at], reference_norm)
         elif key.kind is TensorKind.OPTIMIZER_STATE:
             reduced = self._main_grad.get(at, 1.0)
@@ -787,6 +863,9 @@ class _TraceJudge:
     def tensor(self, key: TensorKey, stop_before_state: bool = False) -> "TensorResult | MainGradMeasured":
         """One key's verdict: the reference merged, the candidate merged or shard by shard.
         ``stop_before_state``: a main grad's measurements only (:meth:`main_grad_measured`)."""
+        streamed = self._streamed(key, stop_before_state)
+        if streamed is not None:
+            return streamed
         ref, cand, pert = self.ref, self.cand, self.pert
         rec = self.ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, self.ref_groups[key])
@@ -834,6 +913,128 @@ class _TraceJudge:
                                   (ref, self.ref_groups))
         return result
 
+    def _streamed(self, key: TensorKey, stop_before_state: bool) -> "TensorResult | MainGradMeasured | None":
+        """:meth:`tensor` with each candidate piece judged a chunk at a time against the reference
+        at its positions (``streamed_shard_sums``), an updated value's Adam check too: compare's
+        peak is then the chunks, not the tensors (a reference held by several ranks is merged
+        first). None where a key needs its pieces merged (partial sums, a top-k choice, replicas
+        split each their own way, padding) or its moments are not each piece's: judged whole."""
+        pieces = self.cand_groups[key]
+        layout = _common_layout(pieces)
+        if (key.kind is TensorKind.SELECTION or any(r.layout != layout for _, r in pieces)
+                or any(isinstance(p, Partial) for p in layout.placements)):
+            return None
+        operands = None
+        if self.update_check is not None and keys.is_updated_value(key):
+            operands = self._update_operands(key, pieces)
+            if operands is None:
+                return None
+        for rt, r in pieces:
+            try:
+                check_coords(rt.coords, r.layout)
+            except PlacementError as e:
+                raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
+        reference, mismatches = logical_source(self.ref, self.ref_groups[key])
+        against = reference
+        if self.step_bounds.reclipped(key):  # judged by its grads alone: the coefficients' difference taken out
+            grad = logical_source(self.ref, self.ref_groups[main_grad_key(key)])[0]
+            against = MappedSource((reference, grad), self.reclip.chunked(
+                key, self.reclip.clip(self.cand, self.cand_groups, key.iteration)))
+        entries = []
+        for rt, r in pieces:
+            sums = streamed_shard_sums(key, RecordSource(self.cand, rt, r), r.layout, rt.coords, against)
+            if sums is None:
+                return None
+            entries.append((rt.rank, sums))
+        notes = [replica_note("reference", m.ranks, m.max_abs_diff, m.axis) for m in mismatches]
+        observed = self._observed_streamed(key, reference)
+        bias = self.cancellations.bias_terms.factor(
+            key, reference.read(reference.meta()) if keys.param_name_of(key.tensor) == "bias" else None)
+        norm = source_norm(reference) if stop_before_state or self.cancellations.reduced(key) else 0.0
+        if stop_before_state:
+            return MainGradMeasured(entries, notes, observed, 1.0, norm, bias, True)
+        result = self._combine(key, entries, notes, observed, self.cancellations.factor_measured(key, norm, bias),
+                               self._replica_diff(key))
+        return result if operands is None else self._update_streamed(result, key, operands, reference)
+
+    def _update_operands(self, key: TensorKey, pieces) -> Optional[Tuple[list, List[TensorSource]]]:
+        """What the element-wise Adam check of an updated value reads a chunk at a time: for each
+        distinct piece, (its rank's trace, layout, [the rank's value, moments and, stepping apart,
+        previous value]), and the reference's logical moments (and previous value). None where one
+        is missing or a rank holds its moments otherwise than its value (a distributed optimizer's
+        range): judged whole, which says what is missing."""
+        param = keys.param_name_of(key.tensor)
+        siblings = [keys.sibling(key, keys.optimizer_state(param, s)) for s in (keys.EXP_AVG, keys.EXP_AVG_SQ)]
+        if not self.update_check.lockstep and key.iteration > FIRST_STEP:
+            siblings.append(dataclasses.replace(key, iteration=key.iteration - 1))
+        if any(k not in self.cand_groups or k not in self.ref_groups for k in siblings):
+            return None
+        by_rank = [{rt.rank: r for rt, r in self.cand_groups[k]} for k in siblings]
+        operands = []
+        for rt, r in distinct_pieces(pieces):
+            mine = [ranks.get(rt.rank) for ranks in by_rank]
+            if any(m is None or m.layout != r.layout or tuple(m.shape) != tuple(r.shape) for m in mine):
+                return None
+            operands.append((rt, r, [RecordSource(self.cand, rt, m) for m in (r, *mine)]))
+        return operands, [logical_source(self.ref, self.ref_groups[k])[0] for k in siblings]
+
+    def _update_streamed(self, result: TensorResult, key: TensorKey, operands, reference: TensorSource) -> TensorResult:
+        """:meth:`UpdateCheck.judge` of each distinct piece a chunk at a time (``judge_adam_chunks``):
+        the worst element over the pieces, its flat index in its rank's piece."""
+        check, (pieces, references) = self.update_check, operands
+        if not math.isfinite(result.error):
+            return result
+        stepped_apart = len(references) == 3
+        how, missing, decay = "lock-step", [], 0.0
+        if stepped_apart:
+            how, decay = "not in lock-step: each side from its own previous parameter", check.weight_decay(key)
+            missing = ["previous parameters or weight decay"] if decay is None else []
+        elif not check.lockstep:
+            how = "not in lock-step, first iteration: both from the seed checkpoint"
+        if any(tuple(s.shape) != tuple(reference.shape) for s in references):
+            missing.append("moments of the parameter's shape")
+        settings, detail = check.settings(key, missing)
+        if settings is None:
+            return apply_update_verdict(result, None, detail, how)
+        rule, lr, step = settings
+        refs, worst = [reference, *references], None
+        for rt, r, cands in pieces:
+            view, whole = piece_view(reference.shape, r.layout, rt.coords, r.shape), cands[0].meta()
+
+            def in_chunks():
+                for begin, end in chunks(whole.numel()):
+                    c = [read_flat(s, whole, begin, end) for s in cands]
+                    ref = [with_scale(read_flat(s, view, begin, end), r.layout) for s in refs]
+                    yield begin, [c[0], ref[0], c[1], c[2], ref[1], ref[2]] + ([c[3], ref[3]] if stepped_apart else [])
+
+            v = judge_adam_chunks(rule, lr, step, r.dtype, in_chunks(), check.k, stepped_apart, decay or 0.0)
+            if worst is None or v.worst_ratio > worst[1].worst_ratio or (
+                    math.isnan(v.worst_ratio) and not math.isnan(worst[1].worst_ratio)):
+                worst = (rt.rank, v)
+        whole_piece = len(pieces) == 1 and tuple(pieces[0][1].shape) == tuple(reference.shape)
+        return apply_update_verdict(result, worst[1], detail, how, where="" if whole_piece else f" of rank {worst[0]}'s piece")
+
+    def _observed_streamed(self, key: TensorKey, reference: TensorSource) -> Optional[float]:
+        """:func:`perturbation_observed` (and :func:`statistic_observed`) with the perturbation
+        run's tensor and the reference's read a chunk at a time."""
+        pieces = self.pert_groups.get(key) if self.pert is not None else None
+        if pieces is None:
+            return None
+        moved = logical_source(self.pert, pieces)[0]
+        if tuple(moved.shape) != tuple(reference.shape):
+            return math.inf
+        diff_sq = ref_sq = 0.0
+        whole = reference.meta()
+        for begin, end in chunks(whole.numel()):
+            d, r = difference_sums(read_flat(moved, whole, begin, end), read_flat(reference, whole, begin, end))
+            diff_sq, ref_sq = diff_sq + d, ref_sq + r
+        observed = (0.0 if diff_sq == 0.0 else math.inf) if ref_sq == 0.0 else math.sqrt(diff_sq) / math.sqrt(ref_sq)
+        rec = self.ref_groups[key][0][1]
+        if rec.statistic_of:
+            observed = max(observed, statistic_observed(self.pert, self.pert_groups, self.ref, self.ref_groups, key,
+                                                        rec))
+        return observed
+
     def _shard_by_shard(self, key: TensorKey, pieces, judged_against: torch.Tensor):
         """Each candidate piece's sums against its slice of the reference: never more than the
         reference, one candidate piece and its slice in memory. Also how to measure, only when
@@ -874,9 +1075,19 @@ class Reclip:
         if main_grad is None and self._grad[0] != grad_key:  # a parameter's states come one after another
             self._grad = (grad_key, logical_tensor(self.reader, self.groups[grad_key]).tensor)
         grad = self._grad[1] if main_grad is None else main_grad
-        delta = reclip_delta(state_of(key), self.rule, grad, candidate_clip,
-                             self.clip(self.reader, self.groups, key.iteration))
-        return delta.reshape(state.shape).add_(state)  # (a new tensor: reclip_delta's)
+        return self.chunked(key, candidate_clip)(state, grad)
+
+    def chunked(self, key: TensorKey, candidate_clip: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """:meth:`state` of ``key`` as a function of (state, main grad at the same positions), the
+        reference's coefficient read once: a state re-clipped a chunk at a time."""
+        reference_clip = self.clip(self.reader, self.groups, key.iteration)
+        name = state_of(key)
+
+        def reclipped(state: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+            delta = reclip_delta(name, self.rule, grad, candidate_clip, reference_clip)
+            return delta.reshape(state.shape).add_(state)  # (a new tensor: reclip_delta's)
+
+        return reclipped
 
 
 class UpdateCheck:
@@ -923,12 +1134,10 @@ class UpdateCheck:
                    for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups))]
         previous, decay, how, missing = None, 0.0, "lock-step", []
         if not self.lockstep and key.iteration > FIRST_STEP:
-            group = self.param_groups.get(f"{key.module}.{param}")
             before = dataclasses.replace(key, iteration=key.iteration - 1)
             previous = tuple(self._value(reader, groups, before)
                              for reader, groups in ((self.cand, self.cand_groups), (self.ref, self.ref_groups)))
-            decay = self._scalar(TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER,
-                                           keys.step_setting(group, keys.WEIGHT_DECAY))) if group else None
+            decay = self.weight_decay(key)
             if any(p is None for p in previous) or decay is None:
                 missing.append("previous parameters or weight decay")
             how = "not in lock-step: each side from its own previous parameter"
@@ -938,20 +1147,37 @@ class UpdateCheck:
                                             previous=previous, weight_decay=decay or 0.0, missing=missing)
         return apply_update_verdict(result, verdict, detail, how)
 
+    def weight_decay(self, key: TensorKey) -> Optional[float]:
+        """The weight decay of ``key``'s parameter group at its step, as the reference recorded it."""
+        group = self.param_groups.get(f"{key.module}.{keys.param_name_of(key.tensor)}")
+        return self._scalar(TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER,
+                                      keys.step_setting(group, keys.WEIGHT_DECAY))) if group else None
+
     def element_wise(self, key: TensorKey, cand_param: torch.Tensor, ref_param: torch.Tensor, cand_moments,
                      ref_moments, param_dtype: str, *, previous=None, weight_decay: float = 0.0,
                      missing: Sequence[str] = ()) -> Tuple[Optional[UpdateVerdict], str]:
         """The element-wise verdict on an updated value (the whole tensor, or one rank's piece of it
         with the same elements of each operand: ``online``), with the step's lr, step count and the
         group's ε read from the reference; (None, what is missing) when it cannot be judged."""
+        missing = (["moments"] if any(m is None for m in (*cand_moments, *ref_moments)) else []) + list(missing)
+        settings, detail = self.settings(key, missing)
+        if settings is None:
+            return None, detail
+        rule, lr, step = settings
+        return judge_adam_update(rule, lr, step, param_dtype, cand_param, ref_param, cand_moments, ref_moments,
+                                 k=self.k, previous=previous, weight_decay=weight_decay), detail
+
+    def settings(self, key: TensorKey, missing: Sequence[str] = ()
+                 ) -> Tuple[Optional[Tuple[AdamRule, float, float]], str]:
+        """(the rule with the group's ε, lr, step count) of ``key``'s step as the reference recorded
+        them, and the detail a verdict quotes; (None, what is missing: those or ``missing``)."""
         param = keys.param_name_of(key.tensor)
         group = self.param_groups.get(f"{key.module}.{param}")
         scalars = {}
         for name, tensor in (("lr", keys.step_setting(group, keys.LR) if group else None), ("step", keys.STEP_COUNT)):
             scalars[name] = None if tensor is None else self._scalar(
                 TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, tensor))
-        missing = [n for n, v in scalars.items() if v is None] + (
-            ["moments"] if any(m is None for m in (*cand_moments, *ref_moments)) else []) + list(missing)
+        missing = [n for n, v in scalars.items() if v is None] + list(missing)
         if missing:
             return None, f"no {', '.join(missing)} recorded"
         rule = self.rule
@@ -959,10 +1185,9 @@ class UpdateCheck:
             eps = self._scalar(TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER,
                                          keys.step_setting(group, keys.ADAM_EPS)))
             rule = rule if eps is None else dataclasses.replace(rule, eps=eps)
-        v = judge_adam_update(rule, scalars["lr"], scalars["step"], param_dtype, cand_param, ref_param,
-                              cand_moments, ref_moments, k=self.k, previous=previous, weight_decay=weight_decay)
-        return v, (f"lr={scalars['lr']:g}, step {scalars['step']:g}"
-                   + ("" if rule is self.rule else f", the group's ε={rule.eps:g}"))
+        return (rule, scalars["lr"], scalars["step"]), (
+            f"lr={scalars['lr']:g}, step {scalars['step']:g}"
+            + ("" if rule is self.rule else f", the group's ε={rule.eps:g}"))
 
 
 def apply_update_verdict(result: TensorResult, verdict: Optional[UpdateVerdict], detail: str, how: str,

@@ -549,12 +549,13 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
-def content_digest(t: torch.Tensor) -> int:
+def content_digest(t: torch.Tensor, start: int = 0) -> int:
     """CRC32 of a tensor's bytes: replicas that agree bit for bit have equal digests, so ranks
-    can check replicas without exchanging tensors (online compare)."""
+    can check replicas without exchanging tensors (online compare). ``start``: the digest of the
+    bytes before these (a tensor read a chunk at a time gives the whole's digest)."""
     import zlib
 
-    return zlib.crc32(_as_bytes(t.detach().cpu()).numpy()) if t.numel() else 0
+    return zlib.crc32(_as_bytes(t.detach().cpu()).numpy(), start) if t.numel() else start
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -156,6 +156,13 @@ def difference_norms(a, b, chunk: int = 1 << 18) -> Tuple[float, float]:
     needs; it runs near memory bandwidth, where float64 copies of every chunk did not. Neither
     input is copied whole (a reference sliced to a rank's shard stays a view).
     """
+    diff_sq, ref_sq = difference_sums(a, b, chunk)
+    return math.sqrt(diff_sq), math.sqrt(ref_sq)
+
+
+def difference_sums(a, b, chunk: int = 1 << 18) -> Tuple[float, float]:
+    """(‖a−b‖², ‖b‖²) as :func:`difference_norms` sums them: a tensor read a chunk at a time
+    (``streaming``) adds its chunks' sums, and gets the whole's where its chunks are these."""
     import torch
 
     if tuple(a.shape) != tuple(b.shape):
@@ -168,7 +175,7 @@ def difference_norms(a, b, chunk: int = 1 << 18) -> Tuple[float, float]:
         bc = bc.to(wide)
         ref_sq += float(torch.linalg.vector_norm(bc)) ** 2
         diff_sq += float(torch.linalg.vector_norm(ac.to(wide) - bc)) ** 2
-    return math.sqrt(diff_sq), math.sqrt(ref_sq)
+    return diff_sq, ref_sq
 
 
 def relative_error(a, b, chunk: int = 1 << 18) -> Tuple[float, float]:

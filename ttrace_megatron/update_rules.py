@@ -105,16 +105,25 @@ def judge_adam_update(rule: AdamRule, lr: float, step: float, param_dtype: str,
     (a NaN first), as ``torch.argmax`` over the whole tensor picks it."""
     operands = [cand_param, ref_param, *cand_moments, *ref_moments, *(previous or ())]
     flat = [t.reshape(-1) for t in operands]
-    n = flat[0].numel()
+    return judge_adam_chunks(rule, lr, step, param_dtype, ((0, flat),), k, previous is not None, weight_decay)
+
+
+def judge_adam_chunks(rule: AdamRule, lr: float, step: float, param_dtype: str, operands, k: float = 4.0,
+                      stepped_apart: bool = False, weight_decay: float = 0.0) -> UpdateVerdict:
+    """:func:`judge_adam_update` of operands given in consecutive ranges (``streaming``): each item
+    of ``operands`` is (the range's first flat index, [the flat operands over that range, in
+    :func:`judge_adam_update`'s order]). Each range is judged ``UPDATE_CHUNK`` elements at a time from
+    its start: ranges of a multiple of that size give the verdict of the whole, bit for bit."""
     best = UpdateVerdict(0.0, -1, 0.0, 0.0)
-    for begin in range(0, n, UPDATE_CHUNK):
-        piece = [t[begin:begin + UPDATE_CHUNK] for t in flat]
-        ratio, residual, slack = _adam_ratios(rule, lr, step, param_dtype, piece, k, previous is not None,
-                                              weight_decay)
-        worst = int(torch.argmax(ratio))
-        value = float(ratio[worst])
-        if best.worst_index < 0 or value > best.worst_ratio or (math.isnan(value) and not math.isnan(best.worst_ratio)):
-            best = UpdateVerdict(value, begin + worst, float(residual[worst]), float(slack[worst]))
+    for start, flat in operands:
+        for begin in range(0, flat[0].numel(), UPDATE_CHUNK):
+            piece = [t[begin:begin + UPDATE_CHUNK] for t in flat]
+            ratio, residual, slack = _adam_ratios(rule, lr, step, param_dtype, piece, k, stepped_apart, weight_decay)
+            worst = int(torch.argmax(ratio))
+            value = float(ratio[worst])
+            if best.worst_index < 0 or value > best.worst_ratio or (
+                    math.isnan(value) and not math.isnan(best.worst_ratio)):
+                best = UpdateVerdict(value, start + begin + worst, float(residual[worst]), float(slack[worst]))
     return best
 
 
