@@ -8,6 +8,9 @@ both sides by ``ttrace run --keep-traces``, then compared in a fresh process on 
 workers, the traces in the page cache (read once before). One JSON line per compare.
 
     python benchmarks/compare_at_scale.py --workers 1 2 --out results/compare_at_scale_COMMIT.jsonl
+
+``--traces DIR`` keeps the traces there (recorded once, when DIR has none) and ``--repo`` compares
+with another checkout's ttrace_megatron: two commits measured on the same traces in one session.
 """
 
 from __future__ import annotations
@@ -51,19 +54,23 @@ def main():
     parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     parser.add_argument("--dir", help="where the traces go (default: a temporary directory)")
     parser.add_argument("--out", required=True, help="JSON lines are appended here")
+    parser.add_argument("--traces", help="keep the traces in this directory; record them only where it has none")
+    parser.add_argument("--repo", default=REPO, help="the checkout whose ttrace_megatron compares (default: this one)")
     args = parser.parse_args()
-    tmp = tempfile.mkdtemp(dir=args.dir, prefix="ttrace-compare-at-scale-")
+    tmp = args.traces or tempfile.mkdtemp(dir=args.dir, prefix="ttrace-compare-at-scale-")
+    os.makedirs(tmp, exist_ok=True)
     try:
         path = os.path.join(tmp, "recipe.yaml")
         with open(path, "w") as f:
             yaml.safe_dump(shipped_recipe(args.recipe, "fp32", 1, True).to_json(), f)
         out = os.path.join(tmp, "out")
-        with open(os.path.join(tmp, "terminal.txt"), "w") as t, contextlib.redirect_stdout(t):
-            cli(["run", path, "--out", out, "--keep-traces", "--quiet", "--no-disk-check"])
+        if not os.path.exists(os.path.join(out, "candidate", "run.json")):
+            with open(os.path.join(tmp, "terminal.txt"), "w") as t, contextlib.redirect_stdout(t):
+                cli(["run", path, "--out", out, "--keep-traces", "--quiet", "--no-disk-check"])
         ref, cand = os.path.join(out, "reference"), os.path.join(out, "candidate")
         nbytes, largest, bandwidth = dir_bytes(ref) + dir_bytes(cand), largest_tensor_bytes(ref), memory_bandwidth()
-        env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
-        commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=7", "HEAD"], capture_output=True,
+        env = dict(os.environ, PYTHONPATH=args.repo + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        commit = subprocess.run(["git", "-C", args.repo, "rev-parse", "--short=7", "HEAD"], capture_output=True,
                                 text=True).stdout.strip()
         for workers in args.workers:
             read_into_page_cache(ref, cand)
@@ -82,7 +89,8 @@ def main():
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if not args.traces:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 if __name__ == "__main__":
