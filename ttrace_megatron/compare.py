@@ -21,7 +21,8 @@ from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementErro
                         content_digest, logical_mask, merge_pieces, replicas_split_alike, alike_but_scale,
                         slice_logical, with_scale)
 from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
-from .streaming import MappedSource, MemorySource, RecordSource, TensorSource, chunks, read_flat, source_norm
+from .streaming import (Cat, MappedSource, MemorySource, RecordSource, TensorSource, cat_of_views, chunks, read_flat,
+                        read_piece, source_norm)
 from .tolerance import (Tolerance, ToleranceConfig, difference_norms, difference_sums, relative_error, tolerance_for,
                         with_perturbation)
 from .update_rules import AdamRule, UpdateVerdict, judge_adam_chunks, judge_adam_update
@@ -140,14 +141,15 @@ def reference_piece(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]],
     piece of a reference tensor a rank at ``coords`` holds under ``layout``, as it stores it
     (``scaled=False``: the layout's scale left out), reading only the bytes that piece covers where
     the reference holds the logical tensor whole (a single-device reference) and the piece is a
-    view of it; else the logical tensor is read whole and sliced. The view is what ``slice_logical``
-    makes of a tensor on the meta device: the placement rules stay in one place."""
+    view of it or blocks of views (:func:`piece_view`); else the logical tensor is read whole and
+    sliced. The views are what ``slice_logical`` makes of a tensor on the meta device: the
+    placement rules stay in one place."""
     rt, rec = pieces[0]
     piece = None
     if len(pieces) == 1 and _whole_logical(rt, rec):
         view = piece_view(rec.shape, layout, coords, local_shape)
         if view is not None:
-            piece = RecordSource(reader, rt, rec).read(view)
+            piece = read_piece(RecordSource(reader, rt, rec), view)
     if piece is None:
         piece = slice_logical(logical_tensor(reader, pieces).tensor, dataclasses.replace(layout, scale=1.0), coords,
                               local_shape)
@@ -155,14 +157,14 @@ def reference_piece(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]],
 
 
 def piece_view(logical_shape: Sequence[int], layout: Layout, coords: Coords,
-               local_shape: Sequence[int]) -> Optional[torch.Tensor]:
+               local_shape: Sequence[int]) -> Optional[Cat]:
     """Where a rank's piece lies in its logical tensor: the view ``slice_logical`` makes of a meta
     tensor of ``logical_shape`` (the layout's scale left out; offsets and strides count elements,
-    of any dtype), or None where the piece is no view of it (padding, zigzag). Raises
-    :class:`PlacementError` where the piece does not fit."""
-    meta = torch.empty(tuple(logical_shape), device="meta")
-    view = slice_logical(meta, dataclasses.replace(layout, scale=1.0), coords, local_shape, contiguous=False)
-    return view if view is meta or view._base is meta else None
+    of any dtype), or the views it concatenates (an interleaved shard's blocks); None where the
+    piece is neither (padding). Raises :class:`PlacementError` where the piece does not fit."""
+    unscaled = dataclasses.replace(layout, scale=1.0)
+    return cat_of_views(torch.empty(tuple(logical_shape), device="meta"),
+                        lambda meta: slice_logical(meta, unscaled, coords, local_shape, contiguous=False))
 
 
 def logical_source(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]) -> Tuple[TensorSource, list]:
@@ -410,7 +412,7 @@ def streamed_shard_sums(key: TensorKey, cand: TensorSource, layout: Layout, coor
     """:func:`shard_sums` a chunk at a time (``streaming``): the candidate's piece as the rank
     stores it and the logical ``reference`` at its positions, :data:`streaming.STREAM_CHUNK`
     elements of each in memory at once. None where the piece is no view of the logical tensor
-    (padding, zigzag): the caller reads it whole."""
+    (padding): the caller reads it whole."""
     local = tuple(cand.shape)
     base = blank_shard_sums(key, None, layout, coords)
     if tuple(reference.shape) != tuple(layout.logical_shape):

@@ -10,9 +10,10 @@ covers, a meta-device tensor that says which (``shape``, ``stride``, ``storage_o
 elements). A record in a trace gives them by reading only those bytes
 (``TraceReader.load_view``); a tensor in memory by ``as_strided``. The views are what the placement
 rules make of meta tensors (``placement.slice_logical``), so a rank's piece of a logical tensor is
-sliced by the same rules it is merged and judged by. :func:`flat_views` cuts any view into views
-that cover a range of its elements in row-major order, so two tensors of one shape, however
-strided, are read chunk by chunk at the same positions.
+sliced by the same rules it is merged and judged by; where those rules concatenate blocks (an
+interleaved shard), the piece is the :class:`Cat` of their views. :func:`flat_views` cuts any view
+(:func:`piece_flat` any such piece) into views that cover a range of its elements in row-major
+order, so two tensors of one shape, however strided, are read chunk by chunk at the same positions.
 
 Knows nothing about megatron.
 """
@@ -21,9 +22,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Iterator, List, Sequence, Tuple
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
+from torch.overrides import TorchFunctionMode
 
 STREAM_CHUNK = 1 << 18  # elements a chunk: tolerance.difference_norms' chunk (1 MiB of fp32)
 
@@ -92,6 +94,98 @@ class MappedSource(TensorSource):
         return self.combine(*(s.read(view) for s in self.sources))
 
 
+@dataclasses.dataclass(frozen=True)
+class Cat:
+    """A piece made of views concatenated along ``dim``: the blocks an interleaved shard takes
+    (SwiGLU's gate and up halves, zigzag's sequence chunks). One view: ``Cat((view,), 0)``."""
+
+    parts: Tuple[torch.Tensor, ...]
+    dim: int
+
+    @property
+    def shape(self) -> Tuple[int, ...]:
+        shape = list(self.parts[0].shape)
+        if shape:
+            shape[self.dim] = sum(p.shape[self.dim] for p in self.parts)
+        return tuple(shape)
+
+    def numel(self) -> int:
+        return sum(p.numel() for p in self.parts)
+
+
+def cat_of_views(base: torch.Tensor, fn: Callable[[torch.Tensor], torch.Tensor]) -> Optional[Cat]:
+    """What ``fn`` makes of ``base`` (a meta tensor), as views of it: the view it returns, or the
+    views it concatenated last (``torch.cat``, seen as it runs). None where the result is neither
+    (a zero padding was concatenated, or a concatenation was cut again): no view covers it."""
+    with _CatsSeen() as seen:
+        out = fn(base)
+    if out is base or out._base is base:
+        return Cat((out,), 0)
+    cat = seen.cats.get(id(out))
+    if cat is None or cat[0] is not out or not all(p is base or p._base is base for p in cat[1]):
+        return None
+    return Cat(tuple(cat[1]), cat[2] % out.dim())
+
+
+class _CatsSeen(TorchFunctionMode):
+    """Each ``torch.cat`` run inside: its result, inputs and dim, by the result's id. A cat of meta
+    tensors is not run but made (an empty meta tensor of its shape): torch's meta kernel for it
+    imports its Python decompositions on first use, ~140 MiB of a process's memory."""
+
+    def __init__(self):
+        super().__init__()
+        self.cats = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not torch.cat:
+            return func(*args, **kwargs)
+        tensors, dim = list(args[0]), kwargs.get("dim", args[1] if len(args) > 1 else 0)
+        if tensors and all(t.is_meta for t in tensors) and len({t.dim() for t in tensors}) == 1 and tensors[0].dim():
+            shape = list(tensors[0].shape)
+            shape[dim] = sum(t.shape[dim] for t in tensors)
+            out = torch.empty(shape, dtype=tensors[0].dtype, device="meta")
+        else:
+            out = func(*args, **kwargs)
+        self.cats[id(out)] = (out, tensors, dim)
+        return out
+
+
+def piece_flat(piece: Cat, begin: int, end: int) -> List["torch.Tensor | Cat"]:
+    """:func:`flat_views` of a piece of concatenated views: views, and where a range spans whole
+    rows of every part, those rows as a smaller :class:`Cat` (read part by part, concatenated)."""
+    parts, dim = piece.parts, piece.dim
+    if len(parts) == 1:
+        return flat_views(parts[0], begin, end)
+    if begin >= end:
+        return []
+    if dim == 0:  # the parts one after another
+        out, at = [], 0
+        for p in parts:
+            lo, hi = max(begin - at, 0), min(end - at, p.numel())
+            if lo < hi:
+                out += flat_views(p, lo, hi)
+            at += p.numel()
+        return out
+    inner = math.prod(piece.shape[1:])
+    first, last = begin // inner, (end - 1) // inner
+    row = lambda i: Cat(tuple(p[i] for p in parts), dim - 1)  # noqa: E731
+    if first == last:
+        return piece_flat(row(first), begin - first * inner, end - first * inner)
+    out, lo, hi = [], first, last + 1
+    if begin % inner:
+        out += piece_flat(row(first), begin % inner, inner)
+        lo = first + 1
+    tail = end - last * inner
+    if tail < inner:
+        hi = last
+    if hi > lo:
+        out.append(Cat(tuple(p[lo:hi] for p in parts), dim))
+    if tail < inner:
+        out += piece_flat(row(last), 0, tail)
+    return out
+
+
 def flat_views(view: torch.Tensor, begin: int, end: int) -> List[torch.Tensor]:
     """Views of ``view`` that together cover its elements ``begin`` to ``end`` in row-major order
     (the order of ``view.reshape(-1)``): whole rows as one view, a partial first or last row cut
@@ -118,10 +212,21 @@ def flat_views(view: torch.Tensor, begin: int, end: int) -> List[torch.Tensor]:
     return out
 
 
-def read_flat(source: TensorSource, view: torch.Tensor, begin: int, end: int) -> torch.Tensor:
-    """Elements ``begin`` to ``end`` of ``view`` of ``source``, row-major, as one flat tensor."""
-    parts = [source.read(v).reshape(-1) for v in flat_views(view, begin, end)]
+def read_flat(source: TensorSource, view: "torch.Tensor | Cat", begin: int, end: int) -> torch.Tensor:
+    """Elements ``begin`` to ``end`` of ``view`` (or a :class:`Cat` of views) of ``source``,
+    row-major, as one flat tensor."""
+    items = piece_flat(view, begin, end) if isinstance(view, Cat) else flat_views(view, begin, end)
+    parts = [read_piece(source, v).reshape(-1) for v in items]
     return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def read_piece(source: TensorSource, piece: "torch.Tensor | Cat") -> torch.Tensor:
+    """The elements of a view (or a :class:`Cat` of views) of ``source``, in its shape."""
+    if not isinstance(piece, Cat):
+        return source.read(piece)
+    if len(piece.parts) == 1:
+        return source.read(piece.parts[0])
+    return torch.cat([source.read(p) for p in piece.parts], dim=piece.dim)
 
 
 def chunks(numel: int, chunk: int = 0) -> Iterator[Tuple[int, int]]:
