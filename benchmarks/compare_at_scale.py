@@ -74,8 +74,9 @@ def main():
                                 text=True).stdout.strip()
         for workers in args.workers:
             read_into_page_cache(ref, cand)
+            # (in the checkout: ``-c`` puts the working directory first on the path)
             run = subprocess.run([sys.executable, "-c", COMPARE_CHILD, ref, cand, str(workers)], capture_output=True,
-                                 text=True, env=env, check=True)
+                                 text=True, env=env, check=True, cwd=args.repo)
             res = json.loads(run.stdout.strip().splitlines()[-1])
             row = {"recipe": args.recipe, "rung": "50M (8 layers, h512, V32k, 3 iterations)", "workers": workers,
                    "trace_bytes": nbytes, "largest_tensor_bytes": largest, "memory_bandwidth": bandwidth,
