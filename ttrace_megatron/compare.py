@@ -786,16 +786,21 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
 
 
 @dataclasses.dataclass
-class MainGradMeasured:
-    """A main grad's measurements (:meth:`_TraceJudge.main_grad_measured`): small, sent between processes."""
+class Measured:
+    """A key's measurements, for a verdict decided in order from the comparison's state
+    (:meth:`_TraceJudge.measured`, :meth:`_TraceJudge.decided`): small, sent between processes. A
+    main grad's, or a step's optimizer state's or updated value's."""
 
     entries: list
     notes: list
     observed: Optional[float]
     cancellation: float  # its own, as a merged partial sum
     reference_norm: float  # ‖ref‖ in fp64, for the cancellation factor of its microbatches' partials
-    bias_factor: float  # a bias's token-terms factor (1 otherwise)
+    bias_factor: Optional[float]  # a bias's token-terms factor (1 otherwise); None: the parent's (a moment's)
     replicas_split: bool  # judged shard by shard: replicas' differences can be measured if asked
+    update: Optional[tuple] = None  # an updated value's element-wise check: apply_update_verdict's arguments
+
+
 
 
 class _TraceJudge:
@@ -832,15 +837,27 @@ class _TraceJudge:
         self.overflowed = overflowed_iterations(ref, ref_groups)
         self.partial_magnitudes: Dict[TensorKey, float] = {}  # what note_partial was told, for compare_workers
 
-    def main_grad_measured(self, key: TensorKey) -> "MainGradMeasured":
+    def main_grad_measured(self, key: TensorKey) -> Measured:
         """What a main grad's verdict needs from the tensors, none of it from the judge's state: a
-        compare worker measures it, the parent decides it in order (:meth:`main_grad_decided`)."""
+        compare worker measures it, the parent decides it in order (:meth:`decided`)."""
         return self.tensor(key, stop_before_state=True)
 
-    def main_grad_decided(self, key: TensorKey, m: "MainGradMeasured") -> TensorResult:
-        cancellation = max(m.cancellation, self.cancellations.factor_measured(key, m.reference_norm, m.bias_factor))
-        return self._combine(key, m.entries, m.notes, m.observed, cancellation,
-                             self._replica_diff(key) if m.replicas_split else None)
+    def step_measured(self, key: TensorKey, reclipped: bool) -> Optional[Measured]:
+        """The same for an optimizer state or an updated value (its element-wise check included),
+        read a chunk at a time, given what only the parent knows in order: whether the step's
+        states are re-clipped (``StepBounds.reclipped``). None where it must be judged whole:
+        the parent judges it."""
+        return self._streamed(key, True, reclipped)
+
+    def decided(self, key: TensorKey, m: Measured) -> TensorResult:
+        """A measured key's verdict, from this judge's state in order."""
+        bias = m.bias_factor if m.bias_factor is not None else self.cancellations.bias_terms.factor(key, None)
+        cancellation = max(m.cancellation, self.cancellations.factor_measured(key, m.reference_norm, bias))
+        result = self._combine(key, m.entries, m.notes, m.observed, cancellation,
+                               self._replica_diff(key) if m.replicas_split else None)
+        if m.update is None or not math.isfinite(result.error):
+            return result
+        return apply_update_verdict(result, *m.update)
 
     def _replica_diff(self, key: TensorKey):
         """How far the candidate's replicas of a piece differ, measured only when asked."""
@@ -862,7 +879,7 @@ class _TraceJudge:
                               notes, replica_max_abs_diff, observed, cancellation, step=self.step_bounds,
                               overflowed=key.phase in OVERFLOW_PHASES and key.iteration in self.overflowed)
 
-    def tensor(self, key: TensorKey, stop_before_state: bool = False) -> "TensorResult | MainGradMeasured":
+    def tensor(self, key: TensorKey, stop_before_state: bool = False) -> "TensorResult | Measured":
         """One key's verdict: the reference merged, the candidate merged or shard by shard.
         ``stop_before_state``: a main grad's measurements only (:meth:`main_grad_measured`)."""
         streamed = self._streamed(key, stop_before_state)
@@ -872,7 +889,8 @@ class _TraceJudge:
         rec = self.ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, self.ref_groups[key])
         judged_against = ref_merged.tensor
-        if self.step_bounds.reclipped(key):  # judged by its grads alone: the coefficients' difference taken out
+        if self.step_bounds.reclipped(key):
+            # judged by its grads alone: the coefficients' difference taken out
             judged_against = self.reclip.state(key, ref_merged.tensor,
                                                self.reclip.clip(cand, self.cand_groups, key.iteration))
         notes = [replica_note("reference", m.ranks, m.max_abs_diff, m.axis) for m in ref_merged.replica_mismatches]
@@ -903,7 +921,7 @@ class _TraceJudge:
         else:
             entries, replica_max_abs_diff = self._shard_by_shard(key, pieces, judged_against)
         if stop_before_state:
-            return MainGradMeasured(entries, notes, observed, cancellation, fp64_norm(ref_merged.tensor),
+            return Measured(entries, notes, observed, cancellation, fp64_norm(ref_merged.tensor),
                                     self.cancellations.bias_terms.factor(key, ref_merged.tensor),
                                     replica_max_abs_diff is not None)
         cancellation = max(cancellation, self.cancellations.factor(key, ref_merged.tensor))
@@ -915,12 +933,14 @@ class _TraceJudge:
                                   (ref, self.ref_groups))
         return result
 
-    def _streamed(self, key: TensorKey, stop_before_state: bool) -> "TensorResult | MainGradMeasured | None":
+    def _streamed(self, key: TensorKey, stop_before_state: bool,
+                  reclipped: Optional[bool] = None) -> "TensorResult | Measured | None":
         """:meth:`tensor` with each candidate piece judged a chunk at a time against the reference
         at its positions (``streamed_shard_sums``), an updated value's Adam check too: compare's
         peak is then the chunks, not the tensors (a reference held by several ranks is merged
         first). None where a key needs its pieces merged (partial sums, a top-k choice, replicas
-        split each their own way, padding) or its moments are not each piece's: judged whole."""
+        split each their own way, padding) or its moments are not each piece's: judged whole.
+        ``stop_before_state``: its :class:`Measured` (``reclipped``: the parent's decision)."""
         pieces = self.cand_groups[key]
         layout = _common_layout(pieces)
         if (key.kind is TensorKind.SELECTION or any(r.layout != layout for _, r in pieces)
@@ -938,7 +958,8 @@ class _TraceJudge:
                 raise TraceError(f"bad rank coordinates: {e}", path=rt.dir, rank=rt.rank, tensor=str(key)) from None
         reference, mismatches = logical_source(self.ref, self.ref_groups[key])
         against = reference
-        if self.step_bounds.reclipped(key):  # judged by its grads alone: the coefficients' difference taken out
+        if self.step_bounds.reclipped(key) if reclipped is None else reclipped:
+            # judged by its grads alone: the coefficients' difference taken out
             grad = logical_source(self.ref, self.ref_groups[main_grad_key(key)])[0]
             against = MappedSource((reference, grad), self.reclip.chunked(
                 key, self.reclip.clip(self.cand, self.cand_groups, key.iteration)))
@@ -952,12 +973,17 @@ class _TraceJudge:
         observed = self._observed_streamed(key, reference)
         bias = self.cancellations.bias_terms.factor(
             key, reference.read(reference.meta()) if keys.param_name_of(key.tensor) == "bias" else None)
-        norm = source_norm(reference) if stop_before_state or self.cancellations.reduced(key) else 0.0
-        if stop_before_state:
-            return MainGradMeasured(entries, notes, observed, 1.0, norm, bias, True)
+        main_grad = key.kind is TensorKind.MAIN_GRAD
+        norm = source_norm(reference) if main_grad and (stop_before_state or self.cancellations.reduced(key)) else 0.0
+        if stop_before_state:  # (a moment's bias factor is its main grad's, in the parent)
+            return Measured(entries, notes, observed, 1.0, norm,
+                            None if key.kind is TensorKind.OPTIMIZER_STATE else bias, True,
+                            None if operands is None else self._update_outcome(key, operands, reference))
         result = self._combine(key, entries, notes, observed, self.cancellations.factor_measured(key, norm, bias),
                                self._replica_diff(key))
-        return result if operands is None else self._update_streamed(result, key, operands, reference)
+        if operands is None or not math.isfinite(result.error):
+            return result
+        return apply_update_verdict(result, *self._update_outcome(key, operands, reference))
 
     def _update_operands(self, key: TensorKey, pieces) -> Optional[Tuple[list, List[TensorSource]]]:
         """What the element-wise Adam check of an updated value reads a chunk at a time: for each
@@ -980,12 +1006,11 @@ class _TraceJudge:
             operands.append((rt, r, [RecordSource(self.cand, rt, m) for m in (r, *mine)]))
         return operands, [logical_source(self.ref, self.ref_groups[k])[0] for k in siblings]
 
-    def _update_streamed(self, result: TensorResult, key: TensorKey, operands, reference: TensorSource) -> TensorResult:
+    def _update_outcome(self, key: TensorKey, operands, reference: TensorSource) -> tuple:
         """:meth:`UpdateCheck.judge` of each distinct piece a chunk at a time (``judge_adam_chunks``):
-        the worst element over the pieces, its flat index in its rank's piece."""
+        the worst element over the pieces, its flat index in its rank's piece; as
+        :func:`apply_update_verdict`'s arguments after the result (verdict, detail, how, where)."""
         check, (pieces, references) = self.update_check, operands
-        if not math.isfinite(result.error):
-            return result
         stepped_apart = len(references) == 3
         how, missing, decay = "lock-step", [], 0.0
         if stepped_apart:
@@ -997,7 +1022,7 @@ class _TraceJudge:
             missing.append("moments of the parameter's shape")
         settings, detail = check.settings(key, missing)
         if settings is None:
-            return apply_update_verdict(result, None, detail, how)
+            return None, detail, how, ""
         rule, lr, step = settings
         refs, worst = [reference, *references], None
         for rt, r, cands in pieces:
@@ -1014,7 +1039,7 @@ class _TraceJudge:
                     math.isnan(v.worst_ratio) and not math.isnan(worst[1].worst_ratio)):
                 worst = (rt.rank, v)
         whole_piece = len(pieces) == 1 and tuple(pieces[0][1].shape) == tuple(reference.shape)
-        return apply_update_verdict(result, worst[1], detail, how, where="" if whole_piece else f" of rank {worst[0]}'s piece")
+        return worst[1], detail, how, "" if whole_piece else f" of rank {worst[0]}'s piece"
 
     def _observed_streamed(self, key: TensorKey, reference: TensorSource) -> Optional[float]:
         """:func:`perturbation_observed` (and :func:`statistic_observed`) with the perturbation

@@ -10,16 +10,19 @@ measurements (their shard sums, the reference's norm, a bias's token terms), who
 parent then decides in order from its own state. The parent walks the keys in order as the serial
 comparison does: it takes each microbatch key's verdict from the pool, in order, and tells its own
 :class:`Cancellation` the partial-sum magnitude the worker measured (the sums then add up in the
-serial order); it judges the optimizer's states, scalars and updates itself, with the state they
-need (moments are re-clipped by the clip coefficient just judged). Every float a verdict holds is
-computed by the same code on the same inputs in either mode.
+serial order). It judges the optimizer's scalars itself; the step's optimizer states and updated
+values (with their element-wise Adam check) go to the pool once it has judged their iteration's
+clip coefficient, with what that decides (whether the states are re-clipped), and their verdicts
+are decided in order from its state, as a main grad's. Every float a verdict holds is computed by
+the same code on the same inputs in either mode.
 
 Before any tensor is loaded, every data file's checksum is checked once, on threads (hashing and
 reads release the GIL), and the workers are told which files are verified. A damaged file is the
 same named :class:`~ttrace_megatron.errors.TraceError` as in a serial comparison.
 
-Memory: each worker holds one key at a time, as the serial comparison does, so the peak is per
-worker (BENCHMARKS.md, issue #35, measures it). Knows nothing about megatron.
+Memory: each worker judges one key at a time, as the serial comparison does, and reads it a chunk
+at a time where it can (``streaming``): the bound is per worker (BENCHMARKS.md, issue #35).
+Knows nothing about megatron.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from typing import Callable, Iterator, List, Optional, Set, Tuple
 
 import torch
 
+from . import keys
 from .keys import TensorKey, TensorKind
 from .trace_store import verify_files
 
@@ -65,6 +69,13 @@ def measured_in_pool(key: TensorKey) -> bool:
     return per_microbatch(key) or key.kind is TensorKind.MAIN_GRAD
 
 
+def of_the_step(key: TensorKey) -> bool:
+    """An optimizer state or an updated value: measured by a worker once the parent has judged its
+    iteration's clip coefficient (whether its states are re-clipped is then known), and decided by
+    the parent in order."""
+    return key.kind is TensorKind.OPTIMIZER_STATE or keys.is_updated_value(key)
+
+
 def _candidate_bytes(judge, keys: List[TensorKey]) -> int:
     total = 0
     for key in keys:
@@ -90,7 +101,11 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
                                initargs=(open_judge, dirs, judge.tol_config, verified))
     try:
         from_pool = pool.map(_in_worker, parallel, chunksize=chunk)
+        steps = _StepKeys(judge, pool)
         for key in judge.common:
+            if of_the_step(key) and from_pool is not None:
+                yield steps.decided(key)
+                continue
             if not measured_in_pool(key):
                 yield judge.tensor(key)
                 continue
@@ -107,7 +122,7 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
                 yield judge.tensor(key)  # which tells its own Cancellation and StepBounds
                 continue
             if not per_microbatch(key):
-                yield judge.main_grad_decided(key, out)
+                yield judge.decided(key, out)
                 continue
             result, magnitude = out
             if magnitude is not None:
@@ -115,6 +130,32 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
             yield result
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+class _StepKeys:
+    """The step's keys of each iteration sent to the pool when the parent reaches the first of them
+    (its clip coefficient judged), their verdicts decided in order. A key a worker cannot stream,
+    or any key once the pool has stopped, is judged in the parent."""
+
+    def __init__(self, judge, pool: ProcessPoolExecutor):
+        self.judge, self.pool = judge, pool
+        self.futures = {}
+        self.by_iteration = {}
+        for key in judge.common:
+            if of_the_step(key):
+                self.by_iteration.setdefault(key.iteration, []).append(key)
+
+    def decided(self, key: TensorKey):
+        judge = self.judge
+        try:
+            if key not in self.futures:
+                for k in self.by_iteration.pop(key.iteration, []):
+                    self.futures[k] = self.pool.submit(_step_in_worker, k, judge.step_bounds.reclipped(k))
+            out = self.futures.pop(key).result()
+        except BrokenProcessPool as e:
+            print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
+            out = None
+        return judge.tensor(key) if out is None else judge.decided(key, out)
 
 
 def forkserver_context(preload: List[str]):
@@ -157,6 +198,10 @@ def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tu
     for reader in (_JUDGE.ref, _JUDGE.cand, _JUDGE.pert):
         if reader is not None:
             reader.verified |= verified
+
+
+def _step_in_worker(key: TensorKey, reclipped: bool):
+    return _JUDGE.step_measured(key, reclipped)
 
 
 def _in_worker(key: TensorKey):
