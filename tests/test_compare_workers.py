@@ -16,9 +16,16 @@ from ttrace_megatron.report import to_json
 
 
 def _both(monkeypatch, ref, cand, **kw):
+    from ttrace_megatron.compare import _TraceJudge
+
     serial = compare_traces(ref, cand, workers=1, **kw)
     monkeypatch.setattr(compare_workers, "MIN_PARALLEL_BYTES", 0)  # these traces are small: use the pool anyway
+    in_parent, real = [], _TraceJudge.tensor
+    monkeypatch.setattr(_TraceJudge, "tensor", lambda self, key, *a, **k: (in_parent.append(key), real(self, key, *a, **k))[1])
     pooled = compare_traces(ref, cand, workers=2, **kw)
+    # the parent judged no microbatch key, main grad, optimizer state or updated value itself
+    assert not [k for k in in_parent if compare_workers.measured_in_pool(k) or compare_workers.of_the_step(k)]
+    assert any(compare_workers.of_the_step(r.key) for r in pooled.results)
     return serial, pooled
 
 
