@@ -42,6 +42,8 @@ PLAN = "plan"            # plan_check.py rows (jsonl): ttrace plan's bytes again
 SWEEP = "sweep"          # sweep.py --jsonl rows: each configuration and its outcome (--twin: the twin's too)
 PARITY = "parity"        # online_parity.py rows: each recipe judged online and offline from one candidate run
 CHECK_COST = "check_cost"  # online_bytes.py --plain rows: a whole check, online and --keep-traces, against training
+COMPARE_SCALE = "compare_scale"  # compare_at_scale.py rows: compare's throughput and peak at the 50M rung
+COMPARE_PARTS = "compare_parts"  # compare_parts.py rows: each part of compare on one core, against memory bandwidth
 
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
@@ -604,6 +606,19 @@ def summary() -> str:
                 out.append(f"- {s.population}, {what}, {mode}: verdict {r['verdict']}, {r['bytes_total'] / 1e9:.2f} GB "
                            f"written, {r['wall_s']:.0f} s, {r['wall_s'] / trained:.1f}× the two layouts trained "
                            f"without ttrace ({trained:.1f} s) ({_files(s)}; {machine_of(s.files[0])}).")
+        elif s.kind == COMPARE_SCALE:
+            for r in rows:
+                out.append(f"- {s.population}, {r['commit']}, {r['workers']} worker{'s' if r['workers'] > 1 else ''}: "
+                           f"{r['trace_bytes'] / 1e9:.2f} GB ({r['tensors']} keys) judged in {r['seconds']:.1f} s, "
+                           f"{r['of_memory_bandwidth']:.3f}× memory bandwidth ({r['memory_bandwidth'] / 1e9:.1f} GB/s; "
+                           f"goal ≥ 0.5×); peak {r['peak_over_baseline'] / 2**20:.0f} MiB over the comparing process's "
+                           f"baseline, **{r['peak_over_largest']:.2f}× the largest tensor** "
+                           f"({r['largest_tensor_bytes'] / 2**20:.0f} MiB; goal ≤ 2×); verdict {r['verdict']} "
+                           f"({_files(s)}; {machine_of(s.files[0])}).")
+        elif s.kind == COMPARE_PARTS:
+            parts = "; ".join(f"{r['part']} {r['GBps']:.1f} GB/s ({r['of_memory_bandwidth']:.3f}×)" for r in rows)
+            out.append(f"- {s.population}, {rows[0]['commit']}, one thread, against {rows[0]['memory_bandwidth'] / 1e9:.1f}"
+                       f" GB/s of memory bandwidth: {parts} ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == WORKERS:
             one = next(r for r in rows if r["workers"] == 1)
             best = min(rows, key=lambda r: r["seconds"])

@@ -5,6 +5,7 @@ not fit the disk refused with the numbers before any side starts.
 The plan builds the model on the meta device with megatron's parallel state of one rank, so it runs
 in a process of its own here, as ``ttrace run`` runs it."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -214,3 +215,34 @@ def test_the_disk_check_plans_with_the_flags_that_change_what_a_check_writes():
     assert cli.main(["run", "--online", "--keep-traces"]) == cli.EXIT_ERROR
     # and the plan command takes every one of them
     cli.build_parser().parse_args(cmd[cmd.index("plan"):])
+
+
+def test_judging_time_is_planned_per_side_from_the_measured_rates():
+    """Each side judged against a reference gets an estimate (a reference none): an online side's
+    is what it would record, judged on each of its ranks; a recorded side's after the run on the
+    workers; an updated value's element-wise check costs its optimizer bytes twice over."""
+    opt = core.TensorGroup(core.OPTIMIZER, 1 << 20, 4, 3, (Shard(0, "tp"),))
+    act = core.TensorGroup(core.ACTIVATIONS, 1 << 18, 4, 8, (Replicate("tp"),))
+    ref = core.SidePlan("reference", 1, {"tp": 1}, 3, [opt, act], judged=False)
+    online = core.SidePlan("candidate", 2, {"tp": 2}, 3, [opt, act], online=True)
+    recorded = core.SidePlan("perturbation run", 1, {"tp": 1}, 3, [opt, act])
+    plan = core.Plan("toy", [ref, online, recorded], 0, (("reference", "candidate", "perturbation run"),))
+    rates = core.CompareRates(read=4e9, sums=8e9, update=1e9)
+    got = core.judging_seconds(plan, rates, workers=4)
+    assert set(got) == {"candidate", "perturbation run"}
+    as_recorded = dataclasses.replace(online, online=False)
+    total, optimizer = as_recorded.total(), 3 * as_recorded.bytes_per_iteration()[core.OPTIMIZER]
+    assert optimizer >= 3 * 3 * (4 << 20)  # (and the records' headers)
+    assert got["candidate"] == pytest.approx((2 * total / 4e9 + 2 * total / 8e9 + 2 * optimizer / 1e9) / 2)
+    optimizer = 3 * recorded.bytes_per_iteration()[core.OPTIMIZER]
+    assert got["perturbation run"] == pytest.approx(
+        (2 * recorded.total() / 4e9 + 2 * recorded.total() / 8e9 + 2 * optimizer / 1e9) / 4)
+    lines = core.format_plan(plan, compare_rates=rates, workers=4)
+    assert any(line.startswith("judging candidate as it runs") and line.endswith("a rank") for line in lines)
+
+
+def test_measure_disk_times_compare_parts_too(tmp_path):
+    planned = _plan_json(os.path.join(REPO, "recipes", "gpt_tp2_sp.yaml"), "--measure-disk", "--out", str(tmp_path))
+    assert all(v > 0 for v in planned["compare_rates"].values())
+    assert set(planned["judging_seconds"]) == {"candidate"} and planned["judging_seconds"]["candidate"] > 0
+    assert not os.listdir(tmp_path)  # (what it timed, removed)

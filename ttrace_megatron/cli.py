@@ -472,9 +472,12 @@ def _plan_recipe(args):
 
 def cmd_plan(args, console: Console) -> int:
     """What ``ttrace run`` of a recipe with these flags will write, before anything runs."""
+    import dataclasses
+
     from . import plan as core
     from .adapter.recipe.config import validate_recipe
     from .adapter.run.plan import model_shape
+    from .compare_workers import available_cores
 
     recipe, notes = _plan_recipe(args)
     validate_recipe(recipe)  # what run refuses, plan refuses alike
@@ -484,19 +487,25 @@ def cmd_plan(args, console: Console) -> int:
     where = args.out or tempfile.gettempdir()
     free = core.free_bytes(where)
     bandwidth = core.measure_write_bandwidth(core.existing_parent(where)) if args.measure_disk else None
+    rates = core.measure_compare_rates(core.existing_parent(where)) if args.measure_disk else None
     budget = core.parse_bytes(args.budget) if args.budget else None
     options = [("as asked", plan)] + [
         (flags, _plan_of(recipe, argparse.Namespace(**dict(vars(args), **change)), keep=bool(args.out), shape=shape))
         for flags, change in BUDGET_OPTIONS if budget is not None and not change.items() <= vars(args).items()]
     planned = dict(plan.to_json(), free_bytes=free, where=os.path.abspath(where),
                    options=[dict(flags=flags, disk_needed=p.disk_needed()) for flags, p in options])
+    workers = available_cores()
+    if rates is not None:
+        planned["compare_rates"] = dataclasses.asdict(rates)
+        planned["judging_seconds"] = core.judging_seconds(plan, rates, workers)
     if args.json == "-":
         print(json.dumps(planned, indent=1))
         return EXIT_PASS
     if args.json:
         with open(args.json, "w") as f:
             json.dump(planned, f, indent=1)
-    for line in core.format_plan(plan, free=free, budget=budget, write_bandwidth=bandwidth, options=options):
+    for line in core.format_plan(plan, free=free, budget=budget, write_bandwidth=bandwidth, options=options,
+                                 compare_rates=rates, workers=workers):
         console.print(line, highlight=False, markup=False, overflow="ignore", crop=False)
     return EXIT_PASS
 
@@ -755,7 +764,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, metavar="N", help="the ranks of the run --megatron-lm-args describes")
     plan.add_argument("--budget", metavar="SIZE", help="suggest a selective recording that fits SIZE (e.g. 200GB)")
     plan.add_argument("--measure-disk", action="store_true",
-                      help="time a 256 MiB write where the traces go, and estimate the write time")
+                      help="time a 256 MiB write where the traces go and compare's parts on this machine, and "
+                           "estimate the write and judging times")
     plan.add_argument("--json", help="write the plan here as JSON ('-': nothing printed)")
     _add_online_arguments(plan, plan=True)
     for flag, text in (("--no-fp32-twin", "as run --no-fp32-twin"),

@@ -72,6 +72,7 @@ class SidePlan:
     iterations: int
     groups: List[TensorGroup]
     online: bool = False  # judged against the reference as it runs: verdict sums, no tensors
+    judged: bool = True  # judged against a reference (False: a reference)
 
     def bytes_per_iteration(self) -> Dict[str, int]:
         out = {k: 0 for k in KINDS}
@@ -180,7 +181,8 @@ def measured_bytes(trace_dir: str) -> int:
 
 
 def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = None,
-                write_bandwidth: Optional[float] = None, options: Sequence[Tuple[str, Plan]] = ()) -> List[str]:
+                write_bandwidth: Optional[float] = None, options: Sequence[Tuple[str, Plan]] = (),
+                compare_rates: Optional[CompareRates] = None, workers: int = 1) -> List[str]:
     """The plan as plain lines (no colour: it goes into logs and CI output too)."""
     lines = [f"{plan.recipe}: what this check writes (predicted)"]
     head = f"{'side':22} {'ranks':>5} {'iters':>5} " + " ".join(f"{COLUMN[k]:>11}" for k in KINDS) + \
@@ -202,6 +204,14 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
     if write_bandwidth:
         lines.append(f"writing it at this disk's measured {human(write_bandwidth)}/s: about "
                      f"{plan.all_bytes() / write_bandwidth:.0f} s")
+    if compare_rates is not None:
+        lines.append(f"compare's parts on one thread here: reading {human(compare_rates.read)}/s, sums "
+                     f"{human(compare_rates.sums)}/s, the element-wise Adam check {human(compare_rates.update)}/s")
+        for name, seconds in judging_seconds(plan, compare_rates, workers).items():
+            online = plan.side(name).online
+            lines.append(f"judging {name}" + (" as it runs, on each of its ranks" if online else
+                                              f" after the run on {workers} process{'es' if workers > 1 else ''}")
+                         + f": about {seconds:.0f} s" + (" a rank" if online else ""))
     if free is not None:
         lines.append(f"free where the traces go: {human(free)}"
                      + ("" if fits(plan.disk_needed(), free) else
@@ -211,6 +221,87 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
         lines += [f"  {s}" for s in suggest(options, budget)]
     lines += [f"note: {n}" for n in plan.notes]
     return lines
+
+
+@dataclasses.dataclass(frozen=True)
+class CompareRates:
+    """Compare's parts on this machine, in bytes per second on one thread (a compare worker's
+    setting): reading pieces a chunk at a time from the page cache, a piece's sums against the
+    reference (both operands), the element-wise Adam check of an updated value (its six operands)."""
+
+    read: float
+    sums: float
+    update: float
+
+
+def measure_compare_rates(directory: str, elements: int = 1 << 22) -> CompareRates:
+    """:class:`CompareRates` timed on ``elements`` fp32 elements (16 MiB) as compare runs each part,
+    a trace written in ``directory`` to read back (removed after); best of three, about a second."""
+    import tempfile
+    import time
+
+    import torch
+
+    from . import streaming
+    from .placement import Layout
+    from .tolerance import difference_sums
+    from .trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
+    from .update_rules import AdamRule, judge_adam_chunks
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(3):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        a = torch.randn(elements, generator=gen)
+        b = a * (1 + 1e-7 * torch.randn(elements, generator=gen))
+        chunks = list(streaming.chunks(elements))
+        nbytes = 4 * elements
+        os.makedirs(directory, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=directory, prefix=".ttrace-plan-") as tmp:
+            write_run_info(tmp, {"role": "reference", "world_size": 1, "num_layers": 1})
+            w = TraceWriter(tmp, 0, {}, page_cache=True)
+            w.add(TensorKey(1, -1, "m", "optimizer", "weight"), a, Layout((), (elements,)), depth=1)
+            w.flush(1)
+            w.close()
+            reader = TraceReader(tmp)
+            source = streaming.RecordSource(reader, *next(reader.records()))
+            whole = source.meta()
+            streaming.read_flat(source, whole, 0, 1)  # (verified once, as compare does)
+            read = best(lambda: [streaming.read_flat(source, whole, lo, hi) for lo, hi in chunks])
+        sums = best(lambda: [difference_sums(a[lo:hi], b[lo:hi]) for lo, hi in chunks])
+        m, v, rule = a.abs() * 1e-3, a * a * 1e-6, AdamRule(0.9, 0.95, 1e-8)
+        update = best(lambda: judge_adam_chunks(rule, 1e-4, 2.0, "float32",
+                                                ((lo, [a[lo:hi], b[lo:hi], m[lo:hi], v[lo:hi], m[lo:hi], v[lo:hi]])
+                                                 for lo, hi in chunks)))
+        return CompareRates(read=nbytes / read, sums=2 * nbytes / sums, update=6 * nbytes / update)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def compare_seconds(side: SidePlan, rates: CompareRates, workers: int = 1) -> float:
+    """Judging a recorded side against its reference, its parts at ``rates`` on ``workers``
+    processes: every byte read with the reference's at its positions and their sums taken, and each
+    updated value checked element by element over both sides' values and moments (about twice the
+    side's optimizer bytes). Per-key costs are left out (a trace of many small tensors takes longer)."""
+    recorded = dataclasses.replace(side, online=False)  # an online side judges what it would record
+    total = recorded.total()
+    optimizer = recorded.bytes_per_iteration()[OPTIMIZER] * side.iterations
+    return (2 * total / rates.read + 2 * total / rates.sums + 2 * optimizer / rates.update) / max(workers, 1)
+
+
+def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, float]:
+    """:func:`compare_seconds` of each side judged against the reference: an online side's on each
+    of its ranks (a rank judges its own shards, on its own thread), a recorded one's after the run."""
+    return {s.name: compare_seconds(s, rates, 1 if s.online else workers) / (s.ranks if s.online else 1)
+            for s in plan.sides if s.judged}
 
 
 def measure_write_bandwidth(directory: str, nbytes: int = 1 << 28) -> float:

@@ -321,7 +321,7 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
         ref_sizes = side_sizes(reference, 1)
         cand_sizes = side_sizes(r, r.world_size)
         sides.append(core.SidePlan(prefix + REFERENCE, 1, ref_sizes, ref_iterations,
-                                   side_groups(reference, shape, ref_sizes, ref_selection, REFERENCE)))
+                                   side_groups(reference, shape, ref_sizes, ref_selection, REFERENCE), judged=False))
         sides.append(core.SidePlan(prefix + CANDIDATE, r.world_size, cand_sizes, iterations,
                                    side_groups(r, shape, cand_sizes, selection, CANDIDATE), online=online))
         if bool(perturb) or r.tolerance.perturbation:
