@@ -105,3 +105,27 @@ def test_the_fork_server_hides_every_gpu_from_what_it_forks():
         "assert b'CUDA_VISIBLE_DEVICES=' in env, env\n"
         "assert os.environ['CUDA_VISIBLE_DEVICES'] == '0'\n")
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
+
+
+@pytest.mark.multiprocess
+def test_ranks_under_torchrun_give_the_serial_verdict_bit_for_bit(runs, tmp_path):
+    """``torchrun --nproc-per-node 2 -m ttrace_megatron.cli compare --distributed``: each rank
+    judges its share of the keys (gloo), rank 0 decides them in order: the serial report bit for bit."""
+    import os
+    import socket
+
+    ref, cand = runs.candidate(load("gpt_tp2_sp"), inject=["row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2"])
+    from ttrace_megatron.report import write_json
+
+    write_json(compare_traces(ref, cand, workers=1), str(tmp_path / "serial.json"))
+    serial = json.load(open(tmp_path / "serial.json"))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "report.json"
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+                           "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "ttrace_megatron.cli",
+                           "compare", ref, cand, "--distributed", "--json", str(out)],
+                          capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode != 0 and "FAIL" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]  # (rank 0's exit)
+    assert json.dumps(json.load(open(out)), sort_keys=True) == json.dumps(serial, sort_keys=True)

@@ -412,11 +412,42 @@ def write_junit(rows, path: str) -> None:
 
 
 def cmd_compare(args, console: Console) -> int:
+    if getattr(args, "distributed", False):
+        return _compare_distributed(args, console)
     report = _compare(args.reference, args.candidate, console, args.json, getattr(args, "perturbed", None),
                       getattr(args, "workers", None))
     if getattr(args, "html", None):
         from .report import write_html
 
+        write_html(report, args.html)
+    return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
+
+
+def _compare_distributed(args, console: Console) -> int:
+    """``ttrace compare --distributed`` under torchrun: every rank measures its share of the keys
+    (gloo), rank 0 decides the verdicts in order, prints and writes the report; the others print
+    nothing and exit 0."""
+    import torch.distributed as dist
+
+    from .compare import compare_traces
+    from .report import render, to_json, write_html, write_json
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RecipeError("--distributed: launch it with torchrun (RANK and WORLD_SIZE are not set)")
+    dist.init_process_group("gloo")
+    try:
+        comparison = compare_traces(args.reference, args.candidate, perturbed=getattr(args, "perturbed", None),
+                                    distributed=True)
+    finally:
+        dist.destroy_process_group()
+    if comparison is None:
+        return EXIT_PASS
+    report = to_json(comparison)
+    report["num_layers"] = int(comparison.reference_run.get("num_layers", 0))
+    render(report, console, num_layers=report["num_layers"])
+    if args.json:
+        write_json(comparison, args.json)
+    if getattr(args, "html", None):
         write_html(report, args.html)
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 
@@ -786,6 +817,10 @@ def build_parser() -> argparse.ArgumentParser:
     cmp_.add_argument("--workers", type=int, metavar="N",
                       help="compare on this many processes (default: the cores this process may use); the verdict is the same "
                           "bit for bit")
+    cmp_.add_argument("--distributed", action="store_true",
+                      help="launched by torchrun (over several machines where a trace is larger than one): each rank "
+                           "judges its share of the keys, rank 0 the verdicts in order and the report; the verdict is "
+                           "the same bit for bit")
 
     loc = sub.add_parser("localize", help="judge a replay trace (--ttrace-replay) module by module under local bounds")
     loc.add_argument("reference")

@@ -356,12 +356,18 @@ class ShardSums:
 def blank_shard_sums(key: TensorKey, cand: Optional[torch.Tensor], layout: Layout, coords: Coords) -> dict:
     """A piece's sums before any are taken (``cand`` None: its digest too, taken as it is read)."""
     shard = {p.axis: tuple(coords[p.axis]) for p in layout.placements if isinstance(p, SHARDING)}
-    # a digest only matters where replicas exist to compare it with
-    replicated = cand is not None and any(isinstance(p, Replicate) for p in layout.placements)
+    replicated = cand is not None and has_replicas(layout, coords)
     return dict(key=key, shard=shard, digest=content_digest(cand) if replicated else 0, diff_sq=0.0, ref_sq=0.0,
                 compared=0,
                 candidate_nonfinite=0, reference_nonfinite=0, same_nonfinite=True,
                 logical_shape=tuple(layout.logical_shape))
+
+
+def has_replicas(layout: Layout, coords: Coords) -> bool:
+    """Whether other ranks hold copies of this rank's piece: a digest only matters where replicas
+    exist to compare it with (a Replicate over an axis of one rank, such as data parallelism of one,
+    has none: at the 50M rung 2.5 GB of pieces were hashed for nothing)."""
+    return any(isinstance(p, Replicate) and coords.get(p.axis, (0, 1))[1] > 1 for p in layout.placements)
 
 
 def missing_reference(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords) -> ShardSums:
@@ -425,7 +431,7 @@ def streamed_shard_sums(key: TensorKey, cand: TensorSource, layout: Layout, coor
                                                                f"reference's logical shape: {e}"))
     if view is None or logical_mask(layout, coords, local) is not None:
         return None
-    replicated = any(isinstance(p, Replicate) for p in layout.placements)
+    replicated = has_replicas(layout, coords)
     whole = cand.meta()
     sums = dict(digest=0, diff_sq=0.0, ref_sq=0.0, compared=0, candidate_nonfinite=0, reference_nonfinite=0,
                 same_nonfinite=True)
@@ -763,16 +769,29 @@ def open_judge(reference_dir: str, candidate_dir: str, perturbed: Optional[str],
 
 def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: ToleranceConfig = ToleranceConfig(),
                    progress: Optional[Callable[[int, int], None]] = None,
-                   perturbed: Optional[str] = None, workers: int = 1) -> Comparison:
+                   perturbed: Optional[str] = None, workers: int = 1, distributed: bool = False
+                   ) -> Optional[Comparison]:
     """``perturbed``: the trace of a perturbation-estimate run of the reference (``adapter.run.perturb``):
     each tensor's tolerance is then at least k_p times how far that run moved it. ``workers``: judge
-    on this many processes (:mod:`.compare_workers`); the verdict is the same, bit for bit."""
-    from .compare_workers import judged_in_order
+    on this many processes (:mod:`.compare_workers`); the verdict is the same, bit for bit.
+    ``distributed``: judged by every rank of torch.distributed's default group instead
+    (``compare_workers.judged_across_ranks``); rank 0 returns the comparison, the others None."""
+    from .compare_workers import judged_across_ranks, judged_in_order
 
     judge = open_judge(reference_dir, candidate_dir, perturbed, tol_config)
     ref, cand = judge.ref, judge.cand
     results: List[TensorResult] = []
-    for i, result in enumerate(judged_in_order(judge, (reference_dir, candidate_dir, perturbed), workers, open_judge)):
+    dirs = (reference_dir, candidate_dir, perturbed)
+    verdicts = judged_across_ranks(judge, dirs, open_judge) if distributed else \
+        judged_in_order(judge, dirs, workers, open_judge)
+    if distributed:
+        import torch.distributed as dist
+
+        if dist.get_rank() != 0:
+            for _ in verdicts:  # (it measures its share, then yields nothing)
+                pass
+            return None
+    for i, result in enumerate(verdicts):
         results.append(result)
         if progress:
             progress(i + 1, len(judge.common))

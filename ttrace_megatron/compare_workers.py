@@ -121,13 +121,7 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
             if from_pool is None:
                 yield judge.tensor(key)  # which tells its own Cancellation and StepBounds
                 continue
-            if not per_microbatch(key):
-                yield judge.decided(key, out)
-                continue
-            result, magnitude = out
-            if magnitude is not None:
-                judge.cancellations.note_partial(key, magnitude)
-            yield result
+            yield _decided(judge, key, out)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
@@ -155,7 +149,7 @@ class _StepKeys:
         except BrokenProcessPool as e:
             print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
             out = None
-        return judge.tensor(key) if out is None else judge.decided(key, out)
+        return _decided(judge, key, out)
 
 
 def forkserver_context(preload: List[str]):
@@ -201,13 +195,65 @@ def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tu
 
 
 def _step_in_worker(key: TensorKey, reclipped: bool):
-    return _JUDGE.step_measured(key, reclipped)
+    return _measure(_JUDGE, key, reclipped)
 
 
 def _in_worker(key: TensorKey):
+    return _measure(_JUDGE, key)
+
+
+def _measure(judge, key: TensorKey, reclipped: Optional[bool] = None):
+    """What a worker (a process of the pool, or a rank) sends for a key: a microbatch key's verdict
+    and its partial-sum magnitude, a main grad's or the step's key's :class:`compare.Measured`
+    (None: the key is judged whole by whoever decides it)."""
+    if of_the_step(key):
+        return judge.step_measured(key, reclipped)
     if not per_microbatch(key):
-        measured = _JUDGE.main_grad_measured(key)
-        _JUDGE.partial_magnitudes.pop(key, None)
+        measured = judge.main_grad_measured(key)
+        judge.partial_magnitudes.pop(key, None)
         return measured
-    result = _JUDGE.tensor(key)
-    return result, _JUDGE.partial_magnitudes.pop(key, None)
+    result = judge.tensor(key)
+    return result, judge.partial_magnitudes.pop(key, None)
+
+
+def _decided(judge, key: TensorKey, out):
+    """A measured key's verdict, decided in order from ``judge``'s state (None: judged here whole)."""
+    if out is None:
+        return judge.tensor(key)
+    if per_microbatch(key):
+        result, magnitude = out
+        if magnitude is not None:
+            judge.cancellations.note_partial(key, magnitude)
+        return result
+    return judge.decided(key, out)
+
+
+def judged_across_ranks(judge, dirs: Dirs, open_judge: Callable) -> Iterator:
+    """Each of ``judge.common``'s verdicts in order, on rank 0 of torch.distributed's default group
+    (``torchrun ... ttrace compare --distributed``, over several machines where a trace is larger than
+    one): every rank measures every world-size-th measured key (microbatch keys, main grads, the
+    step's keys) on a judge of its own, as a pool worker does, deciding a step's re-clip as the
+    serial comparison would (its iteration's clip coefficient judged first there); rank 0 gathers
+    the measurements (sums and verdicts, not tensors) and decides every verdict in order. The
+    verdict is the serial one, bit for bit. Other ranks yield nothing."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    worker = open_judge(*dirs, judge.tol_config)  # its state is its own, as a pool worker's
+    common, clips, mine = set(judge.common), set(), {}
+    for key in [k for k in judge.common if measured_in_pool(k) or of_the_step(k)][rank::world]:
+        reclipped = None
+        if of_the_step(key):
+            clip = TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, keys.CLIP_COEFFICIENT)
+            if clip in common and clip not in clips and judge.order[clip] < judge.order[key]:
+                worker.tensor(clip)  # (what StepBounds.reclipped reads: the clip coefficients' error)
+                clips.add(clip)
+            reclipped = worker.step_bounds.reclipped(key)
+        mine[key] = _measure(worker, key, reclipped)
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(mine, gathered, dst=0)
+    if rank != 0:
+        return
+    measured = {k: v for part in gathered for k, v in part.items()}
+    for key in judge.common:
+        yield _decided(judge, key, measured[key]) if key in measured else judge.tensor(key)
