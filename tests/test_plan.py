@@ -227,16 +227,20 @@ def test_judging_time_is_planned_per_side_from_the_measured_rates():
     online = core.SidePlan("candidate", 2, {"tp": 2}, 3, [opt, act], online=True)
     recorded = core.SidePlan("perturbation run", 1, {"tp": 1}, 3, [opt, act])
     plan = core.Plan("toy", [ref, online, recorded], 0, (("reference", "candidate", "perturbation run"),))
-    rates = core.CompareRates(read=4e9, sums=8e9, update=1e9)
+    rates = core.CompareRates(verify=16e9, read=4e9, sums=8e9, update=1e9, record=1e-4)
     got = core.judging_seconds(plan, rates, workers=4)
     assert set(got) == {"candidate", "perturbation run"}
+
+    def expected(side, total, records, workers):
+        optimizer = 3 * side.bytes_per_iteration()[core.OPTIMIZER]
+        assert optimizer >= 3 * 3 * (4 << 20)  # (and the records' headers)
+        return (2 * total / 16e9 + (2 * total + 2 * optimizer) / 4e9 + 2 * total / 8e9 + 2 * optimizer / 1e9
+                + records * 1e-4) / workers
+
     as_recorded = dataclasses.replace(online, online=False)
-    total, optimizer = as_recorded.total(), 3 * as_recorded.bytes_per_iteration()[core.OPTIMIZER]
-    assert optimizer >= 3 * 3 * (4 << 20)  # (and the records' headers)
-    assert got["candidate"] == pytest.approx((2 * total / 4e9 + 2 * total / 8e9 + 2 * optimizer / 1e9) / 2)
-    optimizer = 3 * recorded.bytes_per_iteration()[core.OPTIMIZER]
-    assert got["perturbation run"] == pytest.approx(
-        (2 * recorded.total() / 4e9 + 2 * recorded.total() / 8e9 + 2 * optimizer / 1e9) / 4)
+    # records: 3 optimizer records sharded over 2 ranks and 8 activations replicated on 2, 3 iterations
+    assert got["candidate"] == pytest.approx(expected(as_recorded, as_recorded.total(), 3 * (3 * 2 + 8 * 2), 1) / 2)
+    assert got["perturbation run"] == pytest.approx(expected(recorded, recorded.total(), 3 * (3 + 8), 4))
     lines = core.format_plan(plan, compare_rates=rates, workers=4)
     assert any(line.startswith("judging candidate as it runs") and line.endswith("a rank") for line in lines)
 

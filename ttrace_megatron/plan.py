@@ -205,8 +205,9 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
         lines.append(f"writing it at this disk's measured {human(write_bandwidth)}/s: about "
                      f"{plan.all_bytes() / write_bandwidth:.0f} s")
     if compare_rates is not None:
-        lines.append(f"compare's parts on one thread here: reading {human(compare_rates.read)}/s, sums "
-                     f"{human(compare_rates.sums)}/s, the element-wise Adam check {human(compare_rates.update)}/s")
+        lines.append(f"compare's parts on one thread here: verifying {human(compare_rates.verify)}/s, reading "
+                     f"{human(compare_rates.read)}/s, sums {human(compare_rates.sums)}/s, the element-wise Adam check "
+                     f"{human(compare_rates.update)}/s, {compare_rates.record * 1e3:.2f} ms a record")
         for name, seconds in judging_seconds(plan, compare_rates, workers).items():
             online = plan.side(name).online
             lines.append(f"judging {name}" + (" as it runs, on each of its ranks" if online else
@@ -226,12 +227,16 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
 @dataclasses.dataclass(frozen=True)
 class CompareRates:
     """Compare's parts on this machine, in bytes per second on one thread (a compare worker's
-    setting): reading pieces a chunk at a time from the page cache, a piece's sums against the
-    reference (both operands), the element-wise Adam check of an updated value (its six operands)."""
+    setting): verifying a data file (xxh3), reading pieces a chunk at a time from the page cache, a
+    piece's sums against the reference (both operands), the element-wise Adam check of an updated
+    value (its six operands); and the seconds a record costs whatever its size (``record``: a small
+    piece placed, read and summed)."""
 
+    verify: float
     read: float
     sums: float
     update: float
+    record: float
 
 
 def measure_compare_rates(directory: str, elements: int = 1 << 22) -> CompareRates:
@@ -242,7 +247,8 @@ def measure_compare_rates(directory: str, elements: int = 1 << 22) -> CompareRat
 
     import torch
 
-    from . import streaming
+    from . import streaming, trace_store
+    from .compare import streamed_shard_sums
     from .placement import Layout
     from .tolerance import difference_sums
     from .trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
@@ -268,33 +274,52 @@ def measure_compare_rates(directory: str, elements: int = 1 << 22) -> CompareRat
         with tempfile.TemporaryDirectory(dir=directory, prefix=".ttrace-plan-") as tmp:
             write_run_info(tmp, {"role": "reference", "world_size": 1, "num_layers": 1})
             w = TraceWriter(tmp, 0, {}, page_cache=True)
-            w.add(TensorKey(1, -1, "m", "optimizer", "weight"), a, Layout((), (elements,)), depth=1)
+            key, small = TensorKey(1, -1, "m", "optimizer", "weight"), TensorKey(1, -1, "m", "optimizer", "bias")
+            w.add(key, a, Layout((), (elements,)), depth=1)
+            w.add(small, a[:64], Layout((), (64,)), depth=1)
             w.flush(1)
             w.close()
             reader = TraceReader(tmp)
-            source = streaming.RecordSource(reader, *next(reader.records()))
+            records = {rec.key: (rt, rec) for rt, rec in reader.records()}
+            source, tiny = (streaming.RecordSource(reader, *records[k]) for k in (key, small))
             whole = source.meta()
             streaming.read_flat(source, whole, 0, 1)  # (verified once, as compare does)
             read = best(lambda: [streaming.read_flat(source, whole, lo, hi) for lo, hi in chunks])
+            rt = records[key][0]
+            fname, info = next(iter(rt.files.items()))
+
+            def verify():
+                with open(os.path.join(rt.dir, fname), "rb") as f:
+                    trace_store._verify(f, info)
+
+            verify_s = best(verify)
+            record = best(lambda: [streamed_shard_sums(small, tiny, Layout((), (64,)), {}, tiny)
+                                   for _ in range(100)]) / 100
+            file_bytes = os.path.getsize(os.path.join(rt.dir, fname))
         sums = best(lambda: [difference_sums(a[lo:hi], b[lo:hi]) for lo, hi in chunks])
         m, v, rule = a.abs() * 1e-3, a * a * 1e-6, AdamRule(0.9, 0.95, 1e-8)
         update = best(lambda: judge_adam_chunks(rule, 1e-4, 2.0, "float32",
                                                 ((lo, [a[lo:hi], b[lo:hi], m[lo:hi], v[lo:hi], m[lo:hi], v[lo:hi]])
                                                  for lo, hi in chunks)))
-        return CompareRates(read=nbytes / read, sums=2 * nbytes / sums, update=6 * nbytes / update)
+        return CompareRates(verify=file_bytes / verify_s, read=nbytes / read, sums=2 * nbytes / sums,
+                            update=6 * nbytes / update, record=record)
     finally:
         torch.set_num_threads(threads)
 
 
 def compare_seconds(side: SidePlan, rates: CompareRates, workers: int = 1) -> float:
-    """Judging a recorded side against its reference, its parts at ``rates`` on ``workers``
-    processes: every byte read with the reference's at its positions and their sums taken, and each
-    updated value checked element by element over both sides' values and moments (about twice the
-    side's optimizer bytes). Per-key costs are left out (a trace of many small tensors takes longer)."""
-    recorded = dataclasses.replace(side, online=False)  # an online side judges what it would record
+    """Judging a side against its reference, its parts at ``rates`` on ``workers`` processes: both
+    sides' files verified once, every byte read with the reference's at its positions and their sums
+    taken, each updated value checked element by element over both sides' values and moments (about
+    twice the side's optimizer bytes, read again), and each record's own cost. An online side judges
+    what it would record (its reference's files verified as it starts)."""
+    recorded = dataclasses.replace(side, online=False)
     total = recorded.total()
     optimizer = recorded.bytes_per_iteration()[OPTIMIZER] * side.iterations
-    return (2 * total / rates.read + 2 * total / rates.sums + 2 * optimizer / rates.update) / max(workers, 1)
+    records = sum(g.record_count(side.sizes) for g in side.groups) * side.iterations
+    work = ((2 * total + 2 * optimizer) / rates.read + 2 * total / rates.sums + 2 * optimizer / rates.update
+            + records * rates.record)
+    return (2 * total / rates.verify + work) / max(workers, 1)
 
 
 def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, float]:
