@@ -212,7 +212,8 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
             online = plan.side(name).online
             lines.append(f"judging {name}" + (" as it runs, on each of its ranks" if online else
                                               f" after the run on {workers} process{'es' if workers > 1 else ''}")
-                         + f": about {seconds:.0f} s" + (" a rank" if online else ""))
+                         + f": at least {seconds:.0f} s" + (" a rank" if online else "")
+                         + " (its parts' cost; the keys' ordering, processes and scheduling come on top)")
     if free is not None:
         lines.append(f"free where the traces go: {human(free)}"
                      + ("" if fits(plan.disk_needed(), free) else
@@ -324,7 +325,9 @@ def compare_seconds(side: SidePlan, rates: CompareRates, workers: int = 1) -> fl
 
 def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, float]:
     """:func:`compare_seconds` of each side judged against the reference: an online side's on each
-    of its ranks (a rank judges its own shards, on its own thread), a recorded one's after the run."""
+    of its ranks (a rank judges its own shards, on its own thread), a recorded one's after the run.
+    A floor, not a forecast: at the 50M rung (``benchmarks/compare_at_scale.py``) the whole compare
+    took 1.6× it on one process and 2.6× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
     return {s.name: compare_seconds(s, rates, 1 if s.online else workers) / (s.ranks if s.online else 1)
             for s in plan.sides if s.judged}
 
