@@ -327,7 +327,7 @@ def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, 
     """:func:`compare_seconds` of each side judged against the reference: an online side's on each
     of its ranks (a rank judges its own shards, on its own thread), a recorded one's after the run.
     A floor, not a forecast: at the 50M rung (``benchmarks/compare_at_scale.py``) the whole compare
-    took 1.6× it on one process and 2.6× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
+    took 1.5× it on one process and 2.4× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
     return {s.name: compare_seconds(s, rates, 1 if s.online else workers) / (s.ranks if s.online else 1)
             for s in plan.sides if s.judged}
 
