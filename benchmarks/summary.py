@@ -146,6 +146,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
            ("online_bytes_wide_98cdf9f_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at f6d35f7, this session's disk (470–512 MB/s measured by plan)", CHECK_COST,
+           ("online_bytes_wide_f6d35f7_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same in bf16 with its fp32 twin", CHECK_COST,
            ("online_bytes_wide_bf16_013f3c2_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same at e64d6b6 (before the prefetch and the kept JSON), recorded too and with a bug", CHECK_COST,
@@ -159,6 +161,11 @@ CURRENT: Tuple[Source, ...] = (
     Source("`ttrace plan` against the HybridModel recipes' checks on megatron-core 0.19.2", PLAN,
            ("plan_recipes_hybrid_2ddabf8_mc0192.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("compare on N processes", WORKERS, ("compare_workers_e2ac6c3_h200.jsonl",),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("compare at the 50M rung (both sides recorded, in the page cache; 622fcd2: before it read a chunk at a "
+           "time, on the same traces)", COMPARE_SCALE, ("compare_at_scale_35776aa_epyc.jsonl",),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("each part of compare", COMPARE_PARTS, ("compare_parts_35776aa_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
 )
 
@@ -607,14 +614,16 @@ def summary() -> str:
                            f"written, {r['wall_s']:.0f} s, {r['wall_s'] / trained:.1f}× the two layouts trained "
                            f"without ttrace ({trained:.1f} s) ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == COMPARE_SCALE:
-            for r in rows:
-                out.append(f"- {s.population}, {r['commit']}, {r['workers']} worker{'s' if r['workers'] > 1 else ''}: "
-                           f"{r['trace_bytes'] / 1e9:.2f} GB ({r['tensors']} keys) judged in {r['seconds']:.1f} s, "
-                           f"{r['of_memory_bandwidth']:.3f}× memory bandwidth ({r['memory_bandwidth'] / 1e9:.1f} GB/s; "
-                           f"goal ≥ 0.5×); peak {r['peak_over_baseline'] / 2**20:.0f} MiB over the comparing process's "
-                           f"baseline, **{r['peak_over_largest']:.2f}× the largest tensor** "
-                           f"({r['largest_tensor_bytes'] / 2**20:.0f} MiB; goal ≤ 2×); verdict {r['verdict']} "
-                           f"({_files(s)}; {machine_of(s.files[0])}).")
+            first = rows[0]
+            out.append(f"- {s.population}: {first['trace_bytes'] / 1e9:.2f} GB, {first['tensors']} keys, the largest "
+                       f"tensor {first['largest_tensor_bytes'] / 2**20:.0f} MiB ({_files(s)}; {machine_of(s.files[0])}):")
+            for commit in dict.fromkeys(r["commit"] for r in rows):
+                runs = [r for r in rows if r["commit"] == commit]
+                out.append(f"  - {commit}: " + "; ".join(
+                    f"{r['workers']} worker{'s' if r['workers'] > 1 else ''} {r['seconds']:.1f} s, "
+                    f"{r['of_memory_bandwidth']:.3f}× memory bandwidth ({r['memory_bandwidth'] / 1e9:.0f} GB/s), peak "
+                    f"**{r['peak_over_largest']:.2f}× the largest tensor**" for r in runs)
+                    + f" (goals ≥ 0.5× and ≤ 2×; verdict {', '.join(sorted({r['verdict'] for r in runs}))}).")
         elif s.kind == COMPARE_PARTS:
             parts = "; ".join(f"{r['part']} {r['GBps']:.1f} GB/s ({r['of_memory_bandwidth']:.3f}×)" for r in rows)
             out.append(f"- {s.population}, {rows[0]['commit']}, one thread, against {rows[0]['memory_bandwidth'] / 1e9:.1f}"
