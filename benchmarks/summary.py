@@ -44,6 +44,7 @@ PARITY = "parity"        # online_parity.py rows: each recipe judged online and 
 CHECK_COST = "check_cost"  # online_bytes.py --plain rows: a whole check, online and --keep-traces, against training
 COMPARE_SCALE = "compare_scale"  # compare_at_scale.py rows: compare's throughput and peak at the 50M rung
 COMPARE_PARTS = "compare_parts"  # compare_parts.py rows: each part of compare on one core, against memory bandwidth
+COSTS_TABLE = "costs_table"  # costs.py's Markdown: its first table (one run), shown as it is
 
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
@@ -139,7 +140,7 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
-           ("online_parity_21bd849_epyc.jsonl", "online_parity_bf16_21bd849_epyc.jsonl"),
+           ("online_parity_68e7df1_epyc.jsonl", "online_parity_bf16_21bd849_epyc.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
@@ -161,6 +162,9 @@ CURRENT: Tuple[Source, ...] = (
     Source("`ttrace plan` against the HybridModel recipes' checks on megatron-core 0.19.2", PLAN,
            ("plan_recipes_hybrid_2ddabf8_mc0192.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("compare on N processes", WORKERS, ("compare_workers_e2ac6c3_h200.jsonl",),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("the cost table, one run of `benchmarks/costs.py --no-scale` on a toy trace (its largest tensor 8 MiB: "
+           "compare's fixed memory, per record, dominates its peak there)", COSTS_TABLE, ("costs_68e7df1_epyc.md",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("compare at the 50M rung (both sides recorded, in the page cache; 622fcd2: before it read a chunk at a "
            "time, on the same traces)", COMPARE_SCALE, ("compare_at_scale_35776aa_epyc.jsonl",),
@@ -585,6 +589,14 @@ def summary() -> str:
                        + " | ".join(_g(d["worst"].get(k)) for k in LADDER_KINDS) + " |")
     out += ["", "### Costs", ""]
     for s in costs:
+        if s.kind == COSTS_TABLE:
+            table = markdown_tables(_path(s.files[0]))[0]
+            first = open(_path(s.files[0]), encoding="utf-8").readline().strip()
+            out += [f"- {s.population} ({_files(s)}; {machine_of(s.files[0])}; {first}):", "",
+                    "  | measure | value | ratio | goal |", "  |---|---|---|---|"]
+            out += [f"  | {r['measure']} | {r['value']} | {r['ratio']} | {r['goal']} |" for r in table]
+            out.append("")
+            continue
         rows = [r for f in s.files for r in jsonl(_path(f))]
         if s.kind == TWIN_COST:
             ratios = [r["ratio"] for r in rows if r.get("ratio") is not None]
