@@ -43,25 +43,12 @@ SEPARATE_RUNS = 3
 
 COMPARE_CHILD = r"""
 import json, sys, time, warnings
-from concurrent.futures import ProcessPoolExecutor
 warnings.filterwarnings("ignore")
 from ttrace_megatron.compare import compare_traces
 
-def status(field, pid="self"):
-    with open(f"/proc/{pid}/status") as f:
+def status(field):
+    with open("/proc/self/status") as f:
         return next(int(l.split()[1]) for l in f if l.startswith(field + ":"))
-
-# each pool worker's high-water mark, read as the pool shuts down (its processes are the fork
-# server's children: this process cannot wait for them)
-workers_hwm, shutdown = [], ProcessPoolExecutor.shutdown
-def read_then_shutdown(self, *args, **kwargs):
-    for pid in list(getattr(self, "_processes", None) or {}):
-        try:
-            workers_hwm.append(status("VmHWM", pid))
-        except (OSError, StopIteration):
-            pass
-    return shutdown(self, *args, **kwargs)
-ProcessPoolExecutor.shutdown = read_then_shutdown
 
 before = status("VmRSS")
 with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark (VmHWM) to the current RSS
@@ -69,10 +56,8 @@ with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark (
 t = time.perf_counter()
 c = compare_traces(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]))
 elapsed = time.perf_counter() - t
-# a worker's peak over this process's baseline (both imported torch and ttrace; a worker opened its judge too)
 print(json.dumps({"seconds": elapsed, "peak_kib_over_baseline": status("VmHWM") - before, "tensors": len(c.results),
-                  "verdict": c.verdict,
-                  "worker_peak_kib_over_baseline": max(workers_hwm) - before if workers_hwm else None}))
+                  "verdict": c.verdict}))
 """
 
 
