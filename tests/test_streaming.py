@@ -14,11 +14,11 @@ from conftest import load
 from ttrace_megatron import keys, streaming
 from ttrace_megatron.compare import (_TraceJudge, compare_traces, group_records, piece_view, shard_sums,
                                      streamed_shard_sums)
-from ttrace_megatron.placement import Layout, RangeShard, Shard, slice_logical
+from ttrace_megatron.placement import slice_logical
 from ttrace_megatron.streaming import MemorySource, RecordSource, flat_views, read_flat
-from ttrace_megatron.trace_store import TraceReader, TraceWriter, write_run_info
-from test_placement import _all_coords, layouts
-from test_trace_store import KEY
+from ttrace_megatron.trace_store import TraceReader
+from test_placement import layouts
+from test_trace_store import KEY, rank_pieces, single_device_reference
 
 
 @st.composite
@@ -51,12 +51,7 @@ def test_flat_views_cover_a_range_of_any_view_with_views(case):
 
 
 def _reference(tmp, full):
-    write_run_info(tmp, {"role": "reference", "world_size": 1, "num_layers": 2})
-    w = TraceWriter(tmp, 0, {"tp": (0, 1)})
-    w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
-    w.flush(1)
-    w.close()
-    reader = TraceReader(tmp)
+    reader = single_device_reference(tmp, full)
     rt, rec = group_records(reader)[KEY][0]
     return RecordSource(reader, rt, rec)
 
@@ -80,14 +75,7 @@ def test_streamed_sums_are_the_whole_tensors_sums(case, seed, scale, chunk, nonf
     try:
         with tempfile.TemporaryDirectory() as tmp:
             reference = _reference(tmp, full)
-            local_shape = list(stored)
-            for p in layout.placements:
-                if isinstance(p, Shard):
-                    local_shape[p.dim] //= sizes[p.axis]
-            for coords in _all_coords(sizes):
-                last = layout.placements[-1]
-                shape = (lambda s, e: (e - s,))(*last.piece(coords[last.axis][0])) if isinstance(last, RangeShard) \
-                    else local_shape
+            for coords, shape in rank_pieces(layout, sizes, stored):
                 piece = slice_logical(full, layout, coords, shape)
                 cand = (piece.double() * (1 + 1e-6 * torch.randn(piece.shape, generator=gen, dtype=torch.float64))
                         ).float().contiguous()

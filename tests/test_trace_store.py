@@ -17,6 +17,28 @@ from test_placement import _all_coords, layouts
 KEY = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", "forward", "output")
 
 
+def single_device_reference(tmp, full) -> TraceReader:
+    """A reference trace holding ``full`` as KEY, whole on its one rank."""
+    write_run_info(str(tmp), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(tmp), 0, {"tp": (0, 1)})
+    w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
+    w.flush(1)
+    w.close()
+    return TraceReader(str(tmp))
+
+
+def rank_pieces(layout, sizes, stored):
+    """(coords, the shape its rank stores) of every rank of a ``layouts()`` case."""
+    local_shape = list(stored)
+    for p in layout.placements:
+        if isinstance(p, Shard):
+            local_shape[p.dim] //= sizes[p.axis]
+    last = layout.placements[-1]
+    for coords in _all_coords(sizes):
+        yield coords, ((lambda s, e: (e - s,))(*last.piece(coords[last.axis][0])) if isinstance(last, RangeShard)
+                       else tuple(local_shape))
+
+
 def make_trace(path, world=2, value=None, model_config=None, close=True, nan=False):
     write_run_info(str(path), {"role": "candidate", "world_size": world, "num_layers": 2,
                                "model_config": model_config or {"model": {"hidden_size": 8}}})
@@ -270,24 +292,12 @@ def test_reading_a_rank_piece_of_a_reference_reads_what_slicing_the_whole_gives(
     layout = dataclasses.replace(layout, scale=scale)
     full = torch.randn(layout.logical_shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
-        write_run_info(tmp, {"role": "reference", "world_size": 1, "num_layers": 2})
-        w = TraceWriter(tmp, 0, {"tp": (0, 1)})
-        w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
-        w.flush(1)
-        w.close()
-        reader = TraceReader(tmp)
+        reader = single_device_reference(tmp, full)
         pieces = group_records(reader)[KEY]
-        local_shape = list(stored)
-        for p in layout.placements:
-            if isinstance(p, Shard):
-                local_shape[p.dim] //= sizes[p.axis]
         before = trace_store.RUN_BYTES
         trace_store.RUN_BYTES = 1 if row_by_row else before
         try:
-            for coords in _all_coords(sizes):
-                last = layout.placements[-1]
-                shape = (lambda s, e: (e - s,))(*last.piece(coords[last.axis][0])) if isinstance(last, RangeShard) \
-                    else local_shape
+            for coords, shape in rank_pieces(layout, sizes, stored):
                 want = slice_logical(full, layout, coords, shape)
                 got = reference_piece(reader, pieces, layout, coords, shape)
                 assert got.dtype == want.dtype and torch.equal(got, want), (layout, coords)
@@ -305,12 +315,7 @@ def test_a_rank_piece_reads_only_its_bytes(tmp_path, monkeypatch, placement, row
     from ttrace_megatron.compare import group_records, reference_piece
 
     full = torch.randn(64, 32768 if rows else 64)  # half a row: 64 KiB (RUN_BYTES), or 128 bytes
-    write_run_info(str(tmp_path), {"role": "reference", "world_size": 1, "num_layers": 2})
-    w = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
-    w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
-    w.flush(1)
-    w.close()
-    reader = TraceReader(str(tmp_path))
+    reader = single_device_reference(tmp_path, full)
     read = []
     real = TraceReader._read_into
     monkeypatch.setattr(TraceReader, "_read_into",

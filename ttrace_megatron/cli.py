@@ -53,12 +53,14 @@ def _compare_progress(console: Console):
 
 def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[str] = None,
              perturbed: Optional[str] = None, workers: Optional[int] = None, quiet: bool = False,
-             show_progress: bool = True):
+             show_progress: bool = True, distributed: bool = False):
     """Compare with its progress shown (unless not ``show_progress``), print the report (unless
     ``quiet``), write JSON; returns the report (JSON form).
 
     A candidate that compared online (``--ttrace-reference``) holds verdict sums, not tensors:
     they are combined instead, with the perturbation estimate's own online sums (``perturbed``).
+    ``distributed``: a rank of ``torchrun ... ttrace compare --distributed`` (gloo): every rank
+    judges its share of the keys, rank 0 the verdicts and the report; the others return None.
     """
     from .compare import compare_traces
     from .compare_workers import available_cores
@@ -69,12 +71,20 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
 
     online = has_online_results(cand_dir) and not os.path.exists(os.path.join(cand_dir, "rank-00000", "manifest.json"))
     shown = _compare_progress(console) if show_progress else contextlib.nullcontext(None)
-    with shown as progress:
-        if online:
-            comparison = combine_online(cand_dir, ref_dir, perturbed=perturbed, progress=progress)
-        else:
-            comparison = compare_traces(ref_dir, cand_dir, perturbed=perturbed, workers=workers or available_cores(),
-                                        progress=progress)
+    if distributed and online:
+        raise RecipeError(f"--distributed judges recorded traces; {cand_dir} was judged online (its verdict sums "
+                          "are combined without it)")
+    if distributed:
+        comparison = _compare_across_ranks(ref_dir, cand_dir, perturbed)
+        if comparison is None:
+            return None
+    else:
+        with shown as progress:
+            if online:
+                comparison = combine_online(cand_dir, ref_dir, perturbed=perturbed, progress=progress)
+            else:
+                comparison = compare_traces(ref_dir, cand_dir, perturbed=perturbed,
+                                            workers=workers or available_cores(), progress=progress)
     report = to_json(comparison)
     report["num_layers"] = int(comparison.reference_run.get("num_layers", 0))
     if not quiet:
@@ -82,6 +92,21 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
     if json_path:
         write_json(comparison, json_path)
     return report
+
+
+def _compare_across_ranks(ref_dir: str, cand_dir: str, perturbed: Optional[str]):
+    """``compare_traces(distributed=True)`` in the process group torchrun describes (gloo)."""
+    import torch.distributed as dist
+
+    from .compare import compare_traces
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RecipeError("--distributed: launch it with torchrun (RANK and WORLD_SIZE are not set)")
+    dist.init_process_group("gloo")
+    try:
+        return compare_traces(ref_dir, cand_dir, perturbed=perturbed, distributed=True)
+    finally:
+        dist.destroy_process_group()
 
 
 def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[str]) -> dict:
@@ -412,42 +437,13 @@ def write_junit(rows, path: str) -> None:
 
 
 def cmd_compare(args, console: Console) -> int:
-    if getattr(args, "distributed", False):
-        return _compare_distributed(args, console)
     report = _compare(args.reference, args.candidate, console, args.json, getattr(args, "perturbed", None),
-                      getattr(args, "workers", None))
+                      getattr(args, "workers", None), distributed=getattr(args, "distributed", False))
+    if report is None:  # a rank of --distributed other than 0
+        return EXIT_PASS
     if getattr(args, "html", None):
         from .report import write_html
 
-        write_html(report, args.html)
-    return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
-
-
-def _compare_distributed(args, console: Console) -> int:
-    """``ttrace compare --distributed`` under torchrun: every rank measures its share of the keys
-    (gloo), rank 0 decides the verdicts in order, prints and writes the report; the others print
-    nothing and exit 0."""
-    import torch.distributed as dist
-
-    from .compare import compare_traces
-    from .report import render, to_json, write_html, write_json
-
-    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise RecipeError("--distributed: launch it with torchrun (RANK and WORLD_SIZE are not set)")
-    dist.init_process_group("gloo")
-    try:
-        comparison = compare_traces(args.reference, args.candidate, perturbed=getattr(args, "perturbed", None),
-                                    distributed=True)
-    finally:
-        dist.destroy_process_group()
-    if comparison is None:
-        return EXIT_PASS
-    report = to_json(comparison)
-    report["num_layers"] = int(comparison.reference_run.get("num_layers", 0))
-    render(report, console, num_layers=report["num_layers"])
-    if args.json:
-        write_json(comparison, args.json)
-    if getattr(args, "html", None):
         write_html(report, args.html)
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 

@@ -23,7 +23,7 @@ from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementErro
 from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
 from .streaming import (Cat, MappedSource, MemorySource, RecordSource, TensorSource, cat_of_views, chunks, read_flat,
                         read_piece, source_norm)
-from .tolerance import (Tolerance, ToleranceConfig, difference_norms, difference_sums, relative_error, tolerance_for,
+from .tolerance import (Tolerance, ToleranceConfig, difference_sums, relative_error, tolerance_for,
                         with_perturbation)
 from .update_rules import AdamRule, UpdateVerdict, judge_adam_chunks, judge_adam_update
 from .trace_store import RankTrace, Record, TraceReader
@@ -389,28 +389,48 @@ def sliced_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords
     rank reads only that piece (:func:`reference_piece`)."""
     base = blank_shard_sums(key, cand, layout, coords)
     if tuple(ref_shape) != tuple(layout.logical_shape):
-        return ShardSums(**dict(base, status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs "
-                                                               f"from the reference's {tuple(ref_shape)}"))
+        return _shape_sums(base, _logical_shape_differs(layout, ref_shape))
     local = tuple(cand.shape)
     try:
         ref_piece = reference_piece()
     except PlacementError as e:
-        return ShardSums(**dict(base, status="shape", detail=f"the candidate's piece {local} does not fit the "
-                                                               f"reference's logical shape: {e}"))
+        return _shape_sums(base, _piece_does_not_fit(local, e))
     cand = cand.detach().cpu()
     mask = logical_mask(layout, coords, local)
     if mask is not None:
         cand, ref_piece = cand.reshape(-1)[mask.reshape(-1)], ref_piece.reshape(-1)[mask.reshape(-1)]
-    diff_norm, ref_norm = difference_norms(cand, ref_piece)
-    if math.isfinite(diff_norm) and math.isfinite(ref_norm):  # no NaN/Inf anywhere: no element-wise scan
-        return ShardSums(**dict(base, diff_sq=diff_norm ** 2, ref_sq=ref_norm ** 2, compared=cand.numel()))
-    bad_c = ~torch.isfinite(cand)
-    bad_r = ~torch.isfinite(ref_piece)
+    return ShardSums(**dict(base, **piece_sums(cand, ref_piece)))
+
+
+def piece_sums(cand: torch.Tensor, ref: torch.Tensor, total: Optional[dict] = None) -> dict:
+    """The sums of a piece (or of a chunk of it, added to ``total``, the chunks before it) against
+    the reference at its positions, over the positions where both are finite."""
+    total = total or dict(diff_sq=0.0, ref_sq=0.0, compared=0, candidate_nonfinite=0, reference_nonfinite=0,
+                          same_nonfinite=True)
+    diff_sq, ref_sq = difference_sums(cand, ref)
+    if math.isfinite(diff_sq) and math.isfinite(ref_sq):  # no NaN/Inf: no element-wise scan
+        return dict(total, diff_sq=total["diff_sq"] + diff_sq, ref_sq=total["ref_sq"] + ref_sq,
+                    compared=total["compared"] + cand.numel())
+    bad_c, bad_r = ~torch.isfinite(cand), ~torch.isfinite(ref)
     keep = ~bad_c & ~bad_r
-    diff_norm, ref_norm = difference_norms(cand[keep], ref_piece[keep])
-    return ShardSums(**dict(base, diff_sq=diff_norm ** 2, ref_sq=ref_norm ** 2, compared=int(keep.sum()),
-                            candidate_nonfinite=int(bad_c.sum()), reference_nonfinite=int(bad_r.sum()),
-                            same_nonfinite=bool(torch.equal(bad_c, bad_r))))
+    diff_sq, ref_sq = difference_sums(cand[keep], ref[keep])
+    return dict(diff_sq=total["diff_sq"] + diff_sq, ref_sq=total["ref_sq"] + ref_sq,
+                compared=total["compared"] + int(keep.sum()),
+                candidate_nonfinite=total["candidate_nonfinite"] + int(bad_c.sum()),
+                reference_nonfinite=total["reference_nonfinite"] + int(bad_r.sum()),
+                same_nonfinite=total["same_nonfinite"] and bool(torch.equal(bad_c, bad_r)))
+
+
+def _shape_sums(base: dict, detail: str) -> ShardSums:
+    return ShardSums(**dict(base, status="shape", detail=detail))
+
+
+def _logical_shape_differs(layout: Layout, ref_shape: Sequence[int]) -> str:
+    return f"logical shape {tuple(layout.logical_shape)} differs from the reference's {tuple(ref_shape)}"
+
+
+def _piece_does_not_fit(local: Sequence[int], e: PlacementError) -> str:
+    return f"the candidate's piece {tuple(local)} does not fit the reference's logical shape: {e}"
 
 
 def streamed_shard_sums(key: TensorKey, cand: TensorSource, layout: Layout, coords: Coords,
@@ -422,38 +442,20 @@ def streamed_shard_sums(key: TensorKey, cand: TensorSource, layout: Layout, coor
     local = tuple(cand.shape)
     base = blank_shard_sums(key, None, layout, coords)
     if tuple(reference.shape) != tuple(layout.logical_shape):
-        return ShardSums(**dict(base, status="shape", detail=f"logical shape {tuple(layout.logical_shape)} differs "
-                                                               f"from the reference's {tuple(reference.shape)}"))
+        return _shape_sums(base, _logical_shape_differs(layout, reference.shape))
     try:
         view = piece_view(reference.shape, layout, coords, local)
     except PlacementError as e:
-        return ShardSums(**dict(base, status="shape", detail=f"the candidate's piece {local} does not fit the "
-                                                               f"reference's logical shape: {e}"))
+        return _shape_sums(base, _piece_does_not_fit(local, e))
     if view is None or logical_mask(layout, coords, local) is not None:
         return None
-    replicated = has_replicas(layout, coords)
-    whole = cand.meta()
-    sums = dict(digest=0, diff_sq=0.0, ref_sq=0.0, compared=0, candidate_nonfinite=0, reference_nonfinite=0,
-                same_nonfinite=True)
+    replicated, whole, digest, sums = has_replicas(layout, coords), cand.meta(), 0, None
     for begin, end in chunks(view.numel()):
         c = read_flat(cand, whole, begin, end)
-        r = with_scale(read_flat(reference, view, begin, end), layout)
         if replicated:
-            sums["digest"] = content_digest(c, sums["digest"])
-        diff_sq, ref_sq = difference_sums(c, r)
-        if math.isfinite(diff_sq) and math.isfinite(ref_sq):  # no NaN/Inf in the chunk: no element-wise scan
-            sums.update(diff_sq=sums["diff_sq"] + diff_sq, ref_sq=sums["ref_sq"] + ref_sq,
-                        compared=sums["compared"] + c.numel())
-            continue
-        bad_c, bad_r = ~torch.isfinite(c), ~torch.isfinite(r)
-        keep = ~bad_c & ~bad_r
-        diff_sq, ref_sq = difference_sums(c[keep], r[keep])
-        sums.update(diff_sq=sums["diff_sq"] + diff_sq, ref_sq=sums["ref_sq"] + ref_sq,
-                    compared=sums["compared"] + int(keep.sum()),
-                    candidate_nonfinite=sums["candidate_nonfinite"] + int(bad_c.sum()),
-                    reference_nonfinite=sums["reference_nonfinite"] + int(bad_r.sum()),
-                    same_nonfinite=sums["same_nonfinite"] and bool(torch.equal(bad_c, bad_r)))
-    return ShardSums(**dict(base, **sums))
+            digest = content_digest(c, digest)
+        sums = piece_sums(c, with_scale(read_flat(reference, view, begin, end), layout), sums)
+    return ShardSums(**dict(base, digest=digest, **(sums or {})))
 
 
 def relative_from_sums(diff_sq: float, ref_sq: float) -> float:
@@ -807,8 +809,9 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
 @dataclasses.dataclass
 class Measured:
     """A key's measurements, for a verdict decided in order from the comparison's state
-    (:meth:`_TraceJudge.measured`, :meth:`_TraceJudge.decided`): small, sent between processes. A
-    main grad's, or a step's optimizer state's or updated value's."""
+    (:meth:`_TraceJudge.main_grad_measured`, :meth:`_TraceJudge.step_measured`,
+    :meth:`_TraceJudge.decided`): small, sent between processes. A main grad's, or a step's
+    optimizer state's or updated value's."""
 
     entries: list
     notes: list
@@ -818,8 +821,6 @@ class Measured:
     bias_factor: Optional[float]  # a bias's token-terms factor (1 otherwise); None: the parent's (a moment's)
     replicas_split: bool  # judged shard by shard: replicas' differences can be measured if asked
     update: Optional[tuple] = None  # an updated value's element-wise check: apply_update_verdict's arguments
-
-
 
 
 class _TraceJudge:
@@ -908,8 +909,7 @@ class _TraceJudge:
         rec = self.ref_groups[key][0][1]
         ref_merged = logical_tensor(ref, self.ref_groups[key])
         judged_against = ref_merged.tensor
-        if self.step_bounds.reclipped(key):
-            # judged by its grads alone: the coefficients' difference taken out
+        if self.step_bounds.reclipped(key):  # judged by its grads alone: the coefficients' difference taken out
             judged_against = self.reclip.state(key, ref_merged.tensor,
                                                self.reclip.clip(cand, self.cand_groups, key.iteration))
         notes = [replica_note("reference", m.ranks, m.max_abs_diff, m.axis) for m in ref_merged.replica_mismatches]
@@ -941,8 +941,7 @@ class _TraceJudge:
             entries, replica_max_abs_diff = self._shard_by_shard(key, pieces, judged_against)
         if stop_before_state:
             return Measured(entries, notes, observed, cancellation, fp64_norm(ref_merged.tensor),
-                                    self.cancellations.bias_terms.factor(key, ref_merged.tensor),
-                                    replica_max_abs_diff is not None)
+                            self.cancellations.bias_terms.factor(key, ref_merged.tensor), replica_max_abs_diff is not None)
         cancellation = max(cancellation, self.cancellations.factor(key, ref_merged.tensor))
         result = self._combine(key, entries, notes, observed, cancellation, replica_max_abs_diff)
         if element_wise:
