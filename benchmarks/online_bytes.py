@@ -34,6 +34,7 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from margins import recipe as shipped_recipe  # noqa: E402
+from ttrace_megatron.plan import MEMORY_ROOT  # noqa: E402
 
 MODES = {"recorded": ["--keep-traces"], "online": []}  # online: ttrace run's default
 
@@ -43,7 +44,7 @@ def tree_bytes(path: str) -> int:
 
 
 def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optional[str], tmp: str,
-          cpu: bool = False, reference_io: str = "page-cache") -> dict:
+          cpu: bool = False, reference_io: str = "page-cache", reference_in: str = "auto") -> dict:
     import yaml
 
     from ttrace_megatron.cli import main
@@ -53,7 +54,7 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
     with open(path, "w") as f:
         yaml.safe_dump(r.to_json(), f)
     out, report_path = os.path.join(tmp, "out"), os.path.join(tmp, "report.json")
-    argv = ["run", path, "--out", out, "--json", report_path, "--quiet"] + MODES[mode] + (
+    argv = ["run", path, "--out", out, "--json", report_path, "--quiet", "--reference-in", reference_in] + MODES[mode] + (
         ["--inject", inject] if inject else []) + (["--cpu"] if cpu else [])
     start = time.monotonic()
     with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal), \
@@ -78,7 +79,9 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
            "timings_s": report.get("timings_s"), "wall_s": wall,
            "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
                                     text=True).stdout.strip(),
-           "megatron_core": megatron.core.__version__, "reference_io": reference_io,
+           "megatron_core": megatron.core.__version__, "reference_io": reference_io, "reference_in": reference_in,
+           # where the reference went: memory (removed once judged, its bytes not under --out) or the disk
+           "reference_in_memory": str(report.get("reference", "")).startswith(MEMORY_ROOT + os.sep),
            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo"}
     twin = report.get("fp32_twin")
     if twin is not None:
@@ -145,6 +148,8 @@ def main():
     parser.add_argument("--reference-io", nargs="+", choices=("page-cache", "direct"), default=["page-cache"],
                         help="how the reference is written (direct: O_DIRECT and fsync'd, as before 3831f07); "
                              "each check runs once per choice")
+    parser.add_argument("--reference-in", nargs="+", choices=("auto", "memory", "disk"), default=["auto"],
+                        help="ttrace run --reference-in: each check runs once per choice (after --reference-io's)")
     parser.add_argument("--cpu", action="store_true", help="gloo on CPU even where GPUs are (ttrace run --cpu)")
     args = parser.parse_args()
     for dtype in args.dtypes if args.plain else []:
@@ -154,9 +159,9 @@ def main():
             f.write(json.dumps(row) + "\n")
     checks = [(dtype, None) for dtype in args.dtypes] + ([("fp32", args.inject)] if args.inject else [])
     for dtype, inject in checks:
-        for mode, how in ((m, h) for m in args.modes for h in args.reference_io):
+        for mode, how, where in ((m, h, w) for m in args.modes for h in args.reference_io for w in args.reference_in):
             with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-                row = check(args.recipe, dtype, args.seed, args.wide, mode, inject, tmp, args.cpu, how)
+                row = check(args.recipe, dtype, args.seed, args.wide, mode, inject, tmp, args.cpu, how, where)
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
 

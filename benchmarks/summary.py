@@ -622,9 +622,12 @@ def summary() -> str:
                 if r.get("reference_io") == "direct":  # the A/B of 3831f07, which writes it through the page cache
                     mode = mode.replace("the default (online)", "online") + ", the reference written with O_DIRECT " \
                                                                             "as before 3831f07"
+                if r.get("reference_in_memory"):  # --reference-in: written to /dev/shm, removed once judged
+                    mode += ", the reference in memory"
+                parts = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("timings_s") or {}).items())
                 out.append(f"- {s.population}, {what}, {mode}: verdict {r['verdict']}, {r['bytes_total'] / 1e9:.2f} GB "
                            f"written, {r['wall_s']:.0f} s, {r['wall_s'] / trained:.1f}× the two layouts trained "
-                           f"without ttrace ({trained:.1f} s) ({_files(s)}; {machine_of(s.files[0])}).")
+                           f"without ttrace ({trained:.1f} s; parts: {parts} s) ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == COMPARE_SCALE:
             first = rows[0]
             out.append(f"- {s.population}: {first['trace_bytes'] / 1e9:.2f} GB, {first['tensors']} keys, the largest "

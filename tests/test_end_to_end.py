@@ -291,7 +291,7 @@ def test_cli_selective_recording(tmp_path):
 
     out = tmp_path / "out"
     rc = main(["run", os.path.join(RECIPES, "gpt_tp2.yaml"), "--out", str(out), "--iters", "2",
-               "--modules", "decoder.layers.1.*", "--microbatches", "1"])
+               "--modules", "decoder.layers.1.*", "--microbatches", "1", "--reference-in", "disk"])
     assert rc == 0  # judged online (the default): what the selection left out is not missing
     keys = [r.key for r in combine_online(str(out / "candidate")).results]
     assert keys and {k.iteration for k in keys} == {2}

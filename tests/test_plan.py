@@ -50,6 +50,95 @@ def test_peak_is_the_largest_set_of_sides_on_disk_together():
     assert "NOT ENOUGH" in text and "fits" in text
 
 
+def test_a_reference_held_in_memory_takes_no_disk_and_is_planned_as_memory():
+    g = core.TensorGroup(core.ACTIVATIONS, 1000, 4, 2, (Replicate("tp"),))
+    sides = [_side("reference", 1, {"tp": 1}, [g]), _side("candidate", 2, {"tp": 2}, [g]),
+             _side("fp32_twin/reference", 1, {"tp": 1}, [g], iterations=5), _side("fp32_twin/candidate", 2, {"tp": 2}, [g])]
+    per = 1000 * 4 * 2 + core.HEADER_BYTES_PER_RECORD * 2
+    held = core.Plan("r", sides, 100, (tuple(s.name for s in sides),), in_memory=("reference", "fp32_twin/reference"))
+    assert held.disk_needed() == 100 + 12 * per == held.all_bytes()  # the two candidates
+    assert held.memory_needed() == 5 * per  # one reference at a time: each goes once its pair is judged
+    assert core.Plan("r", sides, 100, held.peak_sides).memory_needed() == 0
+    assert "NOT ENOUGH (ttrace run refuses it)" in "\n".join(core.format_plan(held, memory_room=5 * per - 1))
+    assert "NOT ENOUGH" not in "\n".join(core.format_plan(held, free=10 ** 9, memory_room=5 * per))
+    # where the reference goes: auto takes memory where it fits and the check keeps no traces
+    assert core.reference_in_memory("auto", 10, 10, online=True)
+    assert not core.reference_in_memory("auto", 11, 10, online=True)
+    assert not core.reference_in_memory("auto", 1, None, online=True)  # no tmpfs here
+    assert not core.reference_in_memory("auto", 1, 10, online=False)  # --keep-traces: both sides on the disk
+    assert core.reference_in_memory("memory", 11, None, online=False)  # asked: refused at the run if it does not fit
+    assert not core.reference_in_memory("disk", 1, 10, online=True)
+    with pytest.raises(ValueError, match="one of auto, memory, disk"):
+        core.reference_in_memory("ram", 1, 10, online=True)
+    assert "takes about 5.0 GB and only 1.0 GB may be taken there" in core.memory_refusal_text("r", 5 * 10 ** 9, 10 ** 9)
+
+
+def test_memory_room_is_a_share_of_the_memory_available_within_the_tmpfs(tmp_path, monkeypatch):
+    if core.memory_available() is None:
+        pytest.skip("no /proc/meminfo here")
+    assert 0 < core.memory_available()
+    monkeypatch.setattr(core, "memory_available", lambda: 10 ** 9)
+    free = core.free_bytes(str(tmp_path))
+    assert core.memory_room(str(tmp_path)) == int(min(core.MEMORY_SHARE * 10 ** 9, core.DISK_HEADROOM * free))
+    assert core.memory_room(str(tmp_path / "absent")) is None
+    monkeypatch.setattr(core, "memory_available", lambda: None)
+    assert core.memory_room(str(tmp_path)) is None
+
+
+def test_what_a_killed_check_left_in_memory_is_taken_back(tmp_path):
+    proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = int(proc.stdout)
+    for name in (f"ttrace-{dead}-abc", f"ttrace-{os.getpid()}-live", "ttrace-other", "unrelated"):
+        (tmp_path / name).mkdir()
+    made = core.memory_scratch(str(tmp_path))
+    assert os.path.basename(made).startswith(f"ttrace-{os.getpid()}-")
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(made), f"ttrace-{os.getpid()}-live",
+                                                   "ttrace-other", "unrelated"])
+
+
+@pytest.mark.multiprocess
+def test_the_default_check_holds_its_reference_in_memory_and_writes_none_of_it(tmp_path):
+    """A clean bf16 check, its twin too: each pair's reference in memory, removed once judged; the
+    disk holds the candidates' verdict sums. ``--reference-in disk`` writes it under --out, as before."""
+    import yaml
+
+    if not core.reference_in_memory("auto", 10 ** 8, core.memory_room(), online=True):
+        pytest.skip(f"no room in {core.MEMORY_ROOT} for 100 MB here")
+    raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
+    raw.update(dtype="bf16", name="gpt_tp2_sp")
+    path = tmp_path / "r.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    mine = f"ttrace-{os.getpid()}-"
+    out, report_path = tmp_path / "out", tmp_path / "r.json"
+    assert cli.main(["run", str(path), "--out", str(out), "--quiet", "--json", str(report_path)]) == cli.EXIT_PASS
+    report = json.loads(report_path.read_text())
+    assert report["reference_removed"] and report["fp32_twin"]["reference_removed"]
+    assert report["reference"].startswith(core.MEMORY_ROOT + "/" + mine)
+    assert not (out / "reference").exists() and not (out / "fp32_twin" / "reference").exists()
+    assert (out / "candidate").is_dir() and (out / "fp32_twin" / "candidate").is_dir()
+    assert not [n for n in os.listdir(core.MEMORY_ROOT) if n.startswith(mine)]
+    out = tmp_path / "disk"
+    assert cli.main(["run", str(path), "--out", str(out), "--quiet", "--no-fp32-twin", "--reference-in", "disk"]) == 0
+    assert (out / "reference" / "rank-00000" / "manifest.json").exists()
+
+
+def test_a_reference_asked_in_memory_that_would_not_fit_is_refused_with_the_numbers(tmp_path, monkeypatch):
+    from ttrace_megatron.adapter.run import launch
+    from ttrace_megatron.recipe import load_recipe
+
+    def plan(target, argv_and_error, timeout_s, cpu=False):  # the plan's process, as a machine without room
+        argv = argv_and_error[0]
+        with open(argv[argv.index("--json") + 1], "w") as f:
+            json.dump(dict(disk_needed=0, in_memory=["reference"], memory_needed=5 * 10 ** 9, memory_room=10 ** 9), f)
+        return 0
+
+    monkeypatch.setattr(launch, "run_function", plan)
+    args = cli.build_parser().parse_args(["run", "x", "--out", str(tmp_path), "--reference-in", "memory"])
+    with pytest.raises(RecipeError, match=r"--reference-in memory: the reference's trace takes about 5\.0 GB and only "
+                                          r"1\.0 GB may be taken there"):
+        cli._check_disk(load_recipe(os.path.join(RECIPES, "gpt_tp2_sp.yaml")), str(tmp_path), args, None)
+
+
 def test_sizes_parse_in_decimal_units():
     assert core.parse_bytes("200GB") == 200 * 10 ** 9
     assert core.parse_bytes("1.5TB") == 1.5 * 10 ** 12
@@ -92,16 +181,21 @@ def test_the_plan_holds_within_5_percent_of_what_a_check_writes(tmp_path, recipe
     path.write_text(yaml.safe_dump(raw))
     out = tmp_path / "out"
     planned = _plan_json(str(path), "--out", str(out), *flags)
-    # (the disk check's own plan is the one above: tests below)
+    # (the disk check's own plan is the one above: tests below; without it, the reference goes where it put it)
+    where = ["--reference-in", "memory" if planned["in_memory"] else "disk"]
     proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "run", str(path), "--out", str(out), "--quiet",
-                           "--no-localize", "--no-disk-check", *flags], capture_output=True, text=True, cwd=REPO)
+                           "--no-localize", "--no-disk-check", *flags, *where], capture_output=True, text=True,
+                          cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     sides = ("reference", "candidate", "reference-perturbed")
-    assert {s["name"] for s in planned["sides"]} == {d for d in sides if (out / d).is_dir()} | \
+    # a reference the plan held in memory (the default check's, where it fits) is not under --out
+    on_disk = [s for s in planned["sides"] if s["name"] not in planned["in_memory"]]
+    assert {s["name"] for s in on_disk} == {d for d in sides if (out / d).is_dir()} | \
         {"fp32_twin/" + d for d in sides if (out / "fp32_twin" / d).is_dir()}
     assert {s["name"] for s in planned["sides"] if s["online"]} == (
         set() if "--keep-traces" in flags else {d + s for d in ("", "fp32_twin/") for s in sides[1:]})
-    for side in planned["sides"]:
+    assert not planned["in_memory"] if "--keep-traces" in flags else planned["in_memory"] or not planned["memory_room"]
+    for side in on_disk:
         measured = core.measured_bytes(str(out / side["name"]))
         within = ONLINE_SPREAD if side["online"] else 0.05
         assert abs(side["total"] / measured - 1) <= within, (side["name"], side["total"], measured)
@@ -205,8 +299,8 @@ def test_the_disk_check_plans_with_the_flags_that_change_what_a_check_writes():
                                           "--modules", "decoder.*", "--quiet", "--workers", "2"])
     cmd = cli._plan_command("r.json", "p.json", "o", args)
     assert cmd[cmd.index("plan"):] == ["plan", "r.json", "--json", "p.json", "--no-fp32-twin", "--perturb",
-                                       "--no-lockstep", "--keep-traces", "--iters", "1,3", "--microbatches", "0",
-                                       "--modules", "decoder.*", "--out", "o"]
+                                       "--no-lockstep", "--keep-traces", "--reference-in", "auto", "--iters", "1,3",
+                                       "--microbatches", "0", "--modules", "decoder.*", "--out", "o"]
     # online is the default, of both commands; --online still says it
     for flags in ([], ["--online"]):
         online = cli.build_parser().parse_args(["run", "r.yaml", *flags])

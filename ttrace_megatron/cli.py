@@ -115,9 +115,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     (JSON form): the recipe's own pair, with the twin's report under ``fp32_twin`` and the verdict
     of both. A valid recipe that megatron builds as another model is a FAIL localized to the build
     (no tensor is compared, and no twin runs)."""
-    from .errors import BuiltOtherwise
     from .recipe import FP32_TWIN, fp32_twin
-    from .report import build_failure, combine_twin, render, render_twin, twin_error
 
     twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
     run_side = _side_runner(recipe, out, args, console)
@@ -128,14 +126,32 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     except RecipeError as e:
         raise RecipeError(f"the fp32 twin of this recipe cannot run: {e} (--no-fp32-twin leaves the twin out)") \
             from None
-    _check_disk(recipe, out, args, console)
-    start = time.monotonic()
+    scratch = _memory_scratch(_check_disk(recipe, out, args, console), args)
     try:
-        report = _run_and_compare(recipe, out, args, console, run_side)
+        return _run_pairs(recipe, twin, out, args, console, json_path, run_side, run_twin, scratch)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _run_pairs(recipe, twin, out: str, args, console: Console, json_path: Optional[str], run_side, run_twin,
+               scratch: Optional[str]) -> dict:
+    """The recipe's pair, then its fp32 twin's (``_run_recipe``); each pair's reference in
+    ``scratch`` (memory) where it is not None."""
+    from .errors import BuiltOtherwise
+    from .recipe import FP32_TWIN
+    from .report import build_failure, combine_twin, render, render_twin, twin_error
+
+    twin_out = os.path.join(out, FP32_TWIN)
+    start = time.monotonic()
+    ref_dir = _reference_dir(scratch, out, "")
+    try:
+        report = _run_and_compare(recipe, out, args, console, run_side, ref_dir=ref_dir)
     except BuiltOtherwise as e:
         report = build_failure(e.side, e.rank, e.module, e.problems, recipe.name)
         render(report, console)
         run_twin = None
+    _let_go_reference(report, ref_dir, out, args, console)
     report["seconds"] = round(time.monotonic() - start, 2)  # every run, compare and replay of the pair
     if run_twin is not None and not getattr(args, "out", None):
         # nothing keeps the pair's traces (no --out): the twin's need not sit beside them on the disk
@@ -145,8 +161,9 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         console.print(f"[bold]fp32 twin[/]: {recipe.name} again in fp32, same layout and seed checkpoint, judged under "
                       f"fp32 bounds (the layout's logic; --no-fp32-twin leaves it out) → {twin_out}")
         start = time.monotonic()
+        twin_ref = _reference_dir(scratch, twin_out, FP32_TWIN)
         try:
-            twin_report = _run_and_compare(twin, twin_out, args, console, run_twin, quiet=True)
+            twin_report = _run_and_compare(twin, twin_out, args, console, run_twin, quiet=True, ref_dir=twin_ref)
         except BuiltOtherwise as e:
             twin_report = build_failure(e.side, e.rank, e.module, e.problems, twin.name)
         except (TraceError, RecipeError, RunFailed, ValueError) as e:
@@ -154,6 +171,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
             # amax): the pair's verdict stands, and the check says the twin did not run, and why
             console.print(f"[yellow]the fp32 twin did not run: {e}[/]", highlight=False)
             twin_report = twin_error(str(e), twin.name)
+        _let_go_reference(twin_report, twin_ref, twin_out, args, console)
         twin_report["seconds"] = round(time.monotonic() - start, 2)
         _write_reports(twin_report, twin_out, None, None)  # `ttrace report OUT/fp32_twin` reads it
         report = combine_twin(report, twin_report, recipe.dtype)
@@ -167,14 +185,59 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
 PAIR_TRACES = ("reference", "candidate", "reference-perturbed", "replay")  # a pair's trace directories
 
 
+def _memory_scratch(planned: Optional[dict], args) -> Optional[str]:
+    """The directory in memory that this check's references go to, or None (under ``--out``, on
+    the disk): where the plan put them (``--reference-in``); without a plan (``--no-disk-check``,
+    or none could be made) only where ``--reference-in memory`` asks."""
+    from . import plan as core
+
+    in_memory = bool(planned["in_memory"]) if planned is not None else getattr(args, "reference_in", "auto") == "memory"
+    if not in_memory:
+        return None
+    if not os.path.isdir(core.MEMORY_ROOT):
+        raise RecipeError(f"--reference-in memory: this machine has no {core.MEMORY_ROOT} to hold the reference")
+    return core.memory_scratch()
+
+
+def _reference_dir(scratch: Optional[str], pair_out: str, pair: str) -> str:
+    """Where a pair's reference is written: in ``scratch`` (memory), or under the pair's own --out."""
+    return os.path.join(scratch, pair or "pair", "reference") if scratch else os.path.join(pair_out, "reference")
+
+
+def _let_go_reference(report: dict, ref_dir: str, pair_out: str, args, console: Console) -> None:
+    """An in-memory reference once its pair is judged (and localized): removed, so that the next
+    pair's has the memory; a failing check's is moved under ``--out`` first where the disk has room
+    for it (the evidence of a failure is kept, as on the disk; a pass needs none)."""
+    from . import plan as core
+
+    if ref_dir == os.path.join(pair_out, "reference") or not os.path.isdir(ref_dir):
+        return
+    kept = os.path.join(pair_out, "reference")
+    if report.get("verdict") == "fail" and getattr(args, "out", None):
+        size = core.measured_bytes(ref_dir)
+        free = core.free_bytes(pair_out)
+        if core.fits(size, free):
+            shutil.rmtree(kept, ignore_errors=True)
+            shutil.move(ref_dir, kept)
+            report["reference"] = os.path.abspath(kept)
+            console.print(f"the failing check's reference, held in memory, moved to {kept}", highlight=False)
+            return
+        console.print(f"[yellow]the failing check's reference ({core.human(size)}, held in memory) is not kept: "
+                      f"only {core.human(free)} are free under {pair_out}[/]", highlight=False)
+    shutil.rmtree(ref_dir, ignore_errors=True)
+    report["reference_removed"] = True
+
+
 def _seed_path(out: str) -> str:
     return os.path.join(out, "seed_checkpoint.safetensors")
 
 
-def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: bool = False) -> dict:
-    """The reference, the candidate (in lock-step unless asked otherwise), the perturbation run the
-    recipe asks for, the comparison, and on a mismatch the replay that localizes it. ``quiet``: the
-    report is not printed (the fp32 twin's is summarized after the recipe's own)."""
+def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: bool = False,
+                     ref_dir: Optional[str] = None) -> dict:
+    """The reference (in ``ref_dir``: default under ``out``), the candidate (in lock-step unless asked
+    otherwise), the perturbation run the recipe asks for, the comparison, and on a mismatch the
+    replay that localizes it. ``quiet``: the report is not printed (the fp32 twin's is summarized
+    after the recipe's own)."""
     from .adapter.run.runner import CANDIDATE, REFERENCE
 
     timings = {}  # seconds per part of the check, in the order they ran (the report's "timings_s")
@@ -186,16 +249,18 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
         finally:
             timings[part] = round(time.monotonic() - start, 2)
 
-    ref_dir, cand_dir = os.path.join(out, "reference"), os.path.join(out, "candidate")
+    in_memory = ref_dir is not None and ref_dir != os.path.join(out, "reference")
+    ref_dir, cand_dir = ref_dir or os.path.join(out, "reference"), os.path.join(out, "candidate")
     # online: each candidate rank judges its shards as it runs; with --tensorboard the verdicts per
     # iteration go out as scalars during the run (adapter/run/live_scalars.py)
     online = dict(reference=ref_dir, keep_tensors=False,
                   tensorboard=_tensorboard_dir(args, out)) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
-    console.print(f"reference run (1 rank) → {ref_dir}")
+    console.print(f"reference run (1 rank) → {ref_dir}" + (" (in memory, removed once judged; --reference-in disk "
+                                                            "writes it under --out)" if in_memory else ""))
     # in lock-step the candidate takes the reference's weights after every step: record all of it;
     # read right after by the candidate (lock-step, online), it is written through the page cache
-    timed("reference", run_side, REFERENCE, ref_dir, page_cache=bool(online or lockstep), **(
+    timed("reference", run_side, REFERENCE, ref_dir, page_cache=bool(online or lockstep or in_memory), **(
         {} if args.no_lockstep else dict(iterations=None, modules=("*",), microbatches=None)))
     console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
                   + (f", injected bugs: {args.inject}" if args.inject else "")
@@ -451,16 +516,24 @@ def cmd_compare(args, console: Console) -> int:
 PLAN_FLAGS = ("no_fp32_twin", "perturb", "no_lockstep")  # run's switches that change what a check writes (and --keep-traces)
 
 
-def _plan_of(recipe, args, keep: bool, shape=None):
+def _plan_of(recipe, args, keep: bool, shape=None, room: Optional[int] = None):
     """The plan of ``ttrace run`` of ``recipe`` with ``args``'s flags (in this process: it builds
-    the model on the meta device, with megatron's parallel state of one rank)."""
+    the model on the meta device, with megatron's parallel state of one rank), its reference in
+    memory or on the disk as ``--reference-in`` and ``room`` (what memory it may take) decide."""
+    from . import plan as core
     from .adapter.run.plan import Selection, check_plan
 
     lockstep = not getattr(args, "no_lockstep", False)
     selection = Selection(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
-    return check_plan(recipe, online=args.online, perturb=True if args.perturb else None,
-                      twin=not args.no_fp32_twin, keep=keep, selection=selection, reference_everything=lockstep,
-                      shape=shape)
+
+    def plan(in_memory: bool):
+        return check_plan(recipe, online=args.online, perturb=True if args.perturb else None,
+                          twin=not args.no_fp32_twin, keep=keep, selection=selection, reference_everything=lockstep,
+                          shape=shape, reference_in_memory=in_memory)
+
+    held = plan(True)
+    in_memory = core.reference_in_memory(getattr(args, "reference_in", "disk"), held.memory_needed(), room, args.online)
+    return held if in_memory else plan(False)
 
 
 # the selections `ttrace plan --budget` offers, each as run's flags: fewer iterations, one microbatch,
@@ -509,7 +582,8 @@ def cmd_plan(args, console: Console) -> int:
     recipe, notes = _plan_recipe(args)
     validate_recipe(recipe)  # what run refuses, plan refuses alike
     shape = model_shape(recipe)
-    plan = _plan_of(recipe, args, keep=bool(args.out), shape=shape)
+    room = core.memory_room()
+    plan = _plan_of(recipe, args, keep=bool(args.out), shape=shape, room=room)
     plan.notes += notes
     where = args.out or tempfile.gettempdir()
     free = core.free_bytes(where)
@@ -517,9 +591,10 @@ def cmd_plan(args, console: Console) -> int:
     rates = core.measure_compare_rates(core.existing_parent(where)) if args.measure_disk else None
     budget = core.parse_bytes(args.budget) if args.budget else None
     options = [("as asked", plan)] + [
-        (flags, _plan_of(recipe, argparse.Namespace(**dict(vars(args), **change)), keep=bool(args.out), shape=shape))
+        (flags, _plan_of(recipe, argparse.Namespace(**dict(vars(args), **change)), keep=bool(args.out), shape=shape,
+                         room=room))
         for flags, change in BUDGET_OPTIONS if budget is not None and not change.items() <= vars(args).items()]
-    planned = dict(plan.to_json(), free_bytes=free, where=os.path.abspath(where),
+    planned = dict(plan.to_json(), free_bytes=free, where=os.path.abspath(where), memory_room=room,
                    options=[dict(flags=flags, disk_needed=p.disk_needed()) for flags, p in options])
     workers = available_cores()
     if rates is not None:
@@ -532,7 +607,7 @@ def cmd_plan(args, console: Console) -> int:
         with open(args.json, "w") as f:
             json.dump(planned, f, indent=1)
     for line in core.format_plan(plan, free=free, budget=budget, write_bandwidth=bandwidth, options=options,
-                                 compare_rates=rates, workers=workers):
+                                 compare_rates=rates, workers=workers, memory_room=room):
         console.print(line, highlight=False, markup=False, overflow="ignore", crop=False)
     return EXIT_PASS
 
@@ -545,6 +620,7 @@ def _plan_command(recipe_path: str, plan_path: str, out: str, args) -> List[str]
     cmd = [sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe_path, "--json", plan_path]
     cmd += [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag, False)]
     cmd += [] if getattr(args, "online", True) else ["--keep-traces"]
+    cmd += ["--reference-in", getattr(args, "reference_in", "auto")]
     for flag in ("iters", "microbatches"):
         if getattr(args, flag, None):
             cmd += [f"--{flag}", ",".join(map(str, getattr(args, flag)))]
@@ -574,9 +650,10 @@ def _plan_in_process(argv: List[str], error_path: str) -> None:
     sys.exit(rc)
 
 
-def _check_disk(recipe, out: str, args, console: Console) -> None:
-    """Refuse a check whose traces would not fit the disk under ``out``, with the numbers, before
-    anything runs (``--no-disk-check`` runs it anyway). The plan is made in a process of its own:
+def _check_disk(recipe, out: str, args, console: Console) -> Optional[dict]:
+    """Refuse a check whose traces would not fit the disk under ``out`` (or whose reference, asked
+    in memory, would not fit there), with the numbers, before anything runs (``--no-disk-check``
+    runs it anyway); returns the plan (JSON form), None where none was made. The plan is made in a process of its own:
     it starts megatron's parallel state, which this process must not hold; on CPU that process is
     forked from the ranks' fork server, its imports done (a fresh interpreter spent ~5 s importing
     torch and megatron-core). A plan that fails or hangs never stops the check: it runs without the
@@ -585,7 +662,7 @@ def _check_disk(recipe, out: str, args, console: Console) -> None:
     from .adapter.run.launch import run_function
 
     if getattr(args, "no_disk_check", False):
-        return
+        return None
     with tempfile.TemporaryDirectory(prefix="ttrace-plan-") as tmp:
         recipe_path, plan_path = os.path.join(tmp, "recipe.yaml"), os.path.join(tmp, "plan.json")
         with open(recipe_path, "w") as f:
@@ -604,12 +681,16 @@ def _check_disk(recipe, out: str, args, console: Console) -> None:
         if failed:
             console.print(f"[yellow]the disk check could not plan this check ({failed}); running without it[/]",
                           highlight=False)
-            return
+            return None
         with open(plan_path) as f:
             planned = json.load(f)
     need, free = planned["disk_needed"], core.free_bytes(out)
     if not core.fits(need, free):
         raise RecipeError(core.disk_refusal_text(recipe.name, need, free, out))
+    room = planned.get("memory_room")
+    if planned.get("in_memory") and (room is None or planned["memory_needed"] > room):
+        raise RecipeError(core.memory_refusal_text(recipe.name, planned["memory_needed"], room))
+    return planned
 
 
 def _last_line(text: str) -> str:
@@ -702,11 +783,17 @@ def _add_online_arguments(parser: argparse.ArgumentParser, plan: bool = False) -
     how.add_argument("--keep-traces", dest="online", action="store_false",
                      help=("as run --keep-traces: " if plan else "") + KEEP_TRACES_HELP)
     parser.set_defaults(online=True)
+    parser.add_argument("--reference-in", choices=("auto", "memory", "disk"), default="auto",
+                        help=("as run --reference-in: " if plan else "") + REFERENCE_IN_HELP)
 
 
 ONLINE_HELP = ("each candidate rank judges its shards against the reference's trace while it runs and writes "
                "verdict sums, not tensors (so does the perturbation run); only the reference's trace, and on a "
                "mismatch the replay of its iteration, take disk")
+REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a directory in /dev/shm, read back by the "
+                     "candidate at memory speed, never written to the disk, removed once its pair is judged; a failing "
+                     "check's moved under --out), disk (under --out), or auto (the default: memory where the plan's "
+                     "reference bytes fit half the memory available and the check keeps no traces, else disk)")
 KEEP_TRACES_HELP = ("record the candidate's (and the perturbation run's) tensors too and compare the two traces "
                     "after the run: about twice the disk, for `ttrace compare` to read again later; what only this "
                     "judges: per-microbatch partial sums (an SP replica's weight grad, an expert-TP layer's partial "

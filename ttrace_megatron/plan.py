@@ -92,19 +92,29 @@ class Plan:
     seed_checkpoint_bytes: int
     peak_sides: Tuple[Tuple[str, ...], ...]  # the sides on disk together at the peak, e.g. the pair, then a twin
     notes: List[str] = dataclasses.field(default_factory=list)
+    # sides written to memory (:data:`MEMORY_ROOT`), not the disk: each pair's reference where it fits
+    # (``--reference-in``); each is removed once its pair is judged, so they are never held together
+    in_memory: Tuple[str, ...] = ()
 
     def side(self, name: str) -> SidePlan:
         return next(s for s in self.sides if s.name == name)
 
     def disk_needed(self) -> int:
         """The peak: the largest set of sides on disk together, and the seed checkpoint."""
-        return self.seed_checkpoint_bytes + max(sum(self.side(n).total() for n in names) for names in self.peak_sides)
+        return self.seed_checkpoint_bytes + max(sum(self.side(n).total() for n in names if n not in self.in_memory)
+                                                for names in self.peak_sides)
+
+    def memory_needed(self) -> int:
+        """The most the sides written to memory hold at once: the largest of them (one at a time)."""
+        return max((self.side(n).total() for n in self.in_memory), default=0)
 
     def all_bytes(self) -> int:
-        return self.seed_checkpoint_bytes + sum(s.total() for s in self.sides)
+        """What the check leaves on the disk with every side kept (``--out``): the sides in memory are not."""
+        return self.seed_checkpoint_bytes + sum(s.total() for s in self.sides if s.name not in self.in_memory)
 
     def to_json(self) -> dict:
         return {"recipe": self.recipe, "disk_needed": self.disk_needed(), "all_bytes": self.all_bytes(),
+                "in_memory": list(self.in_memory), "memory_needed": self.memory_needed(),
                 "seed_checkpoint_bytes": self.seed_checkpoint_bytes, "notes": self.notes,
                 "sides": [{"name": s.name, "ranks": s.ranks, "iterations": s.iterations, "online": s.online,
                            "total": s.total(),
@@ -156,6 +166,82 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(existing_parent(path)).free
 
 
+# Linux's shared-memory tmpfs: a reference written there is read back by the candidate at memory
+# speed and never reaches a disk (on the 50M rung's check the reference's recording took 11.7 s
+# through this VM's disk and 6.0 s there, against 3.3 s of training it)
+MEMORY_ROOT = "/dev/shm"
+# the share of the memory available as a check starts that its in-memory reference may take: the
+# rest is the runs' own (the candidate's ranks on a CPU; on a GPU machine the host's is mostly free)
+MEMORY_SHARE = 0.5
+REFERENCE_IN = ("auto", "memory", "disk")  # ``--reference-in``: where a pair's reference is written
+
+
+def memory_available() -> Optional[int]:
+    """The kernel's estimate of the memory that can be taken without swapping (``MemAvailable`` in
+    /proc/meminfo), or None where there is none to read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def memory_room(root: str = MEMORY_ROOT) -> Optional[int]:
+    """What an in-memory reference may take now: :data:`MEMORY_SHARE` of the available memory,
+    within what the tmpfs at ``root`` has free (a container's /dev/shm is often 64 MB); None where
+    there is no writable tmpfs or no memory figure (then a reference goes to the disk)."""
+    available = memory_available()
+    if available is None or not os.path.isdir(root) or not os.access(root, os.W_OK):
+        return None
+    return int(min(MEMORY_SHARE * available, DISK_HEADROOM * shutil.disk_usage(root).free))
+
+
+def reference_in_memory(mode: str, need: int, room: Optional[int], online: bool) -> bool:
+    """Whether a check writes its reference to memory: ``memory`` always (refused at the run if it
+    does not fit), ``disk`` never, ``auto`` where it fits and the check keeps no traces (``online``:
+    with ``--keep-traces`` both sides stay on the disk, for ``ttrace compare`` to read again)."""
+    if mode not in REFERENCE_IN:
+        raise ValueError(f"--reference-in {mode!r}: one of {', '.join(REFERENCE_IN)}")
+    if mode != "auto":
+        return mode == "memory"
+    return online and room is not None and need <= room
+
+
+def memory_refusal_text(name: str, need: int, room: Optional[int]) -> str:
+    """Why ``ttrace run --reference-in memory`` refuses, with the numbers."""
+    where = (f"only {human(room)} may be taken there ({MEMORY_SHARE:.0%} of the memory available, within "
+             f"{MEMORY_ROOT}'s free space)" if room is not None else
+             f"there is no writable {MEMORY_ROOT} with a memory figure on this machine")
+    return (f"{name}: --reference-in memory: the reference's trace takes about {human(need)} and {where}. "
+            f"Record fewer iterations or modules, or write it to the disk (--reference-in disk or auto)")
+
+
+def memory_scratch(root: str = MEMORY_ROOT) -> str:
+    """A new directory under ``root`` for this process's in-memory references (removed by the
+    check that made it). What a killed check left there (its process gone) is removed first: a
+    tmpfs holds memory until its files are deleted."""
+    import tempfile
+
+    for name in os.listdir(root):
+        parts = name.split("-")
+        if len(parts) >= 3 and parts[0] == "ttrace" and parts[1].isdigit() and not _alive(int(parts[1])):
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    return tempfile.mkdtemp(prefix=f"ttrace-{os.getpid()}-", dir=root)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
 def disk_refusal_text(name: str, need: int, free: int, out: str) -> str:
     """Why ``ttrace run`` refuses a check whose traces would not fit, with the numbers."""
     return (f"{name}: this check writes about {human(need)} under {os.path.abspath(out)}, and only {human(free)} "
@@ -182,7 +268,8 @@ def measured_bytes(trace_dir: str) -> int:
 
 def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = None,
                 write_bandwidth: Optional[float] = None, options: Sequence[Tuple[str, Plan]] = (),
-                compare_rates: Optional[CompareRates] = None, workers: int = 1) -> List[str]:
+                compare_rates: Optional[CompareRates] = None, workers: int = 1,
+                memory_room: Optional[int] = None) -> List[str]:
     """The plan as plain lines (no colour: it goes into logs and CI output too)."""
     lines = [f"{plan.recipe}: what this check writes (predicted)"]
     head = f"{'side':22} {'ranks':>5} {'iters':>5} " + " ".join(f"{COLUMN[k]:>11}" for k in KINDS) + \
@@ -198,6 +285,11 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
     lines.append(f"disk needed at the peak: {human(plan.disk_needed())}"
                  + (f" (all sides kept with --out: {human(plan.all_bytes())})" if plan.all_bytes() != plan.disk_needed()
                     else ""))
+    if plan.in_memory:
+        lines.append(f"held in memory ({MEMORY_ROOT}, each removed once its pair is judged; a failing check's moved "
+                     f"under --out where it fits): {', '.join(plan.in_memory)}, at most {human(plan.memory_needed())}"
+                     + ("" if memory_room is None else f" of the {human(memory_room)} it may take here"
+                        + ("" if plan.memory_needed() <= memory_room else " — NOT ENOUGH (ttrace run refuses it)")))
     busiest = max(plan.sides, key=lambda s: sum(s.bytes_per_iteration().values()) / s.ranks)
     lines.append(f"the most one rank writes in an iteration: {human(sum(busiest.bytes_per_iteration().values()) / busiest.ranks)}"
                  f" (a rank of {busiest.name}; a mean over its ranks)")

@@ -301,13 +301,14 @@ def _even_ranges(axis: str, numel: int, n: int) -> RangeShard:
 
 def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] = None, twin: bool = True,
                keep: bool = True, selection: Selection = Selection(), reference_everything: bool = True,
-               shape: Optional[ModelShape] = None) -> core.Plan:
+               shape: Optional[ModelShape] = None, reference_in_memory: bool = False) -> core.Plan:
     """What ``ttrace run`` of ``recipe`` writes with these options. ``online``: the candidate and the
     perturbation run judge their tensors as they run and write verdict sums (run's default; False:
     ``--keep-traces``). ``keep``: ``--out`` keeps every
     side's traces (else a pair's traces go before its twin runs). ``reference_everything``: in
     lock-step the reference records every iteration, module and microbatch whatever the selection
-    (the candidate takes its weights after each step)."""
+    (the candidate takes its weights after each step). ``reference_in_memory``: each pair's reference
+    is written to memory, not the disk (``--reference-in``)."""
     shape = shape or model_shape(recipe)
     iterations = len(selection.iterations) if selection.iterations else recipe.train.iterations
     ref_selection = Selection() if reference_everything else selection
@@ -339,4 +340,5 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
                      "upper bound: the first steps of a dynamic scaler usually skip)")
     notes.append("a failing check also writes a replay of the candidate's failing iteration (at most one "
                  "iteration of what the candidate records with --keep-traces)")
-    return core.Plan(recipe.name, sides, seed, peak, notes)
+    in_memory = tuple(s.name for s in sides if s.name.endswith(REFERENCE)) if reference_in_memory else ()
+    return core.Plan(recipe.name, sides, seed, peak, notes, in_memory)

@@ -1,0 +1,195 @@
+"""Issue #35's cost table at the scale ladder's 50M-parameter rung, every figure measured in one run.
+
+``costs.py`` measures the per-iteration ratios on a toy trace; this measures what a user's first
+check costs where its tensors are large (``margins.WIDE``: gpt_tp2_sp, 8 layers, hidden 512,
+vocabulary 32768, TP2 + SP, 3 iterations, fp32), in one process, one part after the other:
+
+1. the two layouts trained by plain megatron-core (no tracer attached; ``online_bytes.plain``);
+2. the default check (online, lock-step, the reference where ``--reference-in auto`` puts it),
+   then again with ``--reference-in disk``: the wall time over (1), and each part's;
+3. a recorded check (``--keep-traces``), then its traces compared in a fresh process from the page
+   cache on one process and on every core: throughput against memory bandwidth (measured here),
+   peak memory against the largest tensor;
+4. the floors: this machine's write bandwidth where each reference went, compare's parts on one
+   thread (``plan.measure_compare_rates``), and the judging floor the plan gives each side.
+
+The table's rows pair each goal with its measure and, where the goal is out of reach here, the
+floor of the part that keeps it there. ``--json`` keeps the raw figures (one JSON object).
+
+    python benchmarks/cost_table.py --out results/cost_table_COMMIT_MACHINE.md --json results/cost_table_COMMIT_MACHINE.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from compare_at_scale import largest_tensor_bytes  # noqa: E402
+from costs import COMPARE_CHILD, dir_bytes, memory_bandwidth, read_into_page_cache  # noqa: E402
+from margins import recipe as shipped_recipe  # noqa: E402
+from online_bytes import check, plain  # noqa: E402
+
+RECIPE = "gpt_tp2_sp"
+RUNG = "the 50M rung (gpt_tp2_sp, 8 layers, hidden 512, vocabulary 32768, TP2 + SP, 3 iterations, fp32)"
+
+
+def _commit() -> str:
+    return subprocess.run(["git", "-C", REPO, "rev-parse", "--short=7", "HEAD"], capture_output=True,
+                          text=True).stdout.strip()
+
+
+def whole_checks(tmp: str) -> dict:
+    """(1) and (2): plain training, the default check, the check with its reference on the disk."""
+    os.makedirs(os.path.join(tmp, "plain"))
+    trained = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, "plain"))["seconds"]
+    out = {"trained_s": trained}
+    for where in ("auto", "disk"):
+        work = os.path.join(tmp, where)
+        os.makedirs(work)
+        out[where] = check(RECIPE, "fp32", 1, True, "online", None, work, reference_in=where)
+        shutil.rmtree(work, ignore_errors=True)
+    return out
+
+
+def recorded_compare(tmp: str, workers) -> dict:
+    """(3): both sides recorded, compared from the page cache in a fresh process on each count of workers."""
+    import yaml
+
+    from ttrace_megatron.cli import main as cli
+
+    path = os.path.join(tmp, "recipe.yaml")
+    with open(path, "w") as f:
+        yaml.safe_dump(shipped_recipe(RECIPE, "fp32", 1, True).to_json(), f)
+    out = os.path.join(tmp, "recorded")
+    with open(os.path.join(tmp, "terminal.txt"), "w") as t, contextlib.redirect_stdout(t):
+        cli(["run", path, "--out", out, "--keep-traces", "--quiet", "--no-disk-check"])
+    ref, cand = os.path.join(out, "reference"), os.path.join(out, "candidate")
+    result = {"trace_bytes": dir_bytes(ref) + dir_bytes(cand), "largest_tensor_bytes": largest_tensor_bytes(ref),
+              "compares": []}
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    for n in workers:
+        read_into_page_cache(ref, cand)
+        run = subprocess.run([sys.executable, "-c", COMPARE_CHILD, ref, cand, str(n)], capture_output=True, text=True,
+                             env=env, check=True, cwd=REPO)
+        result["compares"].append(dict(json.loads(run.stdout.strip().splitlines()[-1]), workers=n))
+    shutil.rmtree(out, ignore_errors=True)
+    return result
+
+
+def floors(tmp: str) -> dict:
+    """(4): write bandwidth where a reference goes (memory, the disk), compare's parts, the judging floors."""
+    import dataclasses
+
+    from ttrace_megatron import plan as core
+    from ttrace_megatron.adapter.run.plan import check_plan
+    from ttrace_megatron.compare_workers import available_cores
+
+    recipe = shipped_recipe(RECIPE, "fp32", 1, True)
+    rates = core.measure_compare_rates(tmp)
+    plan = check_plan(recipe, online=True, twin=False)
+    recorded = check_plan(recipe, online=False, twin=False)
+    cores = available_cores()
+    return {"write_bandwidth": {"memory": core.measure_write_bandwidth(core.MEMORY_ROOT)
+                                if core.memory_room() else None,
+                                "disk": core.measure_write_bandwidth(tmp)},
+            "compare_rates": dataclasses.asdict(rates), "cores": cores,
+            "judging_floor_online": core.judging_seconds(plan, rates, cores),
+            "judging_floor_recorded": core.judging_seconds(recorded, rates, cores),
+            "reference_bytes": plan.side("reference").total()}
+
+
+def table(m: dict) -> list:
+    """The rows: (measure, value, ratio, goal)."""
+    trained = m["whole"]["trained_s"]
+    plain_s = sum(trained.values())
+    bw, rates, fl = m["memory_bandwidth"], m["floors"]["compare_rates"], m["floors"]
+    rows = []
+    for where, label in (("auto", "the default: online, the reference in memory"),
+                         ("disk", "online, the reference on the disk (--reference-in disk)")):
+        r = m["whole"][where]
+        parts = r["timings_s"]
+        other = r["wall_s"] - sum(parts.values())
+        went = "memory" if r["reference_in_memory"] else "disk"
+        rows.append((f"the whole check, {label} ({r['verdict']}; {r['bytes_total'] / 1e9:.2f} GB written to the disk)",
+                     f"{r['wall_s']:.1f} s: reference {parts['reference']:.1f} (trained alone {trained['reference']:.1f}), "
+                     f"candidate {parts['candidate']:.1f} (alone {trained['candidate']:.1f}), compare "
+                     f"{parts['compare']:.1f}, the rest {other:.1f}",
+                     f"{r['wall_s'] / plain_s:.2f}× the two layouts trained ({plain_s:.1f} s)", "≤ 2×"))
+        write_bw = fl["write_bandwidth"][went]
+        nbytes = r["bytes"].get("reference") or fl["reference_bytes"]
+        extra = parts["reference"] - trained["reference"]
+        rows.append((f"recorded iterations ({went}): the reference's extra time over training it alone",
+                     f"{extra:.1f} s for {nbytes / 1e9:.2f} GB",
+                     f"{extra / (nbytes / write_bw):.2f}× the time to write its bytes at {write_bw / 1e9:.2f} GB/s "
+                     f"(fsync'd 256 MiB, {went})", "≤ 1.2×"))
+    auto = m["whole"]["auto"]
+    judged = auto["timings_s"]["candidate"] - trained["candidate"]
+    floor = fl["judging_floor_online"]["candidate"]
+    rows.append(("the candidate's online judging: its extra time over training it alone (both ranks on "
+                 f"{fl['cores']} cores)", f"{judged:.1f} s",
+                 f"{judged / floor:.1f}× the plan's floor of {floor:.1f} s a rank (its parts at the rates below)", ""))
+    rec = m["recorded"]
+    for c in rec["compares"]:
+        thr = rec["trace_bytes"] / c["seconds"]
+        n = c["workers"]
+        rows.append((f"compare from the page cache, {n} worker{'s' if n > 1 else ''} ({rec['trace_bytes'] / 1e9:.2f} GB, "
+                     f"{c['tensors']} keys, verdict {c['verdict']})", f"{c['seconds']:.1f} s, {thr / 1e9:.2f} GB/s",
+                     f"{thr / bw:.3f}× memory bandwidth ({bw / 1e9:.1f} GB/s)", "≥ 0.5×"))
+        peak = c["peak_kib_over_baseline"] * 1024
+        rows.append((f"compare peak over baseline, the comparing process, {n} worker{'s' if n > 1 else ''}",
+                     f"{peak / 2**20:.0f} MiB", f"{peak / rec['largest_tensor_bytes']:.2f}× the largest tensor "
+                     f"({rec['largest_tensor_bytes'] / 2**20:.0f} MiB)", "≤ 2×"))
+    slowest = min(("verify", "read", "sums", "update"), key=lambda k: rates[k])
+    names = {"verify": "verifying (xxh3)", "read": "reading a chunk at a time", "sums": "a piece's sums",
+             "update": "the element-wise Adam check"}
+    rows.append(("compare's parts on one thread: " + ", ".join(f"{names[k]} {rates[k] / 1e9:.1f} GB/s "
+                                                               f"({rates[k] / bw:.3f}×)" for k in names),
+                 f"the slowest: {names[slowest]}",
+                 f"a floor of {min(1.0, fl['cores'] * rates[slowest] / bw):.3f}× memory bandwidth on all "
+                 f"{fl['cores']} cores", "≥ 0.5×"))
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, help="the Markdown table")
+    parser.add_argument("--json", help="the raw figures")
+    parser.add_argument("--dir", help="where the traces go (default: a temporary directory)")
+    parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1])
+    args = parser.parse_args()
+    import torch
+
+    tmp = tempfile.mkdtemp(dir=args.dir, prefix="ttrace-cost-table-")
+    try:
+        m = {"commit": _commit(), "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), torch "
+                                             f"{torch.__version__}, gloo"}
+        m["whole"] = whole_checks(tmp)
+        m["recorded"] = recorded_compare(tmp, list(dict.fromkeys(args.workers)))
+        m["floors"] = floors(tmp)
+        m["memory_bandwidth"] = memory_bandwidth()
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(m, f, indent=1)
+    lines = [f"commit {m['commit']}; machine: {m['machine']}; {RUNG}; one run of benchmarks/cost_table.py", "",
+             "| measure | value | ratio | goal |", "|---|---|---|---|"]
+    lines += [f"| {a} | {b} | {c} | {d} |" for a, b, c, d in table(m)]
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
