@@ -66,7 +66,9 @@ def test_a_reference_held_in_memory_takes_no_disk_and_is_planned_as_memory():
     assert not core.reference_in_memory("auto", 11, 10, online=True)
     assert not core.reference_in_memory("auto", 1, None, online=True)  # no tmpfs here
     assert not core.reference_in_memory("auto", 1, 10, online=False)  # --keep-traces: both sides on the disk
-    assert core.reference_in_memory("memory", 11, None, online=False)  # asked: refused at the run if it does not fit
+    assert core.reference_in_memory("memory", 11, None, online=True)  # asked: refused at the run if it does not fit
+    with pytest.raises(ValueError, match="give one of them"):  # nothing kept, and every trace kept
+        core.reference_in_memory("memory", 1, 10, online=False)
     assert not core.reference_in_memory("disk", 1, 10, online=True)
     with pytest.raises(ValueError, match="one of auto, memory, disk"):
         core.reference_in_memory("ram", 1, 10, online=True)
@@ -122,7 +124,7 @@ def test_the_default_check_holds_its_reference_in_memory_and_writes_none_of_it(t
     assert (out / "reference" / "rank-00000" / "manifest.json").exists()
 
 
-def test_a_reference_asked_in_memory_that_would_not_fit_is_refused_with_the_numbers(tmp_path, monkeypatch):
+def test_a_reference_asked_in_memory_that_would_not_fit_is_refused_with_the_numbers(tmp_path, monkeypatch, capsys):
     from ttrace_megatron.adapter.run import launch
     from ttrace_megatron.recipe import load_recipe
 
@@ -133,6 +135,8 @@ def test_a_reference_asked_in_memory_that_would_not_fit_is_refused_with_the_numb
         return 0
 
     monkeypatch.setattr(launch, "run_function", plan)
+    assert cli.main(["run", "--out", str(tmp_path / "o"), "--reference-in", "memory", "--keep-traces"]) == cli.EXIT_ERROR
+    assert "give one of them" in capsys.readouterr().err and not (tmp_path / "o" / "reference").exists()
     args = cli.build_parser().parse_args(["run", "x", "--out", str(tmp_path), "--reference-in", "memory"])
     with pytest.raises(RecipeError, match=r"--reference-in memory: the reference's trace takes about 5\.0 GB and only "
                                           r"1\.0 GB may be taken there"):

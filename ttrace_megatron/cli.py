@@ -117,7 +117,13 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     (no tensor is compared, and no twin runs)."""
     from .recipe import FP32_TWIN, fp32_twin
 
+    from . import plan as core
+
     twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
+    try:  # (a contradiction of flags: refused before anything runs)
+        core.reference_in_memory(getattr(args, "reference_in", "auto"), 0, None, args.online)
+    except ValueError as e:
+        raise RecipeError(str(e)) from None
     run_side = _side_runner(recipe, out, args, console)
     twin_out = os.path.join(out, FP32_TWIN)
     # refused before anything runs, like the recipe itself; the twin starts from the recipe's seed checkpoint
@@ -216,14 +222,19 @@ def _let_go_reference(report: dict, ref_dir: str, pair_out: str, args, console: 
     if report.get("verdict") == "fail" and getattr(args, "out", None):
         size = core.measured_bytes(ref_dir)
         free = core.free_bytes(pair_out)
+        why = f"only {core.human(free)} are free under {pair_out}"
         if core.fits(size, free):
             shutil.rmtree(kept, ignore_errors=True)
-            shutil.move(ref_dir, kept)
-            report["reference"] = os.path.abspath(kept)
-            console.print(f"the failing check's reference, held in memory, moved to {kept}", highlight=False)
-            return
+            try:
+                shutil.move(ref_dir, kept)
+                report["reference"] = os.path.abspath(kept)
+                console.print(f"the failing check's reference, held in memory, moved to {kept}", highlight=False)
+                return
+            except OSError as e:  # the disk filled meanwhile: the verdict stands, the evidence goes
+                shutil.rmtree(kept, ignore_errors=True)
+                why = f"moving it under {pair_out} failed ({e.strerror or e})"
         console.print(f"[yellow]the failing check's reference ({core.human(size)}, held in memory) is not kept: "
-                      f"only {core.human(free)} are free under {pair_out}[/]", highlight=False)
+                      f"{why}[/]", highlight=False)
     shutil.rmtree(ref_dir, ignore_errors=True)
     report["reference_removed"] = True
 

@@ -205,6 +205,9 @@ def reference_in_memory(mode: str, need: int, room: Optional[int], online: bool)
     with ``--keep-traces`` both sides stay on the disk, for ``ttrace compare`` to read again)."""
     if mode not in REFERENCE_IN:
         raise ValueError(f"--reference-in {mode!r}: one of {', '.join(REFERENCE_IN)}")
+    if mode == "memory" and not online:
+        raise ValueError("--reference-in memory removes the reference once its pair is judged, and --keep-traces keeps "
+                         "both sides' traces under --out for `ttrace compare` to read again: give one of them")
     if mode != "auto":
         return mode == "memory"
     return online and room is not None and need <= room
