@@ -245,7 +245,7 @@ def test_a_check_that_would_not_fit_is_refused_before_anything_runs(tmp_path, mo
     from ttrace_megatron.recipe import load_recipe
 
     args = cli.build_parser().parse_args(["run", "x", "--out", str(out)])
-    with pytest.raises(RecipeError, match=r"writes about [\d.]+ MB under .* and only 1\.0 kB are free"):
+    with pytest.raises(RecipeError, match=r"writes about [\d.]+ [kM]B under .* and only 1\.0 kB are free"):
         cli._check_disk(load_recipe(os.path.join(RECIPES, "gpt_tp2_sp.yaml")), str(out), args, None)
 
 
