@@ -145,14 +145,16 @@ CURRENT: Tuple[Source, ...] = (
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
-    Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations)", CHECK_COST,
-           ("online_bytes_wide_98cdf9f_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
+           "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
+           COSTS_TABLE, ("cost_table_667b983_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations), the reference in "
+           "memory (the default) and on the disk, alternated", CHECK_COST,
+           ("online_bytes_wide_a5830c7_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same at f6d35f7, this session's disk (470–512 MB/s measured by plan)", CHECK_COST,
            ("online_bytes_wide_f6d35f7_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same in bf16 with its fp32 twin", CHECK_COST,
            ("online_bytes_wide_bf16_013f3c2_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
-    Source("the same at e64d6b6 (before the prefetch and the kept JSON), recorded too and with a bug", CHECK_COST,
-           ("online_bytes_wide_e64d6b6_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same at e64d6b6 on the H100 machine's CPU", CHECK_COST,
            ("online_bytes_wide_e64d6b6_h100host.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("`ttrace plan` against the scale ladder's traces", PLAN, ("plan_ladder_27fbeff_epyc.jsonl",),
@@ -613,8 +615,11 @@ def summary() -> str:
                        + (f" ({len(refused)} recipes refused by plan and run alike: {', '.join(refused)})"
                           if refused else "") + f" ({_files(s)}; {machine_of(s.files[0])}).")
         elif s.kind == CHECK_COST:
-            plain = {r["dtype"]: r["seconds"] for r in rows if r["mode"] == "plain"}
-            for r in (r for r in rows if r["mode"] != "plain"):
+            plain = {}  # each check against the plain training measured last before it (a file may hold repeats)
+            for r in rows:
+                if r["mode"] == "plain":
+                    plain[r["dtype"]] = r["seconds"]
+                    continue
                 trained = sum(plain[r["dtype"]].values())
                 what = f"{r['dtype']}" + (f", `{r['inject'].split(':')[0]}`" if r.get("inject") else ", clean") + \
                     (" with its fp32 twin" if r.get("twin_verdict") else "")
@@ -624,6 +629,9 @@ def summary() -> str:
                                                                             "as before 3831f07"
                 if r.get("reference_in_memory"):  # --reference-in: written to /dev/shm, removed once judged
                     mode += ", the reference in memory"
+                elif r.get("reference_in") == "disk":
+                    mode = mode.replace("the default (online)", "online") + ", the reference on the disk " \
+                                                                            "(`--reference-in disk`)"
                 parts = ", ".join(f"{k} {v:.1f}" for k, v in (r.get("timings_s") or {}).items())
                 out.append(f"- {s.population}, {what}, {mode}: verdict {r['verdict']}, {r['bytes_total'] / 1e9:.2f} GB "
                            f"written, {r['wall_s']:.0f} s, {r['wall_s'] / trained:.1f}× the two layouts trained "

@@ -85,6 +85,12 @@ class SidePlan:
         return sum(self.bytes_per_iteration().values()) * self.iterations
 
 
+# compare's peak over its baseline where tensors are small: 70-77 MiB measured on a toy trace whose
+# largest tensor is 8 MiB (the records of both traces, the results, the allocator's heap); with
+# tensors of 64 MiB (the 50M rung) 23-50 MiB, 0.35-0.78× the largest (BENCHMARKS.md, issue #35)
+COMPARE_FIXED_BYTES = 80 * 10 ** 6
+
+
 @dataclasses.dataclass
 class Plan:
     recipe: str
@@ -112,9 +118,24 @@ class Plan:
         """What the check leaves on the disk with every side kept (``--out``): the sides in memory are not."""
         return self.seed_checkpoint_bytes + sum(s.total() for s in self.sides if s.name not in self.in_memory)
 
+    def largest_tensor(self) -> int:
+        """The largest logical tensor any side records (bytes): what bounds compare's peak."""
+        return max((g.elements * g.itemsize for s in self.sides for g in s.groups), default=0)
+
+    def host_memory(self) -> Dict[str, int]:
+        """What the check takes of the host's memory beside the training itself: the reference held
+        in memory; each recording rank's staging buffers (``stream_writer``, whatever the trace's
+        size); compare's peak a process, twice the largest tensor or its fixed part, whichever is
+        larger (:data:`COMPARE_FIXED_BYTES`)."""
+        from .stream_writer import STAGING_BUFFERS, STAGING_BYTES
+
+        return {"reference_in_memory": self.memory_needed(), "staging_per_rank": STAGING_BUFFERS * STAGING_BYTES,
+                "compare_per_process": max(2 * self.largest_tensor(), COMPARE_FIXED_BYTES)}
+
     def to_json(self) -> dict:
         return {"recipe": self.recipe, "disk_needed": self.disk_needed(), "all_bytes": self.all_bytes(),
                 "in_memory": list(self.in_memory), "memory_needed": self.memory_needed(),
+                "host_memory": self.host_memory(),
                 "seed_checkpoint_bytes": self.seed_checkpoint_bytes, "notes": self.notes,
                 "sides": [{"name": s.name, "ranks": s.ranks, "iterations": s.iterations, "online": s.online,
                            "total": s.total(),
@@ -293,6 +314,11 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
                      f"under --out where it fits): {', '.join(plan.in_memory)}, at most {human(plan.memory_needed())}"
                      + ("" if memory_room is None else f" of the {human(memory_room)} it may take here"
                         + ("" if plan.memory_needed() <= memory_room else " — NOT ENOUGH (ttrace run refuses it)")))
+    host = plan.host_memory()
+    lines.append(f"host memory beside the training: {human(host['staging_per_rank'])} of staging buffers a recording "
+                 f"rank, compare at most about {human(host['compare_per_process'])} a process (twice the largest tensor, "
+                 f"{human(plan.largest_tensor())}, or its fixed part, whichever is larger)"
+                 + (f", the reference held in memory {human(host['reference_in_memory'])}" if plan.in_memory else ""))
     busiest = max(plan.sides, key=lambda s: sum(s.bytes_per_iteration().values()) / s.ranks)
     lines.append(f"the most one rank writes in an iteration: {human(sum(busiest.bytes_per_iteration().values()) / busiest.ranks)}"
                  f" (a rank of {busiest.name}; a mean over its ranks)")
