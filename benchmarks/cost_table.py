@@ -148,8 +148,9 @@ def table(m: dict) -> list:
     write = fl["reference_bytes"] / fl["write_bandwidth"]["memory"] if fl["write_bandwidth"]["memory"] else None
     if write is not None:
         least = plain_s + write + floor
-        rows.append(("the whole check with each part at its floor, one after the other: the two layouts trained, the reference's bytes written to memory "
-                     "at its measured bandwidth, the candidate's judging at the plan's floor",
+        rows.append(("the whole check with each part at its floor, one after the other: the two layouts trained, "
+                     "the reference's bytes written to memory at its measured bandwidth, the candidate's judging at "
+                     "the plan's floor",
                      f"{plain_s:.1f} + {write:.1f} + {floor:.1f} = {least:.1f} s",
                      f"{least / plain_s:.2f}× the two layouts trained", "≤ 2×"))
     rec = m["recorded"]
