@@ -84,6 +84,8 @@ def main():
                    "of_memory_bandwidth": nbytes / res["seconds"] / bandwidth,
                    "peak_over_baseline": res["peak_kib_over_baseline"] * 1024,
                    "peak_over_largest": res["peak_kib_over_baseline"] * 1024 / largest,
+                   "worker_peak_over_largest": None if res.get("worker_peak_bytes") is None
+                   else res["worker_peak_bytes"] / largest,
                    "tensors": res["tensors"], "verdict": res["verdict"], "commit": commit,
                    "machine": f"{os.cpu_count()} CPU cores ({platform.machine()})"}
             print(json.dumps(row), flush=True)

@@ -56,8 +56,9 @@ with open("/proc/self/clear_refs", "w") as f:  # reset the RSS high-water mark (
 t = time.perf_counter()
 c = compare_traces(sys.argv[1], sys.argv[2], workers=int(sys.argv[3]))
 elapsed = time.perf_counter() - t
+# a worker's own high-water mark over its start (its judge open) is the comparison's: compare_workers reads it
 print(json.dumps({"seconds": elapsed, "peak_kib_over_baseline": status("VmHWM") - before, "tensors": len(c.results),
-                  "verdict": c.verdict}))
+                  "verdict": c.verdict, "worker_peak_bytes": c.worker_peak}))
 """
 
 

@@ -1,6 +1,7 @@
 """Compare on several processes gives the serial verdict bit for bit (issue #35)."""
 
 import json
+import os
 import pickle
 import shutil
 import subprocess
@@ -46,6 +47,9 @@ def test_workers_give_the_serial_verdict_bit_for_bit(runs, monkeypatch, name, in
         [(r.key, r.error, r.tolerance_eps, r.tolerance_source) for r in pooled.results]
     assert any(r.key.microbatch >= 0 for r in serial.results) and any(r.key.microbatch < 0 for r in serial.results)
     assert serial.verdict == ("fail" if inject else "pass")
+    # each worker's own high-water mark over its start is measured (Linux): the bound per worker
+    assert serial.worker_peak is None
+    assert pooled.worker_peak is None if not os.path.exists("/proc/self/clear_refs") else pooled.worker_peak >= 0
 
 
 @pytest.mark.multiprocess

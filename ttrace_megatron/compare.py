@@ -73,6 +73,9 @@ class Comparison:
     # not judged: computed after the first step by two sides that, not in lock-step, train different
     # weights (FREE_RUNNING says why); their updated parameters are judged element by element
     diverged: List[TensorKey] = dataclasses.field(default_factory=list)
+    # compare's workers: the most any held over its memory once its judge was open (bytes; None
+    # without workers or where it cannot be read): the bound per worker, measured
+    worker_peak: Optional[int] = None
 
     @property
     def coverage(self) -> dict:
@@ -784,8 +787,9 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     ref, cand = judge.ref, judge.cand
     results: List[TensorResult] = []
     dirs = (reference_dir, candidate_dir, perturbed)
+    peaks: list = []
     verdicts = judged_across_ranks(judge, dirs, open_judge) if distributed else \
-        judged_in_order(judge, dirs, workers, open_judge)
+        judged_in_order(judge, dirs, workers, open_judge, peaks)
     if distributed:
         import torch.distributed as dist
 
@@ -802,8 +806,10 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     skipped = [k for k in absent if not_recorded_by(cand.run, k)]
     missing_in_candidate = [k for k in absent if not not_recorded_by(cand.run, k)]
     missing_in_reference = sorted(set(judge.cand_groups) - set(judge.ref_groups), key=str)
+    known = [p for p in peaks if p is not None]
     return Comparison(reference_dir, candidate_dir, results, missing_in_candidate, missing_in_reference,
-                      ref.run, cand.run, skipped=skipped, unjudged=judge.unjudged, diverged=judge.diverged)
+                      ref.run, cand.run, skipped=skipped, unjudged=judge.unjudged, diverged=judge.diverged,
+                      worker_peak=max(known) if known else None)
 
 
 @dataclasses.dataclass

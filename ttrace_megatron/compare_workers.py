@@ -85,8 +85,11 @@ def _candidate_bytes(judge, keys: List[TensorKey]) -> int:
     return total
 
 
-def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> Iterator:
-    """Each of ``judge.common``'s verdicts, in order (``open_judge``: how a worker builds its own judge)."""
+def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable, peaks: Optional[list] = None) -> Iterator:
+    """Each of ``judge.common``'s verdicts, in order (``open_judge``: how a worker builds its own judge).
+    ``peaks`` gets, for each key a worker measured, that worker's high-water mark so far over its
+    memory once its judge was open (:func:`_high_water`; None where it cannot be read)."""
+    peaks = [] if peaks is None else peaks
     readers = [r for r in (judge.ref, judge.cand, judge.pert) if r is not None]
     verified = verify_files(readers, threads=max(1, workers))
     parallel = [k for k in judge.common if measured_in_pool(k)]
@@ -101,7 +104,7 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
                                initargs=(open_judge, dirs, judge.tol_config, verified))
     try:
         from_pool = pool.map(_in_worker, parallel, chunksize=chunk)
-        steps = _StepKeys(judge, pool)
+        steps = _StepKeys(judge, pool, peaks)
         for key in judge.common:
             if of_the_step(key) and from_pool is not None:
                 yield steps.decided(key)
@@ -111,7 +114,8 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable) -> It
                 continue
             if from_pool is not None:
                 try:
-                    out = next(from_pool)
+                    out, peak = next(from_pool)
+                    peaks.append(peak)
                 except BrokenProcessPool as e:
                     # a worker could not start (a __main__ a new process cannot import, such as a
                     # script read from stdin) or died: this key and the rest are judged here, which
@@ -131,8 +135,8 @@ class _StepKeys:
     (its clip coefficient judged), their verdicts decided in order. A key a worker cannot stream,
     or any key once the pool has stopped, is judged in the parent."""
 
-    def __init__(self, judge, pool: ProcessPoolExecutor):
-        self.judge, self.pool = judge, pool
+    def __init__(self, judge, pool: ProcessPoolExecutor, peaks: list):
+        self.judge, self.pool, self.peaks = judge, pool, peaks
         self.futures = {}
         self.by_iteration = {}
         for key in judge.common:
@@ -145,7 +149,8 @@ class _StepKeys:
             if key not in self.futures:
                 for k in self.by_iteration.pop(key.iteration, []):
                     self.futures[k] = self.pool.submit(_step_in_worker, k, judge.step_bounds.reclipped(k))
-            out = self.futures.pop(key).result()
+            out, peak = self.futures.pop(key).result()
+            self.peaks.append(peak)
         except BrokenProcessPool as e:
             print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
             out = None
@@ -186,20 +191,51 @@ def _main_importable() -> bool:
 
 
 def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -> None:
-    global _JUDGE
+    global _JUDGE, _BASELINE
     torch.set_num_threads(1)  # the pool is the parallelism
     _JUDGE = open_judge(*dirs, tol_config)
     for reader in (_JUDGE.ref, _JUDGE.cand, _JUDGE.pert):
         if reader is not None:
             reader.verified |= verified
+    _BASELINE = _reset_high_water()
+
+
+_BASELINE: Optional[int] = None  # a worker's resident bytes once its judge is open (its high-water mark reset there)
+
+
+def _status_bytes(field: str) -> Optional[int]:
+    """A field of /proc/self/status in bytes (Linux), or None."""
+    try:
+        with open("/proc/self/status") as f:
+            return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), None)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _reset_high_water() -> Optional[int]:
+    """This process's resident bytes now, its high-water mark reset to them (Linux's clear_refs), or
+    None where that cannot be done. A worker is the fork server's child: it starts with whatever the
+    server holds, which is not the judging's."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        return None
+    return _status_bytes("VmRSS")
+
+
+def _high_water() -> Optional[int]:
+    """The most this worker has held over its baseline since its judge was opened (None: unknown)."""
+    top = _status_bytes("VmHWM") if _BASELINE is not None else None
+    return None if top is None else top - _BASELINE
 
 
 def _step_in_worker(key: TensorKey, reclipped: bool):
-    return _measure(_JUDGE, key, reclipped)
+    return _measure(_JUDGE, key, reclipped), _high_water()
 
 
 def _in_worker(key: TensorKey):
-    return _measure(_JUDGE, key)
+    return _measure(_JUDGE, key), _high_water()
 
 
 def _measure(judge, key: TensorKey, reclipped: Optional[bool] = None):
