@@ -177,4 +177,16 @@ def test_cli_run_online(tmp_path):
     with open(tmp_path / "bug.json") as f:
         culprit = json.load(f)["culprits"][0]
     assert (culprit["module"], culprit["phase"]) == ("decoder.layers.0.mlp.linear_fc2", "forward")
+    # the check held its reference in memory where it fits, and moved the failing check's under --out: the
+    # candidate's report finds it beside it, by the run id it judged against
     assert main(["report", str(tmp_path / "bug" / "candidate")]) == 1
+    from ttrace_megatron.errors import TraceError
+    from ttrace_megatron.online import online_reference_of
+
+    run = json.loads((tmp_path / "bug" / "candidate" / "run.json").read_text())
+    assert run["online_reference_id"]
+    assert online_reference_of(str(tmp_path / "bug" / "candidate"), dict(run, online_reference=str(tmp_path / "gone"))) \
+        == os.path.join(str(tmp_path / "bug"), "reference")
+    with pytest.raises(TraceError, match="is gone"):  # a passing check's: removed once judged (its report.json stays)
+        online_reference_of(str(tmp_path / "bug" / "candidate"), dict(run, online_reference=str(tmp_path / "gone"),
+                                                                      online_reference_id="another"))

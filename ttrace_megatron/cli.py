@@ -731,8 +731,10 @@ def cmd_report(args, console: Console) -> int:
     if has_online_results(path):
         from .trace_store import RUN_FILE, read_json
 
+        from .online import online_reference_of
+
         run = read_json(os.path.join(path, RUN_FILE), rank=None)
-        report = _compare(run.get("online_reference"), path, console)
+        report = _compare(online_reference_of(path, run), path, console)
         _tensorboard(report, args.tensorboard, console)
         return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
     if args.tensorboard:

@@ -448,6 +448,26 @@ def _with_choice_verdict(result: TensorResult, entries: List[Tuple[int, ShardSum
     return apply_choice_verdict(result, v, row, where=f" of rank {rank}'s piece")
 
 
+def online_reference_of(candidate_dir: str, cand_run: dict) -> str:
+    """The reference an online candidate judged against: the directory its ``run.json`` names, or
+    where that is gone, the ``reference`` beside the candidate whose run id it judged against
+    (``ttrace run`` holds its reference in memory and moves a failing check's under ``--out``)."""
+    run_path = os.path.join(candidate_dir, RUN_FILE)
+    named = cand_run.get("online_reference")
+    if not named:
+        raise TraceError("the run does not name its online reference", path=run_path)
+    if os.path.isdir(named):
+        return named
+    wanted = cand_run.get("online_reference_id") or cand_run.get("lockstep_reference_id")
+    beside = os.path.join(os.path.dirname(os.path.abspath(candidate_dir)), "reference")
+    if wanted and os.path.isfile(os.path.join(beside, RUN_FILE)):
+        run = read_json(os.path.join(beside, RUN_FILE), rank=None)
+        if isinstance(run, dict) and run.get("run_id") == wanted:
+            return beside
+    raise TraceError(f"its online reference {named} is gone (a check that held it in memory removed it once judged; "
+                     "the check's report.json holds the verdict)", path=run_path)
+
+
 def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
                    tol_config: ToleranceConfig = ToleranceConfig(), perturbed: Optional[str] = None,
                    progress: Optional[Callable[[int, int], None]] = None) -> Comparison:
@@ -458,9 +478,7 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     cand_run = read_json(os.path.join(candidate_dir, RUN_FILE), rank=None)
     if not isinstance(cand_run, dict) or not isinstance(cand_run.get("world_size"), int):
         raise TraceError("run description lacks 'world_size'", path=os.path.join(candidate_dir, RUN_FILE))
-    reference_dir = reference_dir or cand_run.get("online_reference")
-    if not reference_dir:
-        raise TraceError("the run does not name its online reference", path=os.path.join(candidate_dir, RUN_FILE))
+    reference_dir = reference_dir or online_reference_of(candidate_dir, cand_run)
     ref = TraceReader(reference_dir)
     check_compatible(ref.run, cand_run, candidate_dir)
     num_layers = int(ref.run.get("num_layers", 0))

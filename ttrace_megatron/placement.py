@@ -299,6 +299,8 @@ def slice_logical(full: torch.Tensor, layout: Layout, coords: Coords, local_shap
         rank, size = _coord(coords, p.axis)
         if isinstance(p, Shard):
             dim = p.dim % t.dim()
+            if dim >= len(stored_shape):  # (a damaged manifest's shape: a named error, not an IndexError)
+                raise PlacementError(f"the rank's tensor has {len(stored_shape)} dims, and its layout shards dim {dim}")
             inner = math.prod(
                 _coord(coords, q.axis)[1]
                 for q in layout.placements[i + 1:]

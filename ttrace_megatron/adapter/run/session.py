@@ -257,6 +257,7 @@ def _write_run_info(options: TraceOptions, chunks: List, optimizer, config, fact
             # identity by content, not by path: a moved or copied pair is still a lock-step pair
             "run_id": uuid.uuid4().hex,
             "lockstep_reference_id": run_id_of(options.lockstep) if options.lockstep else None,
+            "online_reference_id": run_id_of(options.reference) if options.reference else None,
             "record_filter": {"iterations": options.iterations, "modules": list(options.modules),
                               "microbatches": options.microbatches, "ranks": options.ranks}}
     opt_config = getattr(optimizer, "config", None)
