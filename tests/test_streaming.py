@@ -215,3 +215,37 @@ def test_where_a_piece_lies_is_found_without_torch_meta_kernels():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.stdout.strip() == "0"
+
+
+@settings(max_examples=12, deadline=None)
+@given(numel=st.sampled_from([0, 1, 1000, streaming.STREAM_CHUNK, streaming.STREAM_CHUNK + 1,
+                              3 * streaming.STREAM_CHUNK + 7]), seed=st.integers(0, 1000), nonfinite=st.booleans())
+def test_an_online_rank_sums_a_reclipped_state_a_chunk_at_a_time_as_whole(numel, seed, nonfinite):
+    """An online rank's re-clipped moment is an element-wise map of its raw piece and the main grad's
+    (``MappedSource``), summed a chunk at a time: the sums of the whole float64 piece, bit for bit
+    where every element is finite (with NaN/Inf, the same counts and finite sums up to the order
+    they are added in)."""
+    from ttrace_megatron.compare import sliced_shard_sums
+    from ttrace_megatron.placement import Layout, Shard
+    from ttrace_megatron.step_bounds import reclip_delta
+
+    # (the chunks are tolerance.difference_sums' own: the whole piece's sums add the same chunks)
+    gen = torch.Generator().manual_seed(seed)
+    state, grad = torch.rand(numel, generator=gen) * 1e-6, torch.randn(numel, generator=gen)
+    cand = state * (1 + 1e-6 * torch.randn(numel, generator=gen))
+    if nonfinite and numel:
+        cand[numel // 2] = float("nan")
+    rule = {"beta1": 0.9, "beta2": 0.95}
+
+    def reclipped(s, g):
+        return reclip_delta(keys.EXP_AVG_SQ, rule, g, 0.5, 0.5000001).reshape(s.shape).add_(s)
+
+    layout, coords, key = Layout((Shard(0, "tp"),), (2 * numel,)), {"tp": (1, 2)}, KEY
+    whole = sliced_shard_sums(key, cand, layout, coords, (2 * numel,), lambda: reclipped(state, grad))
+    streamed = sliced_shard_sums(key, cand, layout, coords, (2 * numel,), lambda: streaming.MappedSource(
+        [MemorySource(state), MemorySource(grad)], reclipped))
+    if nonfinite:
+        assert (streamed.compared, streamed.candidate_nonfinite) == (whole.compared, whole.candidate_nonfinite)
+        assert streamed.diff_sq == pytest.approx(whole.diff_sq, rel=1e-12)
+    else:
+        assert streamed == whole

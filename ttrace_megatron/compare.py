@@ -386,10 +386,13 @@ def shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coord
 
 
 def sliced_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords: Coords,
-                      ref_shape: Sequence[int], reference_piece: Callable[[], torch.Tensor]) -> ShardSums:
+                      ref_shape: Sequence[int], reference_piece: Callable[[], "torch.Tensor | TensorSource"]
+                      ) -> ShardSums:
     """:func:`shard_sums` given the reference's logical shape and a function that gives its piece
     as the rank stores it (raising :class:`PlacementError` where the piece does not fit): an online
-    rank reads only that piece (:func:`reference_piece`)."""
+    rank reads only that piece (:func:`reference_piece`). A piece given as a source of its elements
+    (a state re-clipped element-wise: ``streaming.MappedSource``) is read a chunk at a time, its
+    float64 values never held whole: the sums of the whole, bit for bit, at cache speed."""
     base = blank_shard_sums(key, cand, layout, coords)
     if tuple(ref_shape) != tuple(layout.logical_shape):
         return _shape_sums(base, _logical_shape_differs(layout, ref_shape))
@@ -400,6 +403,13 @@ def sliced_shard_sums(key: TensorKey, cand: torch.Tensor, layout: Layout, coords
         return _shape_sums(base, _piece_does_not_fit(local, e))
     cand = cand.detach().cpu()
     mask = logical_mask(layout, coords, local)
+    if isinstance(ref_piece, TensorSource):
+        if mask is None and cand.is_contiguous():
+            flat, whole, sums = cand.reshape(-1), ref_piece.meta(), None
+            for begin, end in chunks(flat.numel()):
+                sums = piece_sums(flat[begin:end], read_flat(ref_piece, whole, begin, end), sums)
+            return ShardSums(**dict(base, **(sums or piece_sums(flat, flat))))
+        ref_piece = read_piece(ref_piece, ref_piece.meta())
     if mask is not None:
         cand, ref_piece = cand.reshape(-1)[mask.reshape(-1)], ref_piece.reshape(-1)[mask.reshape(-1)]
     return ShardSums(**dict(base, **piece_sums(cand, ref_piece)))

@@ -43,6 +43,7 @@ from .errors import TraceError
 from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
                         with_scale)
 from .scalars import IterationScalars, iteration_scalars, scalar_row
+from .streaming import MappedSource, MemorySource
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
 from . import coverage, keys, selection
@@ -178,14 +179,16 @@ class OnlineComparer:
         local = tuple(cand.shape)
         recorded = None  # the reference's piece as recorded (before any re-clip)
 
-        def piece() -> torch.Tensor:  # the reference's piece, re-clipped where the step needs it
+        def piece():  # the reference's piece, re-clipped where the step needs it (a chunk at a time)
             nonlocal recorded
             raw = reference_piece(self.reference, pieces, layout, self.coords, local, scaled=False)
             recorded = with_scale(raw, layout)
             if not self._reclips(key):
                 return recorded
             grad = self._main_grad_piece(key, layout, local)
-            return with_scale(self._reclip.state(key, raw, self._clips[key.iteration], grad), layout)
+            reclipped = self._reclip.chunked(key, self._clips[key.iteration])
+            return MappedSource([MemorySource(raw), MemorySource(grad.reshape(raw.shape))],
+                                lambda state, g: with_scale(reclipped(state, g), layout))
 
         try:
             sums = sliced_shard_sums(key, cand, layout, self.coords, pieces[0][1].layout.logical_shape, piece)
