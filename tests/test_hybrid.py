@@ -136,7 +136,8 @@ def test_gpt_reference_against_its_hybrid_model(tmp_path, recipe_name, bug, culp
     from ttrace_megatron.cli import main
 
     argv = ["run", os.path.join(RECIPES, recipe_name + ".yaml"), "--reference-model", "gpt",
-            "--out", str(tmp_path / "out"), "--json", str(tmp_path / "report.json")]
+            "--out", str(tmp_path / "out"), "--json", str(tmp_path / "report.json"),
+            "--reference-in", "disk"]  # (its run.json is read below: a passing check's is removed if held in memory)
     rc = main(argv + (["--inject", bug] if bug else []))
     report = json.loads((tmp_path / "report.json").read_text())
     reference = json.load(open(tmp_path / "out" / "reference" / "run.json"))

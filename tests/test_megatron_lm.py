@@ -158,8 +158,9 @@ def test_a_bf16_check_through_the_real_loop_runs_its_fp32_twin(tmp_path):
     recipe = tmp_path / "gpt_tp2_bf16.yaml"
     recipe.write_text(yaml.safe_dump(raw))
     out = tmp_path / "out"
+    # (both references under --out, to read their run.json: a passing pair's is removed if held in memory)
     rc = main(["run", str(recipe), "--megatron-lm", CHECKOUT, "--out", str(out), "--json", str(tmp_path / "r.json"),
-               "--inject", "softmax_scale_from_partition_head_dim"])
+               "--inject", "softmax_scale_from_partition_head_dim", "--reference-in", "disk"])
     report = json.loads((tmp_path / "r.json").read_text())
     assert (rc, report["verdict"], report["pair_verdict"]) == (1, "fail", "pass"), report.get("first_mismatch")
     twin = report["fp32_twin"]
