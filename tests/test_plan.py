@@ -96,13 +96,15 @@ def test_memory_room_is_a_share_of_the_memory_available_within_the_tmpfs(tmp_pat
 
 def test_what_a_killed_check_left_in_memory_is_taken_back(tmp_path):
     proc = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead = int(proc.stdout)
-    for name in (f"ttrace-{dead}-abc", f"ttrace-{os.getpid()}-live", "ttrace-other", "unrelated"):
+    dead, space = int(proc.stdout), core._pid_namespace()
+    # kept: a live check's, a dead pid's of another PID namespace (another container's live check may
+    # look dead from here), names of no check
+    kept = [f"ttrace-{space}-{os.getpid()}-live", f"ttrace-{space}1-{dead}-other", "ttrace-other", "unrelated"]
+    for name in [f"ttrace-{space}-{dead}-abc"] + kept:
         (tmp_path / name).mkdir()
     made = core.memory_scratch(str(tmp_path))
-    assert os.path.basename(made).startswith(f"ttrace-{os.getpid()}-")
-    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(made), f"ttrace-{os.getpid()}-live",
-                                                   "ttrace-other", "unrelated"])
+    assert os.path.basename(made).startswith(f"ttrace-{space}-{os.getpid()}-")
+    assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(made)] + kept)
 
 
 @pytest.mark.multiprocess
@@ -117,7 +119,7 @@ def test_the_default_check_holds_its_reference_in_memory_and_writes_none_of_it(t
     raw.update(dtype="bf16", name="gpt_tp2_sp")
     path = tmp_path / "r.yaml"
     path.write_text(yaml.safe_dump(raw))
-    mine = f"ttrace-{os.getpid()}-"
+    mine = f"ttrace-{core._pid_namespace()}-{os.getpid()}-"
     out, report_path = tmp_path / "out", tmp_path / "r.json"
     assert cli.main(["run", str(path), "--out", str(out), "--quiet", "--json", str(report_path)]) == cli.EXIT_PASS
     report = json.loads(report_path.read_text())

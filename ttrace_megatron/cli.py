@@ -803,8 +803,8 @@ def _add_online_arguments(parser: argparse.ArgumentParser, plan: bool = False) -
 ONLINE_HELP = ("each candidate rank judges its shards against the reference's trace while it runs and writes "
                "verdict sums, not tensors (so does the perturbation run); only the reference's trace, and on a "
                "mismatch the replay of its iteration, take disk")
-REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a directory in /dev/shm, read back by the "
-                     "candidate at memory speed, never written to the disk, removed once its pair is judged; a failing "
+REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a directory in /dev/shm, never written to the "
+                     "disk, removed once its pair is judged; a failing "
                      "check's moved under --out), disk (under --out), or auto (the default: memory where the plan's "
                      "reference bytes fit half the memory available and the check keeps no traces, else disk)")
 KEEP_TRACES_HELP = ("record the candidate's (and the perturbation run's) tensors too and compare the two traces "

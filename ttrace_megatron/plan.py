@@ -245,15 +245,27 @@ def memory_refusal_text(name: str, need: int, room: Optional[int]) -> str:
 
 def memory_scratch(root: str = MEMORY_ROOT) -> str:
     """A new directory under ``root`` for this process's in-memory references (removed by the
-    check that made it). What a killed check left there (its process gone) is removed first: a
-    tmpfs holds memory until its files are deleted."""
+    check that made it), named ``ttrace-<pid namespace>-<pid>-…``. What a killed check left there
+    (its process gone) is removed first: a tmpfs holds memory until its files are deleted. Only a
+    directory of this PID namespace is judged by its pid: containers that share a ``/dev/shm``
+    see other pids (a live check in another would look dead from here)."""
     import tempfile
 
+    space = _pid_namespace()
     for name in os.listdir(root):
         parts = name.split("-")
-        if len(parts) >= 3 and parts[0] == "ttrace" and parts[1].isdigit() and not _alive(int(parts[1])):
+        if (len(parts) >= 4 and parts[0] == "ttrace" and parts[1] == space and parts[2].isdigit()
+                and not _alive(int(parts[2]))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-    return tempfile.mkdtemp(prefix=f"ttrace-{os.getpid()}-", dir=root)
+    return tempfile.mkdtemp(prefix=f"ttrace-{space}-{os.getpid()}-", dir=root)
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace (the inode of /proc/self/ns/pid), or "0" where none can be read."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
 
 
 def _alive(pid: int) -> bool:
