@@ -121,7 +121,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
 
     twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
     try:  # (a contradiction of flags: refused before anything runs)
-        core.reference_in_memory(getattr(args, "reference_in", "auto"), 0, None, args.online)
+        core.check_reference_in(getattr(args, "reference_in", "auto"), args.online)
     except ValueError as e:
         raise RecipeError(str(e)) from None
     run_side = _side_runner(recipe, out, args, console)
@@ -543,7 +543,7 @@ def _plan_of(recipe, args, keep: bool, shape=None, room: Optional[int] = None):
                           shape=shape, reference_in_memory=in_memory)
 
     held = plan(True)
-    in_memory = core.reference_in_memory(getattr(args, "reference_in", "disk"), held.memory_needed(), room, args.online)
+    in_memory = core.reference_in_memory(getattr(args, "reference_in", "auto"), held.memory_needed(), room, args.online)
     return held if in_memory else plan(False)
 
 
@@ -664,8 +664,8 @@ def _plan_in_process(argv: List[str], error_path: str) -> None:
 def _check_disk(recipe, out: str, args, console: Console) -> Optional[dict]:
     """Refuse a check whose traces would not fit the disk under ``out`` (or whose reference, asked
     in memory, would not fit there), with the numbers, before anything runs (``--no-disk-check``
-    runs it anyway); returns the plan (JSON form), None where none was made. The plan is made in a process of its own:
-    it starts megatron's parallel state, which this process must not hold; on CPU that process is
+    runs it anyway); returns the plan (JSON form), None where none was made. The plan is made in a
+    process of its own: it starts megatron's parallel state, which this process must not hold; on CPU that process is
     forked from the ranks' fork server, its imports done (a fresh interpreter spent ~5 s importing
     torch and megatron-core). A plan that fails or hangs never stops the check: it runs without the
     disk check, and says so."""

@@ -1127,16 +1127,13 @@ class Reclip:
         pieces = groups.get(TensorKey(iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, keys.CLIP_COEFFICIENT))
         return None if pieces is None else float(logical_tensor(reader, pieces).tensor.reshape(-1)[0])
 
-    def state(self, key: TensorKey, state: torch.Tensor, candidate_clip: float,
-              main_grad: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """The reference's ``state`` (of ``key``) as it would be with ``candidate_clip``, in float64.
-        ``main_grad``: the reference's main grad at the same positions as ``state`` (a rank's piece
-        of both); by default the logical main grad is read."""
+    def state(self, key: TensorKey, state: torch.Tensor, candidate_clip: float) -> torch.Tensor:
+        """The reference's logical ``state`` (of ``key``) as it would be with ``candidate_clip``, in
+        float64, by the logical main grad (an online rank re-clips its piece with :meth:`chunked`)."""
         grad_key = main_grad_key(key)
-        if main_grad is None and self._grad[0] != grad_key:  # a parameter's states come one after another
+        if self._grad[0] != grad_key:  # a parameter's states come one after another
             self._grad = (grad_key, logical_tensor(self.reader, self.groups[grad_key]).tensor)
-        grad = self._grad[1] if main_grad is None else main_grad
-        return self.chunked(key, candidate_clip)(state, grad)
+        return self.chunked(key, candidate_clip)(state, self._grad[1])
 
     def chunked(self, key: TensorKey, candidate_clip: float) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
         """:meth:`state` of ``key`` as a function of (state, main grad at the same positions), the

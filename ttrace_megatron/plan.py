@@ -187,9 +187,10 @@ def free_bytes(path: str) -> int:
     return shutil.disk_usage(existing_parent(path)).free
 
 
-# Linux's shared-memory tmpfs: a reference written there is read back by the candidate at memory
-# speed and never reaches a disk (on the 50M rung's check the reference's recording took 11.7 s
-# through this VM's disk and 6.0 s there, against 3.3 s of training it)
+# Linux's shared-memory tmpfs: a reference written there never reaches a disk (on the 50M rung's
+# check its recording took 11.3-11.8 s through this VM's disk and 5.8-6.3 s there, against 3.2 s of
+# training it). Without shmem huge pages it is read back at ~5 GB/s, slower than a file in the page
+# cache (BENCHMARKS.md, issue #35): what it saves is the disk's bytes, and a slow disk's time.
 MEMORY_ROOT = "/dev/shm"
 # the share of the memory available as a check starts that its in-memory reference may take: the
 # rest is the runs' own (the candidate's ranks on a CPU; on a GPU machine the host's is mostly free)
@@ -220,15 +221,21 @@ def memory_room(root: str = MEMORY_ROOT) -> Optional[int]:
     return int(min(MEMORY_SHARE * available, DISK_HEADROOM * shutil.disk_usage(root).free))
 
 
-def reference_in_memory(mode: str, need: int, room: Optional[int], online: bool) -> bool:
-    """Whether a check writes its reference to memory: ``memory`` always (refused at the run if it
-    does not fit), ``disk`` never, ``auto`` where it fits and the check keeps no traces (``online``:
-    with ``--keep-traces`` both sides stay on the disk, for ``ttrace compare`` to read again)."""
+def check_reference_in(mode: str, online: bool) -> None:
+    """``--reference-in``'s value, and its one contradiction: ``memory`` removes the reference once
+    judged, ``--keep-traces`` (not ``online``) keeps every trace (ValueError, before anything runs)."""
     if mode not in REFERENCE_IN:
         raise ValueError(f"--reference-in {mode!r}: one of {', '.join(REFERENCE_IN)}")
     if mode == "memory" and not online:
         raise ValueError("--reference-in memory removes the reference once its pair is judged, and --keep-traces keeps "
                          "both sides' traces under --out for `ttrace compare` to read again: give one of them")
+
+
+def reference_in_memory(mode: str, need: int, room: Optional[int], online: bool) -> bool:
+    """Whether a check writes its reference to memory: ``memory`` always (refused at the run if it
+    does not fit), ``disk`` never, ``auto`` where it fits and the check keeps no traces (``online``:
+    with ``--keep-traces`` both sides stay on the disk, for ``ttrace compare`` to read again)."""
+    check_reference_in(mode, online)
     if mode != "auto":
         return mode == "memory"
     return online and room is not None and need <= room
