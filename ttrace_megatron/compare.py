@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import itertools
 import math
 import os
@@ -164,10 +165,29 @@ def piece_view(logical_shape: Sequence[int], layout: Layout, coords: Coords,
     """Where a rank's piece lies in its logical tensor: the view ``slice_logical`` makes of a meta
     tensor of ``logical_shape`` (the layout's scale left out; offsets and strides count elements,
     of any dtype), or the views it concatenates (an interleaved shard's blocks); None where the
-    piece is neither (padding). Raises :class:`PlacementError` where the piece does not fit."""
+    piece is neither (padding). Raises :class:`PlacementError` where the piece does not fit.
+
+    Kept per (shapes, layout, coordinates): a parameter's grads, moments and values of every
+    iteration lie alike, and making the views runs the placement rules on meta tensors (0.2 ms a
+    key, 0.3 s of an online rank's judging at the scale ladder's 50M rung). Meta tensors hold no
+    data, and nothing changes a view in place."""
     unscaled = dataclasses.replace(layout, scale=1.0)
-    return cat_of_views(torch.empty(tuple(logical_shape), device="meta"),
-                        lambda meta: slice_logical(meta, unscaled, coords, local_shape, contiguous=False))
+    where = tuple(sorted((axis, tuple(int(x) for x in at)) for axis, at in coords.items()))
+    args = (tuple(int(n) for n in logical_shape), unscaled, where, tuple(int(n) for n in local_shape))
+    try:
+        hash(unscaled)
+    except TypeError:  # a layout built with a list in it: made each time
+        return _piece_view.__wrapped__(*args)
+    return _piece_view(*args)
+
+
+@functools.lru_cache(maxsize=4096)
+def _piece_view(logical_shape: Tuple[int, ...], layout: Layout, where: Tuple[Tuple[str, Tuple[int, int]], ...],
+                local_shape: Tuple[int, ...]) -> Optional[Cat]:
+    """:func:`piece_view`'s views, made once (a :class:`PlacementError` is not kept: it is raised again)."""
+    coords = dict(where)
+    return cat_of_views(torch.empty(logical_shape, device="meta"),
+                        lambda meta: slice_logical(meta, layout, coords, local_shape, contiguous=False))
 
 
 def logical_source(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]]) -> Tuple[TensorSource, list]:
