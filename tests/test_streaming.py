@@ -249,3 +249,86 @@ def test_an_online_rank_sums_a_reclipped_state_a_chunk_at_a_time_as_whole(numel,
         assert streamed.diff_sq == pytest.approx(whole.diff_sq, rel=1e-12)
     else:
         assert streamed == whole
+
+
+@settings(max_examples=80, deadline=None)
+@given(layouts(), st.integers(0, 2**31 - 1), st.sampled_from([1.0, 0.5]))
+def test_an_online_rank_sums_a_piece_it_keeps_nothing_of_a_chunk_at_a_time_as_whole(case, seed, scale):
+    """A reference piece an online rank keeps nothing of is read through ``PieceSource`` a chunk at
+    a time (never whole: a piece of over 32 MiB lands in fresh pages): the sums are the whole
+    piece's, bit for bit, at the default chunk."""
+    import tempfile
+
+    from ttrace_megatron.compare import reference_piece, reference_piece_source, sliced_shard_sums
+    from ttrace_megatron.placement import with_scale
+
+    layout, sizes, stored = case
+    layout = dataclasses.replace(layout, scale=scale)
+    gen = torch.Generator().manual_seed(seed)
+    full = torch.randn(layout.logical_shape, generator=gen, dtype=torch.float32)
+    with tempfile.TemporaryDirectory() as tmp:
+        reader = single_device_reference(tmp, full)
+        pieces = group_records(reader)[KEY]
+        for coords, shape in rank_pieces(layout, sizes, stored):
+            piece = slice_logical(full, layout, coords, shape)
+            cand = (piece.double() * (1 + 1e-6 * torch.randn(piece.shape, generator=gen, dtype=torch.float64))
+                    ).to(piece.dtype).contiguous()
+            source = reference_piece_source(reader, pieces, layout, coords, shape)
+            if source is None:
+                assert _not_a_view(layout, coords, shape, full.shape)
+                continue
+            assert source.shape == tuple(shape)
+            scaled = source if scale == 1.0 else streaming.MappedSource([source], lambda t: with_scale(t, layout))
+            streamed = sliced_shard_sums(KEY, cand, layout, coords, full.shape, lambda: scaled)
+            whole = sliced_shard_sums(KEY, cand, layout, coords, full.shape,
+                                      lambda: reference_piece(reader, pieces, layout, coords, shape))
+            assert streamed == whole
+
+
+@pytest.mark.parametrize("shape,layout,coords,local", [
+    ((3, streaming.STREAM_CHUNK + 10), "cols", {"tp": (1, 2)}, None),
+    ((2 * streaming.STREAM_CHUNK + 6, 4), "rows", {"tp": (0, 2)}, None),
+])
+def test_a_piece_of_many_chunks_is_summed_as_whole(shape, layout, coords, local):
+    """:func:`test_an_online_rank_sums_a_piece_it_keeps_nothing_of_a_chunk_at_a_time_as_whole` where
+    the piece spans several chunks, strided (a column shard) or not (a row shard)."""
+    import tempfile
+
+    from ttrace_megatron.compare import reference_piece, reference_piece_source, sliced_shard_sums
+    from ttrace_megatron.placement import Layout, Shard
+
+    dim = 1 if layout == "cols" else 0
+    lay = Layout((Shard(dim, "tp"),), shape)
+    local = tuple(n // 2 if d == dim else n for d, n in enumerate(shape))
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(shape, generator=gen)
+    with tempfile.TemporaryDirectory() as tmp:
+        reader = single_device_reference(tmp, full)
+        pieces = group_records(reader)[KEY]
+        cand = slice_logical(full, lay, coords, local).contiguous() * (1 + 1e-6 * torch.randn(local, generator=gen))
+        source = reference_piece_source(reader, pieces, lay, coords, local)
+        assert isinstance(source, streaming.PieceSource)
+        streamed = sliced_shard_sums(KEY, cand, lay, coords, shape, lambda: source)
+        whole = sliced_shard_sums(KEY, cand, lay, coords, shape, lambda: reference_piece(reader, pieces, lay, coords,
+                                                                                           local))
+        assert streamed == whole and streamed.compared == cand.numel()
+
+
+def test_a_buffer_given_back_is_taken_again_and_views_are_not():
+    """``BufferPool``: a buffer given back is the next one of its byte count taken (any dtype and
+    shape of that size); a view of a buffer is not taken back (its storage is still the buffer's);
+    a source read into a buffer is the source, whole."""
+    pool = streaming.BufferPool()
+    a = pool.copy(torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    assert torch.equal(a, torch.arange(12, dtype=torch.float32).reshape(3, 4))
+    pool.give(a[1:], a.t())  # views: not taken back
+    b = pool.take((6,), torch.float64)
+    assert b.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    pool.give(a)
+    c = pool.take((2, 6), torch.int32)
+    assert c.untyped_storage().data_ptr() == a.untyped_storage().data_ptr() and c.shape == (2, 6)
+    assert pool.take((0,), torch.float32).numel() == 0
+    base = torch.randn(5, 2 * streaming.STREAM_CHUNK + 3)
+    meta = torch.empty(base.shape, device="meta")[:, 1:]
+    source = streaming.PieceSource(MemorySource(base), streaming.Cat((meta,), 0))
+    assert torch.equal(pool.read(source), base[:, 1:])

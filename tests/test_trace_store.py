@@ -330,3 +330,42 @@ def test_a_rank_piece_reads_only_its_bytes(tmp_path, monkeypatch, placement, row
         assert sum(read) == half and len(read) == (1 if placement.dim == 0 else 64)
     else:
         assert sum(read) == 2 * half - 32 * 4 and len(read) == 1  # every row but the first's left half
+
+
+def test_online_ranks_check_the_reference_once_between_them(tmp_path, monkeypatch):
+    """Each candidate rank checks its share of the reference's files against their checksums (the
+    shares cover every file once, the same way on every rank) and trusts the others': a damaged
+    file fails the check on the rank that owns it, at its close, named, even where it never read
+    it; the rank that read it without hashing it does not hash it."""
+    from ttrace_megatron import trace_store
+    from ttrace_megatron.online import OnlineComparer, combine_online
+
+    make_trace(tmp_path / "ref", world=4)  # 4 ranks' files, of two sizes
+    reader = TraceReader(str(tmp_path / "ref"))
+    shares = [TraceReader(str(tmp_path / "ref")).share_verification(i, 2) for i in range(2)]
+    names = [{(rt.rank, f) for rt, f in share} for share in shares]
+    assert not names[0] & names[1] and names[0] | names[1] == {(rt.rank, f) for rt in reader.ranks for f in rt.files}
+    assert all(names)
+    rank, fname = sorted(names[1])[0]
+    data = tmp_path / "ref" / f"rank-{rank:05d}" / fname
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    write_run_info(str(tmp_path / "cand"), {"role": "candidate", "world_size": 2, "num_layers": 2,
+                                            "model_config": {"model": {"hidden_size": 8}},
+                                            "online_reference": str(tmp_path / "ref")})
+    hashed = []
+    verify = trace_store._verify
+    monkeypatch.setattr(trace_store, "_verify", lambda f, info: hashed.append(f.name) or verify(f, info))
+    for r in range(2):
+        hashed.clear()
+        comparer = OnlineComparer(str(tmp_path / "ref"), str(tmp_path / "cand"), r, {"tp": (r, 2)}, world_size=2)
+        comparer.close()
+        seen = {os.path.basename(os.path.dirname(p)) + "/" + os.path.basename(p) for p in hashed}
+        share = {f"rank-{k:05d}/{f}" for k, f in names[r]}
+        # rank 1 stops at the damaged file, the first of its share
+        assert seen == share if r == 0 else seen == {f"rank-{rank:05d}/{fname}"}
+        assert (comparer.failed is None) == (r == 0)
+    with pytest.raises(TraceError, match="incomplete online results: the reference is damaged") as e:
+        combine_online(str(tmp_path / "cand"))
+    assert e.value.rank == 1

@@ -22,8 +22,8 @@ from .placement import (SHARDING, Coords, Layout, Merged, Partial, PlacementErro
                         content_digest, logical_mask, merge_pieces, replicas_split_alike, alike_but_scale,
                         slice_logical, with_scale)
 from .step_bounds import StepBounds, judged_terms, main_grad_key, reclip_delta, state_of
-from .streaming import (Cat, MappedSource, MemorySource, RecordSource, TensorSource, cat_of_views, chunks, read_flat,
-                        read_piece, source_norm)
+from .streaming import (Cat, MappedSource, MemorySource, PieceSource, RecordSource, TensorSource, cat_of_views,
+                        chunks, read_flat, read_piece, source_norm)
 from .tolerance import (Tolerance, ToleranceConfig, difference_sums, relative_error, tolerance_for,
                         with_perturbation)
 from .update_rules import AdamRule, UpdateVerdict, judge_adam_chunks, judge_adam_update
@@ -158,6 +158,18 @@ def reference_piece(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]],
         piece = slice_logical(logical_tensor(reader, pieces).tensor, dataclasses.replace(layout, scale=1.0), coords,
                               local_shape)
     return with_scale(piece, layout) if scaled else piece
+
+
+def reference_piece_source(reader: TraceReader, pieces: List[Tuple[RankTrace, Record]], layout: Layout,
+                           coords: Coords, local_shape: Sequence[int]) -> Optional[TensorSource]:
+    """:func:`reference_piece` (``scaled=False``) as a source to read a chunk at a time
+    (``streaming.PieceSource``), where it reads only the piece's bytes (a single-device reference
+    holding the logical tensor whole, the piece a view or blocks of views); None elsewhere."""
+    rt, rec = pieces[0]
+    if len(pieces) != 1 or not _whole_logical(rt, rec):
+        return None
+    view = piece_view(rec.shape, layout, coords, local_shape)
+    return None if view is None else PieceSource(RecordSource(reader, rt, rec), view)
 
 
 def piece_view(logical_shape: Sequence[int], layout: Layout, coords: Coords,

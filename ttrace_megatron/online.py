@@ -37,13 +37,13 @@ from .compare import (FAIL, FIRST_STEP, OVERFLOW_PHASES, Cancellation, Compariso
                       UpdateCheck, UpdateVerdict, apply_choice_verdict, apply_update_verdict, blank_shard_sums,
                       check_compatible, combine_shards, decide, group_records, in_lockstep, in_order, logical_tensor,
                       missing_reference, not_recorded_by, overflowed_iterations, piece_norm, recorded_by_choice,
-                      reference_order, reference_piece, relative_from_sums, replica_note, shard_positions,
-                      sliced_shard_sums, with_recomputed_aliases)
+                      reference_order, reference_piece, reference_piece_source, relative_from_sums, replica_note,
+                      shard_positions, sliced_shard_sums, with_recomputed_aliases)
 from .errors import TraceError
 from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
                         with_scale)
 from .scalars import IterationScalars, iteration_scalars, scalar_row
-from .streaming import MappedSource, MemorySource
+from .streaming import BufferPool, MappedSource, MemorySource
 from .step_bounds import StepBounds, main_grad_key, reclippable, state_of
 from .tolerance import ToleranceConfig
 from . import coverage, keys, selection
@@ -59,9 +59,13 @@ class OnlineComparer:
     """A recording sink with the :class:`~ttrace_megatron.trace_store.TraceWriter` interface
     (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
 
-    def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False):
+    def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False,
+                 world_size: int = 1):
         self.reference = TraceReader(reference_dir)
         self.reference.prefetch()  # read while this rank builds its model and runs its first layers
+        # the reference's checksums are checked once a check, not once a rank: each rank checks its
+        # share of the files (at close, those it did not open before) and trusts the others' ranks
+        self._verify_share = self.reference.share_verification(rank, world_size)
         self._reference_groups = group_records(self.reference)
         # in lock-step under Adam an updated value is judged element by element against both sides'
         # moments (compare.UpdateCheck): on each rank, over the elements it holds the moments of
@@ -77,6 +81,7 @@ class OnlineComparer:
         # a top-k choice's scores (this rank's piece, the reference's slice of it) until the choice comes
         self._scores: Dict[TensorKey, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._reclip = Reclip(self.reference, self._reference_groups)
+        self._pool = BufferPool()  # what a step holds until judged, in memory held before (streaming.BufferPool)
         self._grad: tuple = (None, None, None, None)  # (main grad key, layout, shape, this rank's piece)
         self._clips: Dict[int, float] = {}
         self.rank = rank
@@ -122,7 +127,7 @@ class OnlineComparer:
         if not moment and not keys.is_updated_value(key):
             return
         # one host copy of the piece (the run goes on changing its own), the reference sliced alike
-        piece = (tensor.to("cpu", copy=True), reference, layout)
+        piece = (self._pool.copy(tensor), reference, layout)
         step = self._steps.setdefault((key.iteration, key.module, name), {"values": []})
         if moment:
             step[key.tensor.rpartition(".")[2]] = piece
@@ -131,6 +136,7 @@ class OnlineComparer:
         if keys.EXP_AVG in step and keys.EXP_AVG_SQ in step:
             for index, value, ref_value, _ in step["values"]:
                 self._judge_update(index, (value, ref_value), step[keys.EXP_AVG], step[keys.EXP_AVG_SQ])
+                self._pool.give(value, ref_value)
             step["values"] = []
 
     def _judge_update(self, index: int, value, exp_avg, exp_avg_sq) -> None:
@@ -181,7 +187,12 @@ class OnlineComparer:
 
         def piece():  # the reference's piece, re-clipped where the step needs it (a chunk at a time)
             nonlocal recorded
-            raw = reference_piece(self.reference, pieces, layout, self.coords, local, scaled=False)
+            source = reference_piece_source(self.reference, pieces, layout, self.coords, local)
+            if source is not None and not self._keeps(key) and not self._reclips(key):
+                # summed a chunk at a time, never held whole
+                return source if layout.scale == 1.0 else MappedSource([source], lambda t: with_scale(t, layout))
+            raw = (reference_piece(self.reference, pieces, layout, self.coords, local, scaled=False) if source is None
+                   else self._pool.read(source))
             recorded = with_scale(raw, layout)
             if not self._reclips(key):
                 return recorded
@@ -228,6 +239,15 @@ class OnlineComparer:
         return dataclasses.replace(entry, choice_rows=v.tokens, choice_flipped=v.flipped, choice_ratio=v.worst_ratio,
                                    choice_row=v.worst_token, choice_problem=v.problem, choice_detail="judged")
 
+    def _keeps(self, key: TensorKey) -> bool:
+        """Whether the reference's piece of ``key`` is kept past its sums: a top-k choice's and its
+        scores (judged together), a moment's or an updated value's where its step is checked
+        element by element (:meth:`_step_piece`)."""
+        if key.kind in (TensorKind.SELECTION, TensorKind.SELECTION_SCORES):
+            return True
+        return self.update_check is not None and (self.lockstep or key.iteration == FIRST_STEP) and (
+            key.kind is TensorKind.OPTIMIZER_STATE or keys.is_updated_value(key))
+
     def _reclips(self, key: TensorKey) -> bool:
         """As ``StepBounds.reclipped`` decides it at the combination: a state its rule can re-clip,
         whose iteration's coefficients differ, whose reference main grad is recorded."""
@@ -242,9 +262,13 @@ class OnlineComparer:
         for key in [k for k in self._scores if k.iteration <= iteration]:  # scores whose choice never came
             del self._scores[key]
         for step in [k for k in self._steps if k[0] <= iteration]:  # values whose moments never came
-            for index, *_ in self._steps.pop(step)["values"]:
+            held = self._steps.pop(step)
+            for index, value, ref_value, _ in held.pop("values"):
                 self.entries[index] = dataclasses.replace(self.entries[index],
                                                           update_detail="no moments recorded on this rank")
+                self._pool.give(value, ref_value)
+            for mine, theirs, _ in held.values():  # its moments: the next iteration's step reads into them
+                self._pool.give(mine, theirs)
         self._write(complete=False)
         self._warn_live(iteration)
 
@@ -283,6 +307,12 @@ class OnlineComparer:
                   f"this rank's shard (the verdict: ttrace report <trace dir>)", flush=True)
 
     def close(self) -> None:
+        try:
+            self.reference.verify(self._verify_share)
+        except TraceError as e:  # the combination names it: the results are not complete
+            self.failed = f"the reference is damaged: {e}"
+            self._write(complete=False)
+            return
         self._write(complete=True)
 
     def abandon(self, reason: str) -> None:

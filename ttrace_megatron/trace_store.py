@@ -344,6 +344,36 @@ class TraceReader:
 
         threading.Thread(target=advise, name="ttrace-prefetch", daemon=True).start()
 
+    def share_verification(self, index: int, count: int) -> List[Tuple[RankTrace, str]]:
+        """Split the checking of this trace's data files against their checksums over ``count``
+        readers of it that run together (the ranks of a candidate judging it online), so that each
+        byte is hashed once, not once a reader: files are dealt largest first to the least loaded
+        reader, the same way in every one. Marks the others' files as verified here (a file
+        changed since is checked again where it is opened) and returns this reader's (``index``),
+        which it must verify with :meth:`verify` even where it reads none of them: a damaged file
+        then fails the check on the reader that owns it, as a reader that opened it would have."""
+        files = sorted(((rt, f) for rt in self.ranks for f in rt.files),
+                       key=lambda item: (-int(item[0].files[item[1]]["bytes"]), item[0].rank, item[1]))
+        loads, mine = [0] * max(1, count), []
+        for rt, fname in files:
+            owner = min(range(len(loads)), key=lambda i: (loads[i], i))
+            loads[owner] += int(rt.files[fname]["bytes"])
+            if owner == index:
+                mine.append((rt, fname))
+                continue
+            path = os.path.join(rt.dir, fname)
+            try:
+                self.verified.add(_fingerprint(path, os.stat(path)))
+            except OSError:
+                pass  # left to the read that names it
+        return mine
+
+    def verify(self, files: Sequence[Tuple[RankTrace, str]]) -> None:
+        """Check each of ``files`` (rank trace, file name) against its checksum, unless already
+        checked; the first damaged one raises its named :class:`TraceError`."""
+        for rt, fname in files:
+            self._open_file(rt, fname)
+
     def _read_rank(self, rank: int, allow_incomplete: bool) -> RankTrace:
         rank_dir = os.path.join(self.dir, _RANK_DIR.format(rank))
         path = os.path.join(rank_dir, MANIFEST_FILE)
@@ -473,7 +503,8 @@ class TraceReader:
         info = rank_trace.files[fname]
         try:
             with open(path, "rb") as f:
-                if _fingerprint(path, os.fstat(f.fileno())) in self.verified:
+                fingerprint = _fingerprint(path, os.fstat(f.fileno()))
+                if fingerprint in self.verified:
                     size, intact = info["bytes"], True
                 else:
                     size, intact = _verify(f, info)
@@ -494,7 +525,9 @@ class TraceReader:
             raise TraceError(f"data file is corrupt ({what} mismatch)", path=path, rank=rank_trace.rank)
         if header is None:
             raise TraceError("data file is not valid safetensors (bad header length)", path=path, rank=rank_trace.rank)
-        return _index_header(header, 8 + header_len, size, path, rank_trace.rank)
+        index = _index_header(header, 8 + header_len, size, path, rank_trace.rank)
+        self.verified.add(fingerprint)  # hashed once: a file opened again (its index let go) is not hashed again
+        return index
 
 
 def _fingerprint(path: str, st: os.stat_result) -> Tuple[str, int, int]:

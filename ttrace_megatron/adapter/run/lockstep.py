@@ -61,18 +61,13 @@ class LockStep:
             # range, the rest left stale for the next forward's all-gather to bring (from the owners,
             # who took the reference's)
             layout = self.layouts.of(key, site, tuple(param.shape))
-            target = owned_piece(param.data, layout, self.reference.coords)
-            value = self.reference.shard(key, layout, target)
-            if value is not None:
-                target.copy_(value)
+            self.reference.put(key, layout, owned_piece(param.data, layout, self.reference.coords))
             main = self.recorder.main_params.get(param)
             if main is None:
                 continue
             for name, tensor in main.states().items():
                 key = TensorKey(clock.iteration, -1, mname, keys.OPTIMIZER, keys.optimizer_state(pname, name))
-                value = self.reference.shard(key, self.layouts.of(key, site, tuple(tensor.shape)), tensor)
-                if value is not None:
-                    tensor.copy_(value)
+                self.reference.put(key, self.layouts.of(key, site, tuple(tensor.shape)), tensor)
         followed = sum(tap.followed_tokens for tap in self.recorder.routing_taps)
         if followed:
             print(f"[ttrace] rank {self.recorder.rank}: lock-step: MoE routers followed the reference's choice (the "

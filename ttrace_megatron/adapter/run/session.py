@@ -344,7 +344,8 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
     if options.reference:
         from ...online import OnlineComparer
 
-        online = OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep))
+        online = OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep),
+                                world_size=torch.distributed.get_world_size())
         sinks.append(online)
     clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
     dispatcher = Dispatcher(chunks, clock)
