@@ -35,6 +35,7 @@ SHIMS = (
     "activation recomputation (tensor_parallel.random's CheckpointFunction and "
     "CheckpointWithoutOutputFunction) runs its backward, where the forward runs again, under the CUDA-to-CPU "
     "rewrite too: the autograd engine does not carry torch function modes into backward",
+    "ttrace's own host-side work inside hooks (judging, staging) runs outside the rewrite (suspended())",
     "WrappedTorchNorm accepts sequence_parallel (as apex's FusedLayerNorm does) and tags its "
     "params sequence_parallel=True so finalize_model_grads all-reduces their grads over TP",
 )
@@ -256,6 +257,18 @@ def install() -> None:
     _install_recompute_under_mode()
     _CudaToCpuMode().__enter__()
     _installed = True
+
+
+def suspended():
+    """A context in which torch calls skip the CUDA-to-CPU rewrite: for ttrace's own host-side work
+    inside a hook (an online rank judging its shards, a recording rank staging its tensors), which
+    names no CUDA device. Every torch call under the mode goes through a Python
+    ``__torch_function__`` (~2 µs); an online rank judging the scale ladder's 50M rung made 235,000
+    of them. Where the rewrite is not installed, or another mode is above it, nothing changes."""
+    stack = torch.overrides._get_current_function_mode_stack() if _installed else []
+    if not stack or not isinstance(stack[-1], _CudaToCpuMode):
+        return contextlib.nullcontext()
+    return torch.overrides._pop_mode_temporarily()
 
 
 def install_megatron_lm() -> None:

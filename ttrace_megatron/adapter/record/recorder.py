@@ -33,7 +33,7 @@ import contextlib
 import dataclasses
 import fnmatch
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, ContextManager, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -92,6 +92,8 @@ class Recorder(Feature):
         self.main_params = {}  # model param -> optimizer_state.MainParam, set by wrap_optimizer
         self.routing_taps = []  # routing.RoutingTap per MoE router, set by attach
         self.optimizer = None
+        # what the sinks' work runs in: the run sets it (on CPU, outside the CUDA-to-CPU rewrite)
+        self.sink_context: Callable[[], ContextManager] = contextlib.nullcontext
         self._recorded: set = set()  # keys recorded in this iteration (tap_key)
         self._said_unattributed = False
         self._compute_dtype = next((p.dtype for *_, p in self._params if p.is_floating_point()), torch.float32)
@@ -212,9 +214,10 @@ class Recorder(Feature):
         reduction = layouts.reduction_length(key.module, site.module, kind, self.facts)
         layout = layout or self.layouts.of(key, site, tuple(tensor.shape))
         self._recorded.add(key)
-        for sink in self.sinks:
-            sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
-                     arrival=arrival, statistic_of=statistic_of, roundoff=roundoff)
+        with self.sink_context():  # the sinks' own work names no device
+            for sink in self.sinks:
+                sink.add(key, tensor, layout, depth=depth, compute_dtype=self._compute_dtype, reduction=reduction,
+                         arrival=arrival, statistic_of=statistic_of, roundoff=roundoff)
 
     def _loss_hook(self, module, args, kwargs, output):
         """GPTModel returns the per-token loss [b, s] when it is given labels (on the last stage)."""

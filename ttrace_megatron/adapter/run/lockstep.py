@@ -31,6 +31,7 @@ from ... import keys
 from ...keys import TensorKey
 from ...placement import owned_piece
 from ...trace_store import TraceReader
+from ..cpu import cuda_shim
 from ..record.layouts import Site
 from ..record.recorder import Recorder
 from .replay import ReferenceValues
@@ -52,6 +53,23 @@ class LockStep:
         if not clock.in_iteration:
             return
         absent = self.reference.absent
+        with cuda_shim.suspended():  # reading and copying on the host: no device named
+            self._put_step(clock)
+        followed = sum(tap.followed_tokens for tap in self.recorder.routing_taps)
+        if followed:
+            print(f"[ttrace] rank {self.recorder.rank}: lock-step: MoE routers followed the reference's choice (the "
+                  f"experts a token picks, the tokens an expert keeps at capacity) on {followed} token(s) of iteration "
+                  f"{clock.iteration} where theirs differed (their own choice is recorded and judged against their "
+                  f"scores)", flush=True)
+            for tap in self.recorder.routing_taps:
+                tap.followed_tokens = 0
+        if self.reference.absent > absent:
+            print(f"[ttrace] rank {self.recorder.rank}: lock-step: the reference recorded "
+                  f"{self.reference.absent - absent} parameter or state tensor(s) of iteration {clock.iteration} "
+                  f"not: those stay the candidate's own (record every iteration of the reference)", flush=True)
+
+    def _put_step(self, clock) -> None:
+        """The reference's parameters and optimizer states of this iteration, into this rank's."""
         for mname, pname, module, param in self.recorder._params:
             if not param.requires_grad:
                 continue
@@ -68,15 +86,3 @@ class LockStep:
             for name, tensor in main.states().items():
                 key = TensorKey(clock.iteration, -1, mname, keys.OPTIMIZER, keys.optimizer_state(pname, name))
                 self.reference.put(key, self.layouts.of(key, site, tuple(tensor.shape)), tensor)
-        followed = sum(tap.followed_tokens for tap in self.recorder.routing_taps)
-        if followed:
-            print(f"[ttrace] rank {self.recorder.rank}: lock-step: MoE routers followed the reference's choice (the "
-                  f"experts a token picks, the tokens an expert keeps at capacity) on {followed} token(s) of iteration "
-                  f"{clock.iteration} where theirs differed (their own choice is recorded and judged against their "
-                  f"scores)", flush=True)
-            for tap in self.recorder.routing_taps:
-                tap.followed_tokens = 0
-        if self.reference.absent > absent:
-            print(f"[ttrace] rank {self.recorder.rank}: lock-step: the reference recorded "
-                  f"{self.reference.absent - absent} parameter or state tensor(s) of iteration {clock.iteration} "
-                  f"not: those stay the candidate's own (record every iteration of the reference)", flush=True)

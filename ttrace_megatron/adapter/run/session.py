@@ -335,6 +335,7 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
 
     from ...trace_store import TraceWriter
     from ..record.hooks import Clock, Dispatcher
+    from ..cpu import cuda_shim
     from ..record.recorder import Recorder, RecordFilter
 
     sinks: List[Any] = []
@@ -351,6 +352,7 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
     dispatcher = Dispatcher(chunks, clock)
     record_filter = RecordFilter(options.iterations, tuple(options.modules), options.microbatches, options.ranks)
     recorder = dispatcher.add(Recorder(sinks, chunks, key_layouts, clock, rank, coords, record_filter)).attach()
+    recorder.sink_context = cuda_shim.suspended  # a no-op where the shim is not installed (a GPU)
     recorder.wrap_optimizer(optimizer)
     if options.replay:
         from .replay import Replayer
