@@ -106,10 +106,46 @@ def floors(tmp: str) -> dict:
         return max(core.measure_write_bandwidth(where) for _ in range(3))
 
     return {"write_bandwidth": {"memory": best(core.MEMORY_ROOT) if core.memory_room() else None, "disk": best(tmp)},
+            "staging_copy": max(staging_copy_rate() for _ in range(3)),
             "compare_rates": dataclasses.asdict(rates), "cores": cores,
             "judging_floor_online": core.judging_seconds(plan, rates, cores),
             "judging_floor_recorded": core.judging_seconds(recorded, rates, cores),
             "reference_bytes": plan.side("reference").total()}
+
+
+def staging_copy_rate(nbytes: int = 256 << 20) -> float:
+    """Bytes a second a recording rank copies tensors into its staging buffers at, alone on one
+    thread (``stream_writer``: 8 MiB buffers, warm; 32 MiB fp32 tensors, written once before)."""
+    import time
+
+    import torch
+
+    from ttrace_megatron import stream_writer
+
+    sources = [torch.ones(8 << 20) for _ in range(max(1, nbytes // (32 << 20)))]
+    stage = torch.zeros(stream_writer.STAGING_BYTES, dtype=torch.uint8)
+    start = time.perf_counter()
+    for src in sources:
+        flat = src.view(torch.uint8)
+        for at in range(0, flat.numel(), stage.numel()):
+            n = min(stage.numel(), flat.numel() - at)
+            stage[:n].copy_(flat[at:at + n])
+    return sum(s.numel() * 4 for s in sources) / (time.perf_counter() - start)
+
+
+def recording_passes_row(m: dict) -> tuple:
+    """What recording to memory does to every byte, each pass at its own measured speed, one after
+    the other: copied into staging, hashed (xxh3: compare's verifying rate), written; against the
+    write alone. On this machine the passes share its cores with the training they record."""
+    fl = m["floors"]
+    size, rates = fl["reference_bytes"], {"copy": fl["staging_copy"], "hash": fl["compare_rates"]["verify"],
+                                          "write": fl["write_bandwidth"]["memory"]}
+    seconds = {k: size / v for k, v in rates.items()}
+    return ("recording's passes over the reference's bytes, each at its own speed, one after the other: "
+            + ", ".join(f"{k} {rates[k] / 1e9:.1f} GB/s" for k in rates),
+            " + ".join(f"{seconds[k]:.2f}" for k in rates) + f" = {sum(seconds.values()):.2f} s",
+            f"{sum(seconds.values()) / seconds['write']:.2f}× the time to write its bytes (the passes share the "
+            f"{fl['cores']} cores with the training they record)", "≤ 1.2×")
 
 
 def table(m: dict) -> list:
@@ -138,6 +174,8 @@ def table(m: dict) -> list:
                      f"{both(extra)} s for {fl['reference_bytes'] / 1e9:.2f} GB",
                      f"{both([e / (fl['reference_bytes'] / write_bw) for e in extra], '.2f')}× the time to write its "
                      f"bytes at {write_bw / 1e9:.2f} GB/s (fsync'd 256 MiB, {went}, the best of 3)", "≤ 1.2×"))
+        if went == "memory" and fl.get("staging_copy"):
+            rows.append(recording_passes_row(m))
     auto = m["whole"]["auto"]
     judged = [r["timings_s"]["candidate"] - trained["candidate"] for r in auto]
     floor = fl["judging_floor_online"]["candidate"]

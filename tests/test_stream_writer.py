@@ -71,6 +71,22 @@ def test_round_trip_through_small_buffers_and_header_parts(tmp_path, monkeypatch
     assert [f.name for f in files[:-1]] == [f"iter-000001-{k:03d}.safetensors" for k in range(1, len(files))]
 
 
+def test_a_part_holds_at_most_part_bytes_or_one_larger_tensor(tmp_path, monkeypatch):
+    """A part whose data would pass PART_BYTES is finished and the next one started: every part
+    but one holding a single larger tensor stays within it, and the trace reads back whole."""
+    monkeypatch.setattr(stream_writer, "PART_BYTES", 50_000)  # the 40×1024 fp32 tensor is larger
+    tensors = _tensors() * 3
+    _record(tmp_path, tensors)
+    files = _check_round_trip(tmp_path, tensors)
+    reader = TraceReader(str(tmp_path))
+    per_file = {}
+    for rec in reader.ranks[0].records:
+        t = tensors[int(rec.key.module[1:])]
+        per_file.setdefault(rec.file, []).append(t.numel() * t.element_size())
+    assert len(files) > 3
+    assert all(sum(b) <= 50_000 or len(b) == 1 for b in per_file.values()), per_file
+
+
 def test_direct_and_page_cache_writes_give_the_same_bytes(tmp_path):
     tensors = _tensors()
     _record(tmp_path / "direct", tensors)

@@ -17,7 +17,7 @@ recorded iteration 5-8× the time its bytes take to write (BENCHMARKS.md, "Costs
 * the safetensors header, whose size is only known at the end, goes into a region reserved at the
   start of the file: the header is padded with spaces to fill it (the format allows trailing
   whitespace in the header), so data offsets never move. A file whose header would outgrow the
-  region is finished, and the writer starts another part.
+  region, or whose data would pass :data:`PART_BYTES`, is finished, and the writer starts another part.
 
 The header region is written last, so the file's checksum (trace format 3, :func:`checksum_entry`)
 is two xxh3-64 digests, of the header region and of the data after it; the reader streams the
@@ -44,6 +44,10 @@ import xxhash
 
 ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
 HEADER_REGION = 128 << 10  # 8-byte length + JSON header; ~1500 tensors per file part
+# a part holds at most this many data bytes (or one larger tensor): the readers that check a trace's
+# checksums share them out file by file (``TraceReader.share_verification``, ``verify_files``), and
+# an iteration of 1.35 GB in one file left one of two online ranks hashing twice what the other did
+PART_BYTES = 256 << 20
 STAGING_BYTES = 8 << 20
 STAGING_BUFFERS = 4  # 32 MiB of host memory per rank, whatever the size of the trace
 
@@ -117,12 +121,14 @@ class StreamingFile:
 
     def append(self, name: str, tensor: torch.Tensor) -> bool:
         """Copy ``tensor``'s bytes into staging buffers now; they are written in the background.
-        False (and nothing appended) when the header region has no room left for it."""
+        False (and nothing appended) when the header region has no room left for it, or the part
+        holds data already and would grow past :data:`PART_BYTES`."""
         start = self.data_bytes
         entry = json.dumps(name) + ":" + json.dumps(
             {"dtype": SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
              "data_offsets": [start, start + tensor.numel() * tensor.element_size()]}, separators=(",", ":"))
-        if self._header_bytes + len(entry) + 1 > HEADER_REGION - 8:
+        if self._header_bytes + len(entry) + 1 > HEADER_REGION - 8 or (
+                self._entries and start + tensor.numel() * tensor.element_size() > PART_BYTES):
             return False
         self._entries.append(entry)
         self._header_bytes += len(entry) + (1 if len(self._entries) > 1 else 0)

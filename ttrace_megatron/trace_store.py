@@ -183,7 +183,7 @@ class TraceWriter:
                 self._finish_file()
             if self._file is None:
                 self._open_file(key.iteration)
-            if not self._file.append(name, tensor):  # its header region is full: a new part
+            if not self._file.append(name, tensor):  # its header region or its part is full: a new part
                 self._finish_file()
                 self._open_file(key.iteration)
                 self._file.append(name, tensor)
