@@ -150,6 +150,7 @@ class TraceWriter:
         self.direct_io = direct_io and not page_cache
         self.sync = not page_cache
         self.records: List[Record] = []  # of the files written whole; guarded by _lock
+        self._record_texts: List[str] = []  # each record's manifest JSON, made once (the manifest is rewritten often)
         self.files: Dict[str, dict] = {}
         self._lock = threading.RLock()  # the writer thread lists files and may fail too
         self._writer: Optional[BackgroundWriter] = None  # started by the first tensor recorded
@@ -255,6 +256,7 @@ class TraceWriter:
             if not self.active:
                 return
             self.records.extend(records)
+            self._record_texts.extend(json.dumps(r.to_json(), separators=(",", ":")) for r in records)
             self.files[fname] = {"bytes": size, CHECKSUM: checksum}
             try:
                 self._write_manifest(complete=False)
@@ -273,15 +275,14 @@ class TraceWriter:
                     pass
 
     def _write_manifest(self, complete: bool) -> None:
-        atomic_write_json(os.path.join(self.dir, MANIFEST_FILE), {
-            "format_version": FORMAT_VERSION,
-            "rank": self.rank,
-            "coords": self.coords,
-            "complete": complete,
-            "failure": self.failed,
-            "files": self.files,
-            "records": [r.to_json() for r in self.records],
-        }, compact=True)
+        """The manifest anew, after every data file: compact JSON whose records' texts were made once
+        each: made anew each time, every part of an iteration cut in 256 MiB parts cost the writer
+        thread, and through the GIL the recording one, the serialization of every record so far."""
+        head = json.dumps({"format_version": FORMAT_VERSION, "rank": self.rank, "coords": self.coords,
+                           "complete": complete, "failure": self.failed, "files": self.files},
+                          separators=(",", ":"))
+        atomic_write_text(os.path.join(self.dir, MANIFEST_FILE),
+                          head[:-1] + ',"records":[' + ",".join(self._record_texts) + "]}")
 
 
 @dataclasses.dataclass
