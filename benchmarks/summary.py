@@ -140,14 +140,14 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
-           ("online_parity_7f91e88_epyc.jsonl", "online_parity_bf16_7f91e88_epyc.jsonl"),
+           ("online_parity_1bec155_epyc.jsonl", "online_parity_bf16_a322c98_epyc.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
-           COSTS_TABLE, ("cost_table_7f91e88_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+           COSTS_TABLE, ("cost_table_fdaa325_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations), the reference in "
            "memory (the default) and on the disk, alternated", CHECK_COST,
            ("online_bytes_wide_a5830c7_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
