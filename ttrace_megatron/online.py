@@ -113,7 +113,7 @@ class OnlineComparer:
         elif key.kind is TensorKind.SELECTION:
             entry = self._judge_choice(entry, tensor.detach(), layout, reference)
         self.entries.append(dataclasses.replace(entry, roundoff=roundoff) if roundoff else entry)
-        if self.update_check is not None and entry.status == "ok" and (self.lockstep or key.iteration == FIRST_STEP):
+        if entry.status == "ok" and self._checks_step(key):
             self._step_piece(key, tensor.detach(), layout, reference, len(self.entries) - 1)
 
     def _step_piece(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, reference: torch.Tensor,
@@ -187,14 +187,15 @@ class OnlineComparer:
 
         def piece():  # the reference's piece, re-clipped where the step needs it (a chunk at a time)
             nonlocal recorded
+            reclips = self._reclips(key)
             source = reference_piece_source(self.reference, pieces, layout, self.coords, local)
-            if source is not None and not self._keeps(key) and not self._reclips(key):
+            if source is not None and not self._keeps(key) and not reclips:
                 # summed a chunk at a time, never held whole
                 return source if layout.scale == 1.0 else MappedSource([source], lambda t: with_scale(t, layout))
             raw = (reference_piece(self.reference, pieces, layout, self.coords, local, scaled=False) if source is None
                    else self._pool.read(source))
             recorded = with_scale(raw, layout)
-            if not self._reclips(key):
+            if not reclips:
                 return recorded
             grad = self._main_grad_piece(key, layout, local)
             reclipped = self._reclip.chunked(key, self._clips[key.iteration])
@@ -245,8 +246,12 @@ class OnlineComparer:
         element by element (:meth:`_step_piece`)."""
         if key.kind in (TensorKind.SELECTION, TensorKind.SELECTION_SCORES):
             return True
-        return self.update_check is not None and (self.lockstep or key.iteration == FIRST_STEP) and (
-            key.kind is TensorKind.OPTIMIZER_STATE or keys.is_updated_value(key))
+        return self._checks_step(key) and (key.kind is TensorKind.OPTIMIZER_STATE or keys.is_updated_value(key))
+
+    def _checks_step(self, key: TensorKey) -> bool:
+        """Whether ``key``'s iteration's step is checked element by element here: under Adam, every
+        step in lock-step, else only the first (both sides start it from the same parameters)."""
+        return self.update_check is not None and (self.lockstep or key.iteration == FIRST_STEP)
 
     def _reclips(self, key: TensorKey) -> bool:
         """As ``StepBounds.reclipped`` decides it at the combination: a state its rule can re-clip,

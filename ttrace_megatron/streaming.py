@@ -100,8 +100,8 @@ class PieceSource(TensorSource):
     ``compare.piece_view`` makes them) as a tensor of its own: a range of its elements is read as
     that range of the piece, never the whole piece at once. What an online rank judges a reference
     tensor through when it keeps nothing of it: a chunk's bytes land in memory malloc reuses, where a
-    whole piece of over 32 MiB lands in fresh pages that the kernel zeroes first (such a read runs
-    at a quarter of the speed, measured on a tmpfs)."""
+    whole piece of over 32 MiB lands in fresh pages that the kernel zeroes first (such a read ran
+    at a quarter to a third of the speed, measured on a tmpfs)."""
 
     source: TensorSource
     piece: "Cat"

@@ -65,13 +65,16 @@ class AdamRule:
             return None
         return AdamRule(float(rule["beta1"]), float(rule["beta2"]), float(rule["eps"]))
 
-    def direction(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float) -> torch.Tensor:
-        """u, in float64, from the moments after step ``step`` (torch's Adam/AdamW arithmetic)."""
+    def direction(self, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float, m: torch.Tensor,
+                  v: torch.Tensor) -> torch.Tensor:
+        """u = (m'/c1) / (√v'/√c2 + ε), in float64, from the moments after step ``step`` (torch's
+        Adam/AdamW arithmetic), computed in ``m`` (returned) with ``v`` as scratch: float64
+        buffers of the moments' size."""
         c1 = 1.0 - self.beta1 ** step
         c2 = 1.0 - self.beta2 ** step
-        m = exp_avg.to(torch.float64)
-        v = exp_avg_sq.to(torch.float64)
-        return (m / c1) / (torch.sqrt(v) / c2 ** 0.5 + self.eps)
+        m.copy_(exp_avg).div_(c1)
+        v.copy_(exp_avg_sq).sqrt_().div_(c2 ** 0.5).add_(self.eps)
+        return m.div_(v)
 
 
 @dataclasses.dataclass
@@ -141,17 +144,6 @@ class _AdamScratch:
         return [b[:n] for b in self.buffers]
 
 
-def _direction_into(rule: AdamRule, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, step: float,
-                    m: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``rule.direction(exp_avg, exp_avg_sq, step)`` in ``m``, with ``v`` as scratch: the same
-    operations, bit for bit."""
-    c1 = 1.0 - rule.beta1 ** step
-    c2 = 1.0 - rule.beta2 ** step
-    m.copy_(exp_avg).div_(c1)
-    v.copy_(exp_avg_sq).sqrt_().div_(c2 ** 0.5).add_(rule.eps)
-    return m.div_(v)
-
-
 def _adam_ratios(rule: AdamRule, lr: float, step: float, param_dtype: str, piece, k: float, stepped_apart: bool,
                  weight_decay: float, scratch: Optional[_AdamScratch] = None):
     """|residual| / slack of one chunk's elements (flat), with the residual and the slack:
@@ -164,8 +156,8 @@ def _adam_ratios(rule: AdamRule, lr: float, step: float, param_dtype: str, piece
     scratch = scratch or _AdamScratch(stepped_apart)
     bufs = scratch.take(piece[0].numel())
     pc, pr = bufs[0].copy_(piece[0]), bufs[1].copy_(piece[1])
-    u_c = _direction_into(rule, piece[2], piece[3], step, bufs[2], bufs[3])
-    u_r = _direction_into(rule, piece[4], piece[5], step, bufs[4], bufs[5])
+    u_c = rule.direction(piece[2], piece[3], step, bufs[2], bufs[3])
+    u_r = rule.direction(piece[4], piece[5], step, bufs[4], bufs[5])
     residual = torch.sub(pc, pr, out=bufs[3]).add_(torch.sub(u_c, u_r, out=bufs[5]).mul_(lr))
     fmt = number_format(param_dtype)
     # each stored parameter is rounded once: by u_fmt of its size, or by half the subnormal gap
