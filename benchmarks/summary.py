@@ -119,7 +119,7 @@ CURRENT: Tuple[Source, ...] = (
             "scale_terms_d32_w2048_seeds_051d7ae.jsonl", "scale_terms_seeds23_d8_h512layouts_effd963.jsonl",
             "scale_terms_mixtral_w2048_seeds23_effd963.jsonl"),
            "benchmarks/results/history/issue31_scale.md"),
-    Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_d11a8f4_epyc.md",),
+    Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_a08cc57_epyc.md",),
            "benchmarks/results/history/issue38_traces_that_travel.md"),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_05409b1_60ee444.md",),
            "benchmarks/results/history/issue31_scale.md", reruns=("zoo_fp32_wide_distopt_a073567.md",)),
@@ -458,7 +458,7 @@ def _g(x: float) -> str:
 
 
 # the toy zoo's tables, one per dtype family: each bug's margin in each dtype and verdict (issue #36)
-PER_BUG = (("fp32", "zoo_fp32_d11a8f4_epyc.md"), ("low precision", "zoo_lowp_twin_b536d29.md"))
+PER_BUG = (("fp32", "zoo_fp32_a08cc57_epyc.md"), ("low precision", "zoo_lowp_twin_b536d29.md"))
 PER_BUG_COLUMNS = (("fp32", "pair"), ("bf16", "pair"), ("bf16", "fp32 twin"), ("fp16", "pair"), ("fp16", "fp32 twin"),
                    ("fp8", "pair"), ("fp8", "fp32 twin"))
 
