@@ -823,8 +823,10 @@ def compare_traces(reference_dir: str, candidate_dir: str, *, tol_config: Tolera
     on this many processes (:mod:`.compare_workers`); the verdict is the same, bit for bit.
     ``distributed``: judged by every rank of torch.distributed's default group instead
     (``compare_workers.judged_across_ranks``); rank 0 returns the comparison, the others None."""
+    from .allocator import keep_freed_memory
     from .compare_workers import judged_across_ranks, judged_in_order
 
+    keep_freed_memory()  # chunks in memory freed before, not fresh pages (allocator's docstring)
     judge = open_judge(reference_dir, candidate_dir, perturbed, tol_config)
     ref, cand = judge.ref, judge.cand
     results: List[TensorResult] = []

@@ -37,6 +37,7 @@ from typing import Callable, Iterator, List, Optional, Set, Tuple
 import torch
 
 from . import keys
+from .allocator import keep_freed_memory
 from .keys import TensorKey, TensorKind
 from .trace_store import verify_files
 
@@ -193,6 +194,7 @@ def _main_importable() -> bool:
 def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -> None:
     global _JUDGE, _BASELINE
     torch.set_num_threads(1)  # the pool is the parallelism
+    keep_freed_memory()
     _JUDGE = open_judge(*dirs, tol_config)
     for reader in (_JUDGE.ref, _JUDGE.cand, _JUDGE.pert):
         if reader is not None:
