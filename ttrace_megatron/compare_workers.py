@@ -92,14 +92,16 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable, peaks
     memory once its judge was open (:func:`_high_water`; None where it cannot be read)."""
     peaks = [] if peaks is None else peaks
     readers = [r for r in (judge.ref, judge.cand, judge.pert) if r is not None]
-    verified = verify_files(readers, threads=max(1, workers))
     parallel = [k for k in judge.common if measured_in_pool(k)]
     small = not parallel or _candidate_bytes(judge, parallel) < MIN_PARALLEL_BYTES
-    if workers <= 1 or small or not _main_importable():
+    pooled = workers > 1 and not small and _main_importable()
+    # the fork server's imports (~1 s: torch) run while the files are verified
+    ctx = forkserver_context(["ttrace_megatron.compare"]) if pooled else None
+    verified = verify_files(readers, threads=max(1, workers))
+    if not pooled:
         for key in judge.common:
             yield judge.tensor(key)
         return
-    ctx = forkserver_context(["ttrace_megatron.compare"])
     chunk = max(1, min(64, len(parallel) // (8 * workers)))
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
                                initargs=(open_judge, dirs, judge.tol_config, verified))

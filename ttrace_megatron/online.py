@@ -39,6 +39,7 @@ from .compare import (FAIL, FIRST_STEP, OVERFLOW_PHASES, Cancellation, Compariso
                       missing_reference, not_recorded_by, overflowed_iterations, piece_norm, recorded_by_choice,
                       reference_order, reference_piece, reference_piece_source, relative_from_sums, replica_note,
                       shard_positions, sliced_shard_sums, with_recomputed_aliases)
+from .allocator import keep_freed_memory
 from .errors import TraceError
 from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
                         with_scale)
@@ -61,6 +62,7 @@ class OnlineComparer:
 
     def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False,
                  world_size: int = 1):
+        keep_freed_memory()  # this rank judges chunk by chunk as it trains (allocator's docstring)
         self.reference = TraceReader(reference_dir)
         self.reference.prefetch()  # read while this rank builds its model and runs its first layers
         # the reference's checksums are checked once a check, not once a rank: each rank checks its
