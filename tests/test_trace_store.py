@@ -332,6 +332,42 @@ def test_a_rank_piece_reads_only_its_bytes(tmp_path, monkeypatch, placement, row
         assert sum(read) == 2 * half - 32 * 4 and len(read) == 1  # every row but the first's left half
 
 
+def test_the_combination_trusts_what_the_ranks_checked_of_the_reference(tmp_path, monkeypatch):
+    """The ranks' online results list the reference's files each checked (path, bytes, mtime); the
+    combination's reader hashes none of them again, and a file changed since is checked again."""
+    from ttrace_megatron import online, trace_store
+
+    make_trace(tmp_path / "ref", world=4)
+    write_run_info(str(tmp_path / "cand"), {"role": "candidate", "world_size": 2, "num_layers": 2,
+                                            "model_config": {"model": {"hidden_size": 8}},
+                                            "online_reference": str(tmp_path / "ref")})
+    for r in range(2):
+        comparer = online.OnlineComparer(str(tmp_path / "ref"), str(tmp_path / "cand"), r, {"tp": (r, 2)}, world_size=2)
+        comparer.close()
+        assert comparer.failed is None
+    parent, verified = TraceReader(str(tmp_path / "ref")), set()
+    for r in range(2):
+        online._read_rank(str(tmp_path / "cand"), r, verified)
+    files = [(rt, f) for rt in parent.ranks for f in rt.files]
+    assert len(verified) == len(files)
+    parent.verified |= verified
+    hashed = []
+    verify = trace_store._verify
+    monkeypatch.setattr(trace_store, "_verify", lambda f, info: hashed.append(f.name) or verify(f, info))
+    parent.verify(files)
+    assert hashed == []
+    rt, fname = files[0]
+    data = tmp_path / "ref" / f"rank-{rt.rank:05d}" / fname
+    raw = bytearray(data.read_bytes())
+    raw[-3] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    stat = os.stat(data)
+    os.utime(data, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000_000))  # (a coarse clock's same mtime)
+    with pytest.raises(TraceError, match="corrupt"):
+        parent.verify(files)
+    assert len(hashed) == 1
+
+
 def test_online_ranks_check_the_reference_once_between_them(tmp_path, monkeypatch):
     """Each candidate rank checks its share of the reference's files against their checksums (the
     shares cover every file once, the same way on every rank) and trusts the others': a damaged

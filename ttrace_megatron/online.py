@@ -29,7 +29,7 @@ import dataclasses
 import json
 import math
 import os
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -320,7 +320,7 @@ class OnlineComparer:
             self.failed = f"the reference is damaged: {e}"
             self._write(complete=False)
             return
-        self._write(complete=True)
+        self._write(complete=True, verified=self.reference.fingerprints(self._verify_share))
 
     def abandon(self, reason: str) -> None:
         """The run stopped mid-iteration: the results stay marked incomplete."""
@@ -328,9 +328,11 @@ class OnlineComparer:
             self.failed = reason
         self._write(complete=False)
 
-    def _write(self, complete: bool) -> None:
+    def _write(self, complete: bool, verified: Sequence[Tuple[str, int, int]] = ()) -> None:
         """online.json anew (written at every flush, so a stopped run leaves what it judged): each
-        entry's JSON is kept from the last write until the entry is replaced."""
+        entry's JSON is kept from the last write until the entry is replaced. ``verified``: the
+        reference's files this rank checked against their checksums (path, bytes, mtime in ns),
+        which the combination then trusts as it trusts a file it hashed itself."""
         texts = []
         for i, e in enumerate(self.entries):
             kept = self._texts.get(i)
@@ -338,7 +340,8 @@ class OnlineComparer:
                 kept = self._texts[i] = (e, json.dumps(e.to_json(), separators=(",", ":")))
             texts.append(kept[1])
         head = json.dumps({"rank": self.rank, "coords": self.coords, "complete": complete,
-                           "reference": os.path.abspath(self.reference.dir), "failure": self.failed},
+                           "reference": os.path.abspath(self.reference.dir), "failure": self.failed,
+                           "verified": [list(f) for f in verified]},
                           separators=(",", ":"))
         try:
             atomic_write_text(os.path.join(self.dir, ONLINE_FILE), head[:-1] + ',"entries":[' + ",".join(texts) + "]}")
@@ -352,7 +355,8 @@ def has_online_results(trace_dir: str) -> bool:
     return os.path.exists(os.path.join(trace_dir, _RANK_DIR.format(0), ONLINE_FILE))
 
 
-def _read_rank(trace_dir: str, rank: int) -> List[ShardSums]:
+def _read_rank(trace_dir: str, rank: int, verified: Optional[Set[Tuple[str, int, int]]] = None) -> List[ShardSums]:
+    """A rank's entries; the reference files it verified are added to ``verified``."""
     path = os.path.join(trace_dir, _RANK_DIR.format(rank), ONLINE_FILE)
     if not os.path.exists(path):
         raise TraceError("no online results (missing rank)", path=path, rank=rank)
@@ -363,6 +367,8 @@ def _read_rank(trace_dir: str, rank: int) -> List[ShardSums]:
         if not obj.get("complete"):
             why = obj.get("failure") or "the rank did not close its online compare (stopped or killed mid-run)"
             raise TraceError(f"incomplete online results: {why}", path=path, rank=rank)
+        if verified is not None:
+            verified.update((str(p), int(n), int(t)) for p, n, t in obj.get("verified", ()))
         return [ShardSums.from_json(e) for e in obj["entries"]]
     except TraceError:
         raise
@@ -525,7 +531,8 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
     ref_groups = group_records(ref)
     by_key: Dict[TensorKey, List[Tuple[int, ShardSums]]] = {}
     for rank in range(cand_run["world_size"]):
-        for entry in _read_rank(candidate_dir, rank):
+        # what the ranks checked of the reference is not hashed again here (a file changed since is)
+        for entry in _read_rank(candidate_dir, rank, ref.verified):
             by_key.setdefault(entry.key, []).append((rank, entry))
     with_recomputed_aliases(ref_groups, by_key)
     order = reference_order(ref_groups)

@@ -375,6 +375,21 @@ class TraceReader:
         for rt, fname in files:
             self._open_file(rt, fname)
 
+    def fingerprints(self, files: Sequence[Tuple[RankTrace, str]]) -> List[Tuple[str, int, int]]:
+        """What :attr:`verified` holds of ``files`` (rank trace, file name) that were verified here:
+        (path, bytes, mtime in ns) as it was then, for another reader of the same files to trust
+        (a file changed since no longer matches, and is checked again where it is opened)."""
+        out = []
+        for rt, fname in files:
+            path = os.path.join(rt.dir, fname)
+            try:
+                fingerprint = _fingerprint(path, os.stat(path))
+            except OSError:
+                continue
+            if fingerprint in self.verified:
+                out.append(fingerprint)
+        return out
+
     def _read_rank(self, rank: int, allow_incomplete: bool) -> RankTrace:
         rank_dir = os.path.join(self.dir, _RANK_DIR.format(rank))
         path = os.path.join(rank_dir, MANIFEST_FILE)
