@@ -190,3 +190,43 @@ def test_cli_run_online(tmp_path):
     with pytest.raises(TraceError, match="is gone"):  # a passing check's: removed once judged (its report.json stays)
         online_reference_of(str(tmp_path / "bug" / "candidate"), dict(run, online_reference=str(tmp_path / "gone"),
                                                                       online_reference_id="another"))
+
+
+def test_a_steps_moments_are_given_back_once_its_values_are_judged(tmp_path):
+    """An online rank holds a parameter's moments only until every updated value the reference
+    recorded of its step is judged (here: the value, then its two moments, the recorder's order),
+    not until the iteration's flush: the next parameter's step reads into the same buffers."""
+    import torch
+
+    from ttrace_megatron import keys
+    from ttrace_megatron.keys import TensorKey
+    from ttrace_megatron.online import OnlineComparer
+    from ttrace_megatron.placement import Layout, Replicate
+    from ttrace_megatron.trace_store import TraceWriter, write_run_info
+
+    rule = {"kind": "adam", "beta1": 0.9, "beta2": 0.999, "eps": 1e-8}
+    write_run_info(str(tmp_path / "ref"), {"role": "reference", "world_size": 1, "num_layers": 2,
+                                           "model_config": {"model": {"hidden_size": 8}}, "update_rule": rule})
+    write_run_info(str(tmp_path / "cand"), {"role": "candidate", "world_size": 1, "num_layers": 2,
+                                            "model_config": {"model": {"hidden_size": 8}}, "update_rule": rule,
+                                            "online_reference": str(tmp_path / "ref")})
+    layout = Layout((Replicate("tp"),), (64, 64))
+    params = ("decoder.layers.0.mlp.linear_fc1", "decoder.layers.1.mlp.linear_fc1")
+    names = (keys.updated_param("weight"), keys.optimizer_state("weight", keys.EXP_AVG),
+             keys.optimizer_state("weight", keys.EXP_AVG_SQ))
+    order = [TensorKey(1, -1, module, keys.OPTIMIZER, name) for module in params for name in names]
+    writer = TraceWriter(str(tmp_path / "ref"), 0, {"tp": (0, 1)})
+    for key in order:
+        writer.add(key, torch.rand(64, 64), layout)
+    writer.flush(1)
+    writer.close()
+    comparer = OnlineComparer(str(tmp_path / "ref"), str(tmp_path / "cand"), 0, {"tp": (0, 1)}, lockstep=True)
+    held = []
+    for key in order:
+        comparer.add(key, torch.rand(64, 64), layout)
+        held.append(len(comparer._steps))
+    # after a value and one moment the step waits; after its second moment it is judged and given back
+    assert held == [1, 1, 0, 1, 1, 0]
+    assert all(e.update_detail for e in comparer.entries if keys.is_updated_value(e.key))  # (judged: no lr here)
+    comparer.flush(1)
+    comparer.close()

@@ -56,6 +56,9 @@ ONLINE_FILE = "online.json"
 _RANK_DIR = "rank-{:05d}"
 
 
+_VALUES, _JUDGED = "values", "judged"  # a held step's updated values waiting for its moments; how many were judged
+
+
 class OnlineComparer:
     """A recording sink with the :class:`~ttrace_megatron.trace_store.TraceWriter` interface
     (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
@@ -80,6 +83,16 @@ class OnlineComparer:
         # (iteration, module, parameter) -> the pieces of its step seen so far: tensor and layout of
         # each moment, and the updated values' (entry index, tensor, layout) waiting for them
         self._steps: Dict[Tuple[int, str, str], Dict[str, tuple]] = {}
+        # (iteration, module, parameter) -> how many updated values the reference recorded of its step:
+        # once this rank has judged that many, none is to come, and the step's moments are given back
+        # then, not at the iteration's flush (held until then, both sides' moments of every parameter
+        # were 4× the rank's parameters in host memory; now the largest parameter's, and the buffers of
+        # one layer's are the next one's)
+        self._values_of: Dict[Tuple[int, str, str], int] = {}
+        for k in self._reference_groups:
+            if keys.is_updated_value(k):
+                slot = (k.iteration, k.module, keys.param_name_of(k.tensor))
+                self._values_of[slot] = self._values_of.get(slot, 0) + 1
         # a top-k choice's scores (this rank's piece, the reference's slice of it) until the choice comes
         self._scores: Dict[TensorKey, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._reclip = Reclip(self.reference, self._reference_groups)
@@ -130,16 +143,29 @@ class OnlineComparer:
             return
         # one host copy of the piece (the run goes on changing its own), the reference sliced alike
         piece = (self._pool.copy(tensor), reference, layout)
-        step = self._steps.setdefault((key.iteration, key.module, name), {"values": []})
+        slot = (key.iteration, key.module, name)
+        step = self._steps.setdefault(slot, {_VALUES: [], _JUDGED: 0})
         if moment:
             step[key.tensor.rpartition(".")[2]] = piece
         else:
-            step["values"].append((index, *piece))
+            step[_VALUES].append((index, *piece))
         if keys.EXP_AVG in step and keys.EXP_AVG_SQ in step:
-            for index, value, ref_value, _ in step["values"]:
+            for index, value, ref_value, _ in step[_VALUES]:
                 self._judge_update(index, (value, ref_value), step[keys.EXP_AVG], step[keys.EXP_AVG_SQ])
                 self._pool.give(value, ref_value)
-            step["values"] = []
+            step[_JUDGED] += len(step[_VALUES])
+            step[_VALUES] = []
+            if step[_JUDGED] >= self._values_of.get(slot, math.inf):  # every value of the step judged
+                self._give_step(self._steps.pop(slot))
+
+    def _give_step(self, held: dict) -> None:
+        """A step's buffers back to the pool: its values not judged, and its moments (the next
+        parameter's step reads into them)."""
+        for _, value, ref_value, _ in held[_VALUES]:
+            self._pool.give(value, ref_value)
+        for name, item in held.items():
+            if name not in (_VALUES, _JUDGED):
+                self._pool.give(item[0], item[1])
 
     def _judge_update(self, index: int, value, exp_avg, exp_avg_sq) -> None:
         """The element-wise Adam check of one updated value on this rank: the elements it holds the
@@ -270,12 +296,10 @@ class OnlineComparer:
             del self._scores[key]
         for step in [k for k in self._steps if k[0] <= iteration]:  # values whose moments never came
             held = self._steps.pop(step)
-            for index, value, ref_value, _ in held.pop("values"):
+            for index, _, _, _ in held[_VALUES]:
                 self.entries[index] = dataclasses.replace(self.entries[index],
                                                           update_detail="no moments recorded on this rank")
-                self._pool.give(value, ref_value)
-            for mine, theirs, _ in held.values():  # its moments: the next iteration's step reads into them
-                self._pool.give(mine, theirs)
+            self._give_step(held)
         self._write(complete=False)
         self._warn_live(iteration)
 
