@@ -86,8 +86,8 @@ class OnlineComparer:
         # (iteration, module, parameter) -> how many updated values the reference recorded of its step:
         # once this rank has judged that many, none is to come, and the step's moments are given back
         # then, not at the iteration's flush (held until then, both sides' moments of every parameter
-        # were 4× the rank's parameters in host memory; now the largest parameter's, and the buffers of
-        # one layer's are the next one's)
+        # were 4× the rank's parameters in host memory; now the pool keeps about four buffers of each
+        # size of piece, one layer's read into again by the next)
         self._values_of: Dict[Tuple[int, str, str], int] = {}
         for k in self._reference_groups:
             if keys.is_updated_value(k):
