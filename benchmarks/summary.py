@@ -126,7 +126,9 @@ CURRENT: Tuple[Source, ...] = (
     Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
            "benchmarks/results/history/issue31_scale.md"),
     Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_b536d29.md",),
-           "benchmarks/results/history/issue36_bf16_twin.md"),
+           "benchmarks/results/history/issue36_bf16_twin.md",
+           reruns=("zoo_bf16_twin_0169bc2_epyc.md", "zoo_fp16_fp8_twin_0169bc2_epyc.md",
+                   "zoo_bf16_twin_f496d39_epyc.md")),
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("upstream Megatron-LM bugs, fp32, at width (8 layers, h512, V32k)", UPSTREAM,
@@ -401,7 +403,10 @@ def bug_rows(source: Source) -> List[BugRow]:
             row = _bug_row(source, name, verdict, rows, det, err, loc,
                            lambda r: f"{r['injected bug'].strip('`').split(':')[0]} ({r['dtype']})")
             if source.reruns:
-                row = replace(row, commit=", ".join([row.commit] + [commit_of(r) for r in source.reruns]))
+                # each re-run's commit once, with its machine where that is not the first file's
+                again_at = [commit_of(r) + ("" if machine_of(r) == machine_of(name) else f" on {machine_of(r)}")
+                            for r in source.reruns]
+                row = replace(row, commit=", ".join(dict.fromkeys([row.commit] + again_at)))
             out.append(row)
     if set(again) - replaced:
         raise ValueError(f"{source.population}: re-run rows {sorted(set(again) - replaced)} replace no row")
