@@ -149,10 +149,11 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
-           COSTS_TABLE, ("cost_table_ad2c08c_b_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
-    Source("the same table, the run before it at the same commit (minutes apart, this VM's state moved the whole "
-           "check by 0.4×; the in-memory reference's candidate ran 3 s slower than the on-disk one's in both: see "
-           "the history)", COSTS_TABLE, ("cost_table_ad2c08c_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+           COSTS_TABLE, ("cost_table_bb3bcf8_b_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at ad2c08c, earlier the same day, while this VM gave an in-memory reference's candidate "
+           "fresh pages at 8× the cost (3 s slower; ad2c08c's code measured 7.9-8.1 s again once it no longer did: "
+           "see the history)", COSTS_TABLE, ("cost_table_ad2c08c_epyc.md",),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("the whole check at the 50M rung (gpt_tp2_sp, 8 layers, h512, V32k, 3 iterations), the reference in "
            "memory (the default) and on the disk, alternated", CHECK_COST,
            ("online_bytes_wide_a5830c7_epyc.jsonl",), "benchmarks/results/history/issue35_costs.md"),
