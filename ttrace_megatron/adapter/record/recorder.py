@@ -51,6 +51,7 @@ from .optimizer_state import expected_states, grad_scaler, group_settings, loss_
 
 NORM_PIECE = 1 << 22  # elements of a grad squared in fp64 at once, for the grad norm's fp64 twin (32 MiB)
 
+
 @dataclasses.dataclass
 class RecordFilter:
     """Selective recording. ``None`` means everything."""
