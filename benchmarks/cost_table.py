@@ -49,22 +49,37 @@ def _commit() -> str:
                           text=True).stdout.strip()
 
 
-def whole_checks(tmp: str, repeats: int) -> dict:
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.machine()
+
+
+def _gpu_note(cpu: bool) -> str:
+    """Where a GPU is there but the check ran on the CPU (``--cpu``), the table says which GPU sat idle."""
+    import torch
+
+    return f"; {torch.cuda.get_device_name(0)} present, not used (--cpu)" if cpu and torch.cuda.is_available() else ""
+
+
+def whole_checks(tmp: str, repeats: int, cpu: bool) -> dict:
     """(1) and (2): plain training, then the default check and the check with its reference on the
     disk, alternated ``repeats`` times (this VM's timings move by 10-20 % from one check to the next)."""
     os.makedirs(os.path.join(tmp, "plain"))
-    trained = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, "plain"))["seconds"]
+    trained = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, "plain"), cpu)["seconds"]
     out = {"trained_s": trained, "auto": [], "disk": []}
     for k in range(repeats):
         for where in ("auto", "disk"):
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
-            out[where].append(check(RECIPE, "fp32", 1, True, "online", None, work, reference_in=where))
+            out[where].append(check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where))
             shutil.rmtree(work, ignore_errors=True)
     return out
 
 
-def recorded_compare(tmp: str, workers) -> dict:
+def recorded_compare(tmp: str, workers, cpu: bool) -> dict:
     """(3): both sides recorded, compared from the page cache in a fresh process on each count of workers."""
     import yaml
 
@@ -75,7 +90,7 @@ def recorded_compare(tmp: str, workers) -> dict:
         yaml.safe_dump(shipped_recipe(RECIPE, "fp32", 1, True).to_json(), f)
     out = os.path.join(tmp, "recorded")
     with open(os.path.join(tmp, "terminal.txt"), "w") as t, contextlib.redirect_stdout(t):
-        cli(["run", path, "--out", out, "--keep-traces", "--quiet", "--no-disk-check"])
+        cli(["run", path, "--out", out, "--keep-traces", "--quiet", "--no-disk-check"] + (["--cpu"] if cpu else []))
     ref, cand = os.path.join(out, "reference"), os.path.join(out, "candidate")
     result = {"trace_bytes": dir_bytes(ref) + dir_bytes(cand), "largest_tensor_bytes": largest_tensor_bytes(ref),
               "compares": []}
@@ -224,18 +239,20 @@ def main():
     parser.add_argument("--dir", help="where the traces go (default: a temporary directory)")
     parser.add_argument("--workers", type=int, nargs="+", default=[1, os.cpu_count() or 1])
     parser.add_argument("--repeats", type=int, default=2, help="each whole check, alternated (default 2)")
+    parser.add_argument("--cpu", action="store_true",
+                        help="gloo on the CPU where GPUs are (ttrace run --cpu): one GPU cannot hold the TP2 candidate")
     args = parser.parse_args()
     import torch
 
     tmp = tempfile.mkdtemp(dir=args.dir, prefix="ttrace-cost-table-")
     try:
-        m = {"commit": _commit(), "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), torch "
-                                             f"{torch.__version__}, gloo"}
+        m = {"commit": _commit(), "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), torch "
+                                             f"{torch.__version__}, gloo" + _gpu_note(args.cpu)}
         # the bandwidths first, on a quiet machine (after 8 GB of traces were deleted, a write to memory measured 0.5 GB/s)
         m["floors"] = floors(tmp)
         m["memory_bandwidth"] = memory_bandwidth()
-        m["whole"] = whole_checks(tmp, args.repeats)
-        m["recorded"] = recorded_compare(tmp, list(dict.fromkeys(args.workers)))
+        m["whole"] = whole_checks(tmp, args.repeats, args.cpu)
+        m["recorded"] = recorded_compare(tmp, list(dict.fromkeys(args.workers)), args.cpu)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     if args.json:
