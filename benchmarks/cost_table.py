@@ -35,6 +35,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+if "--cpu" in sys.argv[1:]:
+    # this process too builds the model (the plan's floors) under the CPU shims, which refuse a process
+    # that sees CUDA: hidden before anything imported below can initialize it
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+
 from compare_at_scale import largest_tensor_bytes  # noqa: E402
 from costs import COMPARE_CHILD, dir_bytes, memory_bandwidth, read_into_page_cache  # noqa: E402
 from margins import recipe as shipped_recipe  # noqa: E402
@@ -55,13 +60,6 @@ def _cpu_model() -> str:
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
     return platform.machine()
-
-
-def _gpu_note(cpu: bool) -> str:
-    """Where a GPU is there but the check ran on the CPU (``--cpu``), the table says which GPU sat idle."""
-    import torch
-
-    return f"; {torch.cuda.get_device_name(0)} present, not used (--cpu)" if cpu and torch.cuda.is_available() else ""
 
 
 def whole_checks(tmp: str, repeats: int, cpu: bool) -> dict:
@@ -247,7 +245,7 @@ def main():
     tmp = tempfile.mkdtemp(dir=args.dir, prefix="ttrace-cost-table-")
     try:
         m = {"commit": _commit(), "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), torch "
-                                             f"{torch.__version__}, gloo" + _gpu_note(args.cpu)}
+                                             f"{torch.__version__}, gloo" + ("; GPUs hidden (--cpu)" if args.cpu else "")}
         # the bandwidths first, on a quiet machine (after 8 GB of traces were deleted, a write to memory measured 0.5 GB/s)
         m["floors"] = floors(tmp)
         m["memory_bandwidth"] = memory_bandwidth()
