@@ -11,10 +11,13 @@ parent then decides in order from its own state. The parent walks the keys in or
 comparison does: it takes each microbatch key's verdict from the pool, in order, and tells its own
 :class:`Cancellation` the partial-sum magnitude the worker measured (the sums then add up in the
 serial order). It judges the optimizer's scalars itself; the step's optimizer states and updated
-values (with their element-wise Adam check) go to the pool once it has judged their iteration's
-clip coefficient, with what that decides (whether the states are re-clipped), and their verdicts
-are decided in order from its state, as a main grad's. Every float a verdict holds is computed by
-the same code on the same inputs in either mode.
+values (with their element-wise Adam check) go to the pool with the rest, in order: the worker
+decides whether a state is re-clipped from its iteration's clip coefficients, as the serial
+comparison does (:func:`reclipped_here`), and the verdicts are decided in order from the parent's
+state, as a main grad's. No iteration waits for the parent to reach it: on 16 cores, sending each
+iteration's step when the parent got there left most workers idle behind its largest parameter's
+Adam check, three times (BENCHMARKS.md, issue #35). Every float a verdict holds is computed by the
+same code on the same inputs in either mode.
 
 Before any tensor is loaded, every data file's checksum is checked once, on threads (hashing and
 reads release the GIL), and the workers are told which files are verified. A damaged file is the
@@ -30,6 +33,7 @@ from __future__ import annotations
 import math
 import multiprocessing
 import os
+import threading
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterator, List, Optional, Set, Tuple
@@ -102,62 +106,70 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable, peaks
         for key in judge.common:
             yield judge.tensor(key)
         return
-    chunk = max(1, min(64, len(parallel) // (8 * workers)))
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
                                initargs=(open_judge, dirs, judge.tol_config, verified))
     try:
-        from_pool = pool.map(_in_worker, parallel, chunksize=chunk)
-        steps = _StepKeys(judge, pool, peaks)
-        for key in judge.common:
-            if of_the_step(key) and from_pool is not None:
-                yield steps.decided(key)
-                continue
-            if not measured_in_pool(key):
-                yield judge.tensor(key)
-                continue
-            if from_pool is not None:
-                try:
-                    out, peak = next(from_pool)
-                    peaks.append(peak)
-                except BrokenProcessPool as e:
-                    # a worker could not start (a __main__ a new process cannot import, such as a
-                    # script read from stdin) or died: this key and the rest are judged here, which
-                    # gives the same verdicts
-                    print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
-                    from_pool = None
-            if from_pool is None:
-                yield judge.tensor(key)  # which tells its own Cancellation and StepBounds
-                continue
-            yield _decided(judge, key, out)
+        yield from _shared_with_pool(judge, pool, workers, peaks)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-class _StepKeys:
-    """The step's keys of each iteration sent to the pool when the parent reaches the first of them
-    (its clip coefficient judged), their verdicts decided in order. A key a worker cannot stream,
-    or any key once the pool has stopped, is judged in the parent."""
+def _shared_with_pool(judge, pool: ProcessPoolExecutor, workers: int, peaks: list) -> Iterator:
+    """The verdicts in order, the keys a worker measures shared between the pool and this process.
 
-    def __init__(self, judge, pool: ProcessPoolExecutor, peaks: list):
-        self.judge, self.pool, self.peaks = judge, pool, peaks
-        self.futures = {}
-        self.by_iteration = {}
-        for key in judge.common:
-            if of_the_step(key):
-                self.by_iteration.setdefault(key.iteration, []).append(key)
+    The keys go to the pool in chunks, the last first. Until the pool has measured a chunk, this
+    process walks them from the first and judges itself each chunk no worker has taken yet (its
+    future still cancellable): it judges while the pool's processes start (the fork server's
+    imports took 4 s on a 16-core host), and stops once they run (on 2 cores, judging beside them
+    slowed the whole by 40 %). Each key is judged once, by the same code either way: the verdicts
+    are the serial ones. The step's keys go with the rest, in order: a worker decides their
+    re-clip itself (:func:`reclipped_here`)."""
+    sent = [k for k in judge.common if measured_in_pool(k) or of_the_step(k)]
+    size = max(1, min(64, len(sent) // (8 * workers)))
+    chunks = [sent[i:i + size] for i in range(0, len(sent), size)]
+    where = {key: (i, j) for i, chunk in enumerate(chunks) for j, key in enumerate(chunk)}
+    futures = {i: pool.submit(_in_worker, chunks[i]) for i in reversed(range(len(chunks)))}
+    running = threading.Event()  # set once the pool has measured a chunk (or stopped)
+    for future in futures.values():
+        future.add_done_callback(lambda _: running.set())
+    taken = {}  # chunk -> its measurements from the pool, or None: judged here
+    broken = False
+    for key in judge.common:
+        if key not in where:
+            yield judge.tensor(key)
+            continue
+        i, j = where[key]
+        if i not in taken and not broken:
+            future = futures.pop(i)
+            try:
+                taken[i] = None if not running.is_set() and future.cancel() else future.result()
+            except BrokenProcessPool as e:
+                # a worker could not start (a __main__ a new process cannot import, such as a script
+                # read from stdin) or died: this key and the rest are judged here, alike
+                print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
+                broken = True
+        measured = taken.get(i)
+        if j == len(chunks[i]) - 1:
+            taken.pop(i, None)
+        if measured is None:
+            yield judge.tensor(key)  # which tells its own Cancellation and StepBounds
+            continue
+        out, peak = measured[j]
+        peaks.append(peak)
+        yield _decided(judge, key, out)
 
-    def decided(self, key: TensorKey):
-        judge = self.judge
-        try:
-            if key not in self.futures:
-                for k in self.by_iteration.pop(key.iteration, []):
-                    self.futures[k] = self.pool.submit(_step_in_worker, k, judge.step_bounds.reclipped(k))
-            out, peak = self.futures.pop(key).result()
-            self.peaks.append(peak)
-        except BrokenProcessPool as e:
-            print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
-            out = None
-        return _decided(judge, key, out)
+
+def reclipped_here(worker, key: TensorKey, common: Set[TensorKey], clips: Set[TensorKey]) -> bool:
+    """Whether the step's ``key`` is judged against a re-clipped reference, decided on ``worker``'s own
+    judge as the serial comparison decides it (``StepBounds.reclipped``): by whether its iteration's
+    clip coefficients differ, which is what judging that scalar there first (once, noted in
+    ``clips``) tells it. It reads the two traces' coefficients alone, no earlier verdict, so a pool
+    worker or a rank needs not wait for the parent to reach the step: no iteration is a barrier."""
+    clip = TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, keys.CLIP_COEFFICIENT)
+    if clip in common and clip not in clips and worker.order[clip] < worker.order[key]:
+        worker.tensor(clip)
+        clips.add(clip)
+    return worker.step_bounds.reclipped(key)
 
 
 def forkserver_context(preload: List[str]):
@@ -194,10 +206,11 @@ def _main_importable() -> bool:
 
 
 def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -> None:
-    global _JUDGE, _BASELINE
+    global _JUDGE, _BASELINE, _COMMON
     torch.set_num_threads(1)  # the pool is the parallelism
     keep_freed_memory()
     _JUDGE = open_judge(*dirs, tol_config)
+    _COMMON = set(_JUDGE.common)
     for reader in (_JUDGE.ref, _JUDGE.cand, _JUDGE.pert):
         if reader is not None:
             reader.verified |= verified
@@ -234,12 +247,17 @@ def _high_water() -> Optional[int]:
     return None if top is None else top - _BASELINE
 
 
-def _step_in_worker(key: TensorKey, reclipped: bool):
-    return _measure(_JUDGE, key, reclipped), _high_water()
+_COMMON: Set[TensorKey] = set()  # a worker's judge's common keys
+_CLIPS: Set[TensorKey] = set()  # the clip coefficients a worker has judged (reclipped_here)
 
 
-def _in_worker(key: TensorKey):
-    return _measure(_JUDGE, key), _high_water()
+def _in_worker(chunk: List[TensorKey]) -> list:
+    """A chunk's measurements, each with this worker's high-water mark after it."""
+    out = []
+    for key in chunk:
+        reclipped = reclipped_here(_JUDGE, key, _COMMON, _CLIPS) if of_the_step(key) else None
+        out.append((_measure(_JUDGE, key, reclipped), _high_water()))
+    return out
 
 
 def _measure(judge, key: TensorKey, reclipped: Optional[bool] = None):
@@ -282,14 +300,7 @@ def judged_across_ranks(judge, dirs: Dirs, open_judge: Callable) -> Iterator:
     worker = open_judge(*dirs, judge.tol_config)  # its state is its own, as a pool worker's
     common, clips, mine = set(judge.common), set(), {}
     for key in [k for k in judge.common if measured_in_pool(k) or of_the_step(k)][rank::world]:
-        reclipped = None
-        if of_the_step(key):
-            clip = TensorKey(key.iteration, -1, keys.OPTIMIZER_MODULE, keys.OPTIMIZER, keys.CLIP_COEFFICIENT)
-            if clip in common and clip not in clips and judge.order[clip] < judge.order[key]:
-                worker.tensor(clip)  # (what StepBounds.reclipped reads: the clip coefficients' error)
-                clips.add(clip)
-            reclipped = worker.step_bounds.reclipped(key)
-        mine[key] = _measure(worker, key, reclipped)
+        mine[key] = _measure(worker, key, reclipped_here(worker, key, common, clips) if of_the_step(key) else None)
     gathered = [None] * world if rank == 0 else None
     dist.gather_object(mine, gathered, dst=0)
     if rank != 0:
