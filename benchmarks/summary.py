@@ -150,6 +150,10 @@ CURRENT: Tuple[Source, ...] = (
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
            COSTS_TABLE, ("cost_table_bb3bcf8_b_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table on the H100 machine's 16-core host, every core (the GPU hidden: one GPU cannot hold the "
+           "TP2 candidate; compare on 1 and 16 workers; before 7c71be0's pool, which took compare's 16 workers from "
+           "7.6-8.1 s to 5.8-6.0 s on the H200 machine's host: see the history)", COSTS_TABLE,
+           ("cost_table_92d433a_h100host.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at ad2c08c, earlier the same day, while this VM gave an in-memory reference's candidate "
            "fresh pages at 8× the cost (3 s slower; ad2c08c's code measured 7.9-8.1 s again once it no longer did: "
            "see the history)", COSTS_TABLE, ("cost_table_ad2c08c_epyc.md",),
