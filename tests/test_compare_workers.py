@@ -27,7 +27,8 @@ def _both(monkeypatch, ref, cand, **kw):
     pooled = compare_traces(ref, cand, workers=2, **kw)
     # the parent judged the first chunk itself while the workers started (the last chunk went to the
     # pool first, never to be taken back), and the workers the last: both shares are in the verdicts
-    shared = [r.key for r in pooled.results if compare_workers.measured_in_pool(r.key) or compare_workers.of_the_step(r.key)]
+    shared = [r.key for r in pooled.results
+              if compare_workers.measured_in_pool(r.key) or compare_workers.of_the_step(r.key)]
     assert shared[0] in in_parent and shared[-1] not in in_parent
     assert any(compare_workers.of_the_step(r.key) for r in pooled.results)
     return serial, pooled
@@ -81,6 +82,37 @@ def test_trace_errors_cross_processes_whole():
         assert type(e) is cls and (e.message, e.path, e.rank, e.tensor) == ("bad", "/x/rank-00001/f", 1,
                                                                              "it1 m [forward] output")
         assert str(e) == str(cls("bad", path="/x/rank-00001/f", rank=1, tensor="it1 m [forward] output"))
+
+
+def test_the_parent_judges_every_chunk_no_worker_has_taken():
+    """Until the pool has measured a chunk, the parent takes back and judges each chunk in turn (a
+    chunk it took back is not the pool running)."""
+    import threading
+    from concurrent.futures import Future
+
+    from ttrace_megatron.keys import TensorKey
+
+    keys = [TensorKey(1, 0, f"decoder.layers.{i}.mlp", "forward", "output") for i in range(40)]
+    judged = []
+
+    class Judge:
+        common = keys
+
+        def tensor(self, key):
+            judged.append(key)
+            return key
+
+    class Pool:  # whose processes have not started: a future is measured only after 5 s, if still there
+        def submit(self, fn, chunk):
+            future = Future()
+            measured = [(("measured by the pool", None), None)] * len(chunk)
+            timer = threading.Timer(5.0, lambda: future.cancelled() or future.set_result(measured))
+            timer.daemon = True
+            timer.start()
+            return future
+
+    assert list(compare_workers._shared_with_pool(Judge(), Pool(), 2, [])) == keys
+    assert judged == keys
 
 
 def test_only_microbatch_keys_go_to_the_pool():

@@ -129,9 +129,9 @@ def _shared_with_pool(judge, pool: ProcessPoolExecutor, workers: int, peaks: lis
     chunks = [sent[i:i + size] for i in range(0, len(sent), size)]
     where = {key: (i, j) for i, chunk in enumerate(chunks) for j, key in enumerate(chunk)}
     futures = {i: pool.submit(_in_worker, chunks[i]) for i in reversed(range(len(chunks)))}
-    running = threading.Event()  # set once the pool has measured a chunk (or stopped)
+    running = threading.Event()  # set once the pool has measured a chunk (or stopped), not when one is taken back
     for future in futures.values():
-        future.add_done_callback(lambda _: running.set())
+        future.add_done_callback(lambda f: f.cancelled() or running.set())
     taken = {}  # chunk -> its measurements from the pool, or None: judged here
     broken = False
     for key in judge.common:
