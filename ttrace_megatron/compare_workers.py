@@ -125,7 +125,8 @@ def _shared_with_pool(judge, pool: ProcessPoolExecutor, workers: int, peaks: lis
     are the serial ones. The step's keys go with the rest, in order: a worker decides their
     re-clip itself (:func:`reclipped_here`)."""
     sent = [k for k in judge.common if measured_in_pool(k) or of_the_step(k)]
-    size = max(1, min(64, len(sent) // (8 * workers)))
+    # small chunks: the parent's last one runs beside the workers, and a pool's last one alone
+    size = max(1, min(16, len(sent) // (8 * workers)))
     chunks = [sent[i:i + size] for i in range(0, len(sent), size)]
     where = {key: (i, j) for i, chunk in enumerate(chunks) for j, key in enumerate(chunk)}
     futures = {i: pool.submit(_in_worker, chunks[i]) for i in reversed(range(len(chunks)))}
