@@ -1,6 +1,7 @@
 """Compare on several processes gives the serial verdict bit for bit (issue #35)."""
 
 import json
+import multiprocessing
 import os
 import pickle
 import shutil
@@ -31,7 +32,7 @@ def _both(monkeypatch, ref, cand, **kw):
               if compare_workers.measured_in_pool(r.key) or compare_workers.of_the_step(r.key)]
     assert shared[0] in in_parent and shared[-1] not in in_parent
     assert any(compare_workers.of_the_step(r.key) for r in pooled.results)
-    return serial, pooled
+    return serial, pooled, in_parent
 
 
 @pytest.mark.multiprocess
@@ -44,7 +45,7 @@ def _both(monkeypatch, ref, cand, **kw):
 ])
 def test_workers_give_the_serial_verdict_bit_for_bit(runs, monkeypatch, name, inject, dtype):
     ref, cand = runs.candidate(load(name, dtype=dtype), inject=inject)
-    serial, pooled = _both(monkeypatch, ref, cand)
+    serial, pooled, in_parent = _both(monkeypatch, ref, cand)
     a, b = to_json(serial), to_json(pooled)
     assert json.dumps(a, sort_keys=True) == json.dumps(b, sort_keys=True)
     assert [(r.key, r.error, r.tolerance_eps, r.tolerance_source) for r in serial.results] == \
@@ -52,7 +53,7 @@ def test_workers_give_the_serial_verdict_bit_for_bit(runs, monkeypatch, name, in
     assert any(r.key.microbatch >= 0 for r in serial.results) and any(r.key.microbatch < 0 for r in serial.results)
     assert serial.verdict == ("fail" if inject else "pass")
     if inject:  # the bug moves the clip coefficients: the workers decided the step's re-clip themselves
-        assert any(RECLIPPED in r.tolerance_source for r in pooled.results)
+        assert any(RECLIPPED in r.tolerance_source and r.key not in in_parent for r in pooled.results)
     # each worker's own high-water mark over its start is measured (Linux): the bound per worker
     assert serial.worker_peak is None
     assert pooled.worker_peak is None if not os.path.exists("/proc/self/clear_refs") else pooled.worker_peak >= 0
@@ -102,17 +103,73 @@ def test_the_parent_judges_every_chunk_no_worker_has_taken():
             judged.append(key)
             return key
 
-    class Pool:  # whose processes have not started: a future is measured only after 5 s, if still there
-        def submit(self, fn, chunk):
+    class Pool:  # whose processes have not started: a chunk is measured after 5 s, unless the parent claimed it
+        def submit(self, fn, i, chunk):
             future = Future()
-            measured = [(("measured by the pool", None), None)] * len(chunk)
-            timer = threading.Timer(5.0, lambda: future.cancelled() or future.set_result(measured))
+
+            def start():
+                if compare_workers.claimed(claims, i, compare_workers.WORKER):
+                    future.set_result([(("measured by the pool", None), None)] * len(chunk))
+                else:
+                    future.set_result(None)
+            timer = threading.Timer(5.0, start)
             timer.daemon = True
             timer.start()
             return future
 
-    assert list(compare_workers._shared_with_pool(Judge(), Pool(), 2, [])) == keys
-    assert judged == keys
+    chunks = compare_workers._chunks(Judge(), 2)
+    claims = multiprocessing.Array("b", len(chunks))
+    assert len(chunks) > 3
+    assert list(compare_workers._shared_with_pool(Judge(), Pool(), chunks, claims, [])) == keys
+    assert judged == keys and list(claims) == [compare_workers.PARENT] * len(chunks)
+
+
+DYING_WORKER = r"""
+import multiprocessing, os, sys, time
+from concurrent.futures import ProcessPoolExecutor
+from ttrace_megatron import compare_workers as cw
+from ttrace_megatron.keys import TensorKey
+
+PARENT = os.getpid()
+
+class Judge:
+    common = [TensorKey(1, 0, f"decoder.layers.{i}.mlp", "forward", "output") for i in range(40)]
+    partial_magnitudes = {}
+
+    def tensor(self, key):
+        if os.getpid() != PARENT:  # a worker dies at its first key, once the parent has claimed chunks
+            time.sleep(1.0)
+            os._exit(3)
+        time.sleep(0.05)  # the parent judges slower than the workers start
+        return key
+
+def start(claims):
+    cw._JUDGE, cw._CLAIMS = Judge(), claims
+
+if __name__ == "__main__":
+    judge, ctx = Judge(), multiprocessing.get_context("fork")
+    chunks = cw._chunks(judge, 2)
+    claims = ctx.Array("b", len(chunks))
+    pool = ProcessPoolExecutor(2, mp_context=ctx, initializer=start, initargs=(claims,))
+    try:
+        print(list(cw._shared_with_pool(judge, pool, chunks, claims, [])) == judge.common, flush=True)
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+"""
+
+
+@pytest.mark.multiprocess
+def test_a_worker_that_dies_leaves_the_rest_to_the_parent_and_nothing_hung():
+    """A pool that breaks after the parent claimed chunks: every verdict still comes, in order, and
+    the pool stops cleanly. With ``Future.cancel`` in place of claims, the pool's manager thread died
+    of an InvalidStateError on Python 3.11 (and the process could hang at exit)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(os.path.dirname(
+        os.path.abspath(compare_workers.__file__))), os.environ.get("PYTHONPATH")])))
+    run = subprocess.run([sys.executable, "-c", DYING_WORKER], capture_output=True, text=True, timeout=120, env=env)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.strip().splitlines()[-1] == "True"
+    assert "compare workers stopped" in run.stdout
+    assert "Traceback" not in run.stderr, run.stderr  # (the pool's manager thread: InvalidStateError)
 
 
 def test_only_microbatch_keys_go_to_the_pool():

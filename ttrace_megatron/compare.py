@@ -914,9 +914,9 @@ class _TraceJudge:
 
     def step_measured(self, key: TensorKey, reclipped: bool) -> Optional[Measured]:
         """The same for an optimizer state or an updated value (its element-wise check included),
-        read a chunk at a time, given what only the parent knows in order: whether the step's
-        states are re-clipped (``StepBounds.reclipped``). None where it must be judged whole:
-        the parent judges it."""
+        read a chunk at a time, given whether the step's states are re-clipped
+        (``StepBounds.reclipped``, as the caller decided it: ``compare_workers.reclipped_here``).
+        None where it must be judged whole: the parent judges it."""
         return self._streamed(key, True, reclipped)
 
     def decided(self, key: TensorKey, m: Measured) -> TensorResult:
@@ -1008,7 +1008,7 @@ class _TraceJudge:
         peak is then the chunks, not the tensors (a reference held by several ranks is merged
         first). None where a key needs its pieces merged (partial sums, a top-k choice, replicas
         split each their own way, padding) or its moments are not each piece's: judged whole.
-        ``stop_before_state``: its :class:`Measured` (``reclipped``: the parent's decision)."""
+        ``stop_before_state``: its :class:`Measured` (``reclipped``: the caller's decision)."""
         pieces = self.cand_groups[key]
         layout = _common_layout(pieces)
         if (key.kind is TensorKind.SELECTION or any(r.layout != layout for _, r in pieces)

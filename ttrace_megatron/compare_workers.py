@@ -8,23 +8,25 @@ microbatch's weight grad, the loss) is judged by depends on nothing judged befor
 most of a trace's bytes, are judged by a pool of worker processes. So are the main grads'
 measurements (their shard sums, the reference's norm, a bias's token terms), whose verdict the
 parent then decides in order from its own state. The parent walks the keys in order as the serial
-comparison does: it takes each microbatch key's verdict from the pool, in order, and tells its own
-:class:`Cancellation` the partial-sum magnitude the worker measured (the sums then add up in the
-serial order). It judges the optimizer's scalars itself; the step's optimizer states and updated
-values (with their element-wise Adam check) go to the pool with the rest, in order: the worker
-decides whether a state is re-clipped from its iteration's clip coefficients, as the serial
-comparison does (:func:`reclipped_here`), and the verdicts are decided in order from the parent's
-state, as a main grad's. No iteration waits for the parent to reach it: on 16 cores, sending each
-iteration's step when the parent got there left most workers idle behind its largest parameter's
-Adam check, three times (BENCHMARKS.md, issue #35). Every float a verdict holds is computed by the
-same code on the same inputs in either mode.
+comparison does: it takes each microbatch key's verdict from the pool (or judges the key), in
+order, and tells its own :class:`Cancellation` the partial-sum magnitude the worker measured (the
+sums then add up in the serial order). It judges the optimizer's scalars itself; the step's
+optimizer states and updated values (with their element-wise Adam check) go to the pool with the
+rest: the worker decides whether a state is re-clipped from its iteration's clip coefficients, as
+the serial comparison does (:func:`reclipped_here`), and the verdicts are decided in order from
+the parent's state, as a main grad's. No iteration waits for the parent to reach it: on 16 cores,
+sending each iteration's step when the parent got there left most workers idle behind its largest
+parameter's Adam check, three times (BENCHMARKS.md, issue #35). While the pool's processes start,
+the parent judges the first chunks of keys itself (:func:`_shared_with_pool`). Every float a
+verdict holds is computed by the same code on the same inputs in either mode.
 
 Before any tensor is loaded, every data file's checksum is checked once, on threads (hashing and
 reads release the GIL), and the workers are told which files are verified. A damaged file is the
 same named :class:`~ttrace_megatron.errors.TraceError` as in a serial comparison.
 
 Memory: each worker judges one key at a time, as the serial comparison does, and reads it a chunk
-at a time where it can (``streaming``): the bound is per worker (BENCHMARKS.md, issue #35).
+at a time where it can (``streaming``): the bound is per worker, and the parent's own while it
+judges its share (BENCHMARKS.md, issue #35).
 Knows nothing about megatron.
 """
 
@@ -75,9 +77,8 @@ def measured_in_pool(key: TensorKey) -> bool:
 
 
 def of_the_step(key: TensorKey) -> bool:
-    """An optimizer state or an updated value: measured by a worker once the parent has judged its
-    iteration's clip coefficient (whether its states are re-clipped is then known), and decided by
-    the parent in order."""
+    """An optimizer state or an updated value: measured by a worker, which decides itself whether
+    its states are re-clipped (:func:`reclipped_here`), and decided by the parent in order."""
     return key.kind is TensorKind.OPTIMIZER_STATE or keys.is_updated_value(key)
 
 
@@ -106,49 +107,71 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable, peaks
         for key in judge.common:
             yield judge.tensor(key)
         return
+    chunks = _chunks(judge, workers)
+    claims = ctx.Array("b", len(chunks))  # who judges each chunk: FREE, WORKER or PARENT
     pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_start_worker,
-                               initargs=(open_judge, dirs, judge.tol_config, verified))
+                               initargs=(open_judge, dirs, judge.tol_config, verified, claims))
     try:
-        yield from _shared_with_pool(judge, pool, workers, peaks)
+        yield from _shared_with_pool(judge, pool, chunks, claims, peaks)
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _shared_with_pool(judge, pool: ProcessPoolExecutor, workers: int, peaks: list) -> Iterator:
+FREE, WORKER, PARENT = 0, 1, 2  # a chunk's claim: nobody's yet, a worker's, the parent's
+
+
+def _chunks(judge, workers: int) -> List[List[TensorKey]]:
+    """The keys a worker measures, in order, in chunks: small, since the parent's last one runs
+    beside the workers and a pool's last one alone."""
+    sent = [k for k in judge.common if measured_in_pool(k) or of_the_step(k)]
+    size = max(1, min(16, len(sent) // (8 * workers)))
+    return [sent[i:i + size] for i in range(0, len(sent), size)]
+
+
+def claimed(claims, i: int, who: int) -> bool:
+    """Whether ``who`` (:data:`WORKER` or :data:`PARENT`) now holds chunk ``i``: the first to ask
+    does, once. A shared array, not ``Future.cancel``: on Python 3.10-3.11 a pool that breaks with
+    cancelled futures pending loses its manager thread and the interpreter hangs at exit."""
+    with claims.get_lock():
+        if claims[i] != FREE:
+            return False
+        claims[i] = who
+        return True
+
+
+def _shared_with_pool(judge, pool: ProcessPoolExecutor, chunks: List[List[TensorKey]], claims,
+                      peaks: list) -> Iterator:
     """The verdicts in order, the keys a worker measures shared between the pool and this process.
 
-    The keys go to the pool in chunks, the last first. Until the pool has measured a chunk, this
-    process walks them from the first and judges itself each chunk no worker has taken yet (its
-    future still cancellable): it judges while the pool's processes start (the fork server's
-    imports took 4 s on a 16-core host), and stops once they run (on 2 cores, judging beside them
-    slowed the whole by 40 %). Each key is judged once, by the same code either way: the verdicts
-    are the serial ones. The step's keys go with the rest, in order: a worker decides their
-    re-clip itself (:func:`reclipped_here`)."""
-    sent = [k for k in judge.common if measured_in_pool(k) or of_the_step(k)]
-    # small chunks: the parent's last one runs beside the workers, and a pool's last one alone
-    size = max(1, min(16, len(sent) // (8 * workers)))
-    chunks = [sent[i:i + size] for i in range(0, len(sent), size)]
+    The chunks go to the pool the last first. Until the pool has measured a chunk, this process
+    walks them from the first and judges itself each chunk no worker has claimed (:func:`claimed`;
+    a worker skips it then): it judges while the pool's processes start (the fork server's imports
+    took 4 s on a 16-core host), and stops once they run (on 2 cores, judging beside them cost more
+    than it saved). Each key is judged once, by the same code either way: the verdicts are the
+    serial ones. The step's keys go with the rest: a worker decides their re-clip itself
+    (:func:`reclipped_here`)."""
     where = {key: (i, j) for i, chunk in enumerate(chunks) for j, key in enumerate(chunk)}
-    futures = {i: pool.submit(_in_worker, chunks[i]) for i in reversed(range(len(chunks)))}
-    running = threading.Event()  # set once the pool has measured a chunk (or stopped), not when one is taken back
-    for future in futures.values():
-        future.add_done_callback(lambda f: f.cancelled() or running.set())
+    running = threading.Event()  # set once a worker has finished a chunk, or the pool has stopped
+    futures, broken = {}, False
+    try:
+        for i in reversed(range(len(chunks))):
+            futures[i] = pool.submit(_in_worker, i, chunks[i])
+            futures[i].add_done_callback(lambda _: running.set())
+    except BrokenProcessPool as e:
+        broken = _stopped(e)
     taken = {}  # chunk -> its measurements from the pool, or None: judged here
-    broken = False
     for key in judge.common:
         if key not in where:
             yield judge.tensor(key)
             continue
         i, j = where[key]
         if i not in taken and not broken:
-            future = futures.pop(i)
             try:
-                taken[i] = None if not running.is_set() and future.cancel() else future.result()
+                mine = not running.is_set() and claimed(claims, i, PARENT)
+                taken[i] = None if mine else futures[i].result()
             except BrokenProcessPool as e:
-                # a worker could not start (a __main__ a new process cannot import, such as a script
-                # read from stdin) or died: this key and the rest are judged here, alike
-                print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
-                broken = True
+                broken = _stopped(e)
+            futures.pop(i, None)
         measured = taken.get(i)
         if j == len(chunks[i]) - 1:
             taken.pop(i, None)
@@ -158,6 +181,13 @@ def _shared_with_pool(judge, pool: ProcessPoolExecutor, workers: int, peaks: lis
         out, peak = measured[j]
         peaks.append(peak)
         yield _decided(judge, key, out)
+
+
+def _stopped(e: BrokenProcessPool) -> bool:
+    # a worker could not start (a __main__ a new process cannot import, such as a script read from
+    # stdin) or died: the keys not yet measured are judged in this process, alike
+    print(f"[ttrace] compare workers stopped ({e}); judging the rest in this process", flush=True)
+    return True
 
 
 def reclipped_here(worker, key: TensorKey, common: Set[TensorKey], clips: Set[TensorKey]) -> bool:
@@ -206,12 +236,13 @@ def _main_importable() -> bool:
     return path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path)
 
 
-def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]]) -> None:
-    global _JUDGE, _BASELINE, _COMMON
+def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]],
+                  claims) -> None:
+    global _JUDGE, _BASELINE, _COMMON, _CLAIMS
     torch.set_num_threads(1)  # the pool is the parallelism
     keep_freed_memory()
     _JUDGE = open_judge(*dirs, tol_config)
-    _COMMON = set(_JUDGE.common)
+    _COMMON, _CLAIMS = set(_JUDGE.common), claims
     for reader in (_JUDGE.ref, _JUDGE.cand, _JUDGE.pert):
         if reader is not None:
             reader.verified |= verified
@@ -250,10 +281,14 @@ def _high_water() -> Optional[int]:
 
 _COMMON: Set[TensorKey] = set()  # a worker's judge's common keys
 _CLIPS: Set[TensorKey] = set()  # the clip coefficients a worker has judged (reclipped_here)
+_CLAIMS = None  # the pool's claims on its chunks (claimed)
 
 
-def _in_worker(chunk: List[TensorKey]) -> list:
-    """A chunk's measurements, each with this worker's high-water mark after it."""
+def _in_worker(i: int, chunk: List[TensorKey]) -> Optional[list]:
+    """Chunk ``i``'s measurements, each with this worker's high-water mark after it; None where the
+    parent claimed the chunk first."""
+    if not claimed(_CLAIMS, i, WORKER):
+        return None
     out = []
     for key in chunk:
         reclipped = reclipped_here(_JUDGE, key, _COMMON, _CLIPS) if of_the_step(key) else None
