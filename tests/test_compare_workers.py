@@ -154,7 +154,7 @@ if __name__ == "__main__":
     try:
         print(list(cw._shared_with_pool(judge, pool, chunks, claims, [])) == judge.common, flush=True)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True)
 """
 
 

@@ -114,7 +114,12 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable, peaks
     try:
         yield from _shared_with_pool(judge, pool, chunks, claims, peaks)
     finally:
-        pool.shutdown(wait=True, cancel_futures=True)
+        # what no worker has started is the parent's now (the workers skip it): no future is
+        # cancelled, which a pool that breaks meanwhile would not survive (:func:`claimed`)
+        with claims.get_lock():
+            for i in range(len(chunks)):
+                claims[i] = claims[i] or PARENT
+        pool.shutdown(wait=True)
 
 
 FREE, WORKER, PARENT = 0, 1, 2  # a chunk's claim: nobody's yet, a worker's, the parent's
