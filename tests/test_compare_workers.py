@@ -86,8 +86,7 @@ def test_trace_errors_cross_processes_whole():
 
 
 def test_the_parent_judges_every_chunk_no_worker_has_taken():
-    """Until the pool has measured a chunk, the parent takes back and judges each chunk in turn (a
-    chunk it took back is not the pool running)."""
+    """Until a worker has started, the parent claims and judges each chunk in turn."""
     import threading
     from concurrent.futures import Future
 
@@ -120,7 +119,8 @@ def test_the_parent_judges_every_chunk_no_worker_has_taken():
     chunks = compare_workers._chunks(Judge(), 2)
     claims = multiprocessing.Array("b", len(chunks))
     assert len(chunks) > 3
-    assert list(compare_workers._shared_with_pool(Judge(), Pool(), chunks, claims, [])) == keys
+    started = multiprocessing.Value("b", 0)
+    assert list(compare_workers._shared_with_pool(Judge(), Pool(), chunks, claims, started, [])) == keys
     assert judged == keys and list(claims) == [compare_workers.PARENT] * len(chunks)
 
 
@@ -143,7 +143,7 @@ class Judge:
         time.sleep(0.05)  # the parent judges slower than the workers start
         return key
 
-def start(claims):
+def start(claims):  # (leaves `started` unset: the parent claims chunks until the pool breaks)
     cw._JUDGE, cw._CLAIMS = Judge(), claims
 
 if __name__ == "__main__":
@@ -152,7 +152,8 @@ if __name__ == "__main__":
     claims = ctx.Array("b", len(chunks))
     pool = ProcessPoolExecutor(2, mp_context=ctx, initializer=start, initargs=(claims,))
     try:
-        print(list(cw._shared_with_pool(judge, pool, chunks, claims, [])) == judge.common, flush=True)
+        started = ctx.Value("b", 0)
+        print(list(cw._shared_with_pool(judge, pool, chunks, claims, started, [])) == judge.common, flush=True)
     finally:
         pool.shutdown(wait=True)
 """
