@@ -136,7 +136,7 @@ def _chunks(judge, workers: int) -> List[List[TensorKey]]:
 def claimed(claims, i: int, who: int) -> bool:
     """Whether ``who`` (:data:`WORKER` or :data:`PARENT`) now holds chunk ``i``: the first to ask
     does, once. A shared array, not ``Future.cancel``: on Python 3.10-3.11 a pool that breaks with
-    cancelled futures pending loses its manager thread and the interpreter hangs at exit."""
+    cancelled futures pending loses its manager thread, and the interpreter can hang at exit."""
     with claims.get_lock():
         if claims[i] != FREE:
             return False
@@ -152,9 +152,9 @@ def _shared_with_pool(judge, pool: ProcessPoolExecutor, chunks: List[List[Tensor
     walks them from the first and judges itself each chunk no worker has claimed (:func:`claimed`;
     a worker skips it then): it judges while it waits for the pool's processes (the fork server's
     imports took 4 s on a 16-core host), and not beside them (on 2 cores, judging on until a worker
-    had measured a chunk cost 0.35 s more than it saved). Each key is judged once, by the same code either way: the verdicts are the
-    serial ones. The step's keys go with the rest: a worker decides their re-clip itself
-    (:func:`reclipped_here`)."""
+    had measured a chunk cost 0.35 s more than it saved). Each key is judged once, by the same code
+    either way: the verdicts are the serial ones. The step's keys go with the rest: a worker
+    decides their re-clip itself (:func:`reclipped_here`)."""
     where = {key: (i, j) for i, chunk in enumerate(chunks) for j, key in enumerate(chunk)}
     futures, broken = {}, False
     try:
