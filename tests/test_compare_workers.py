@@ -206,6 +206,31 @@ def test_the_fork_server_hides_every_gpu_from_what_it_forks():
     subprocess.run([sys.executable, "-c", script], check=True, timeout=120)
 
 
+def test_the_fork_server_imports_what_the_ttrace_script_imports():
+    """Each process forked from the server first runs the parent's ``__main__`` again; for the
+    ``ttrace`` console script that is its entry module, which the server must have imported already
+    (0.30-0.41 s a process otherwise, on the development VM). The server's command line lists its preload."""
+    setup = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")).read()
+    entry = setup.split('"ttrace=', 1)[1].split(":", 1)[0]
+    assert entry == compare_workers.ENTRY_MODULE
+    script = (
+        "import time\n"
+        "from multiprocessing import forkserver\n"
+        "from ttrace_megatron.compare_workers import forkserver_context\n"
+        "forkserver_context(['json'])\n"
+        "pid = forkserver._forkserver._forkserver_pid\n"
+        "for _ in range(200):\n"
+        "    with open(f'/proc/{pid}/cmdline', 'rb') as f:\n"
+        "        line = f.read()\n"
+        "    if b'forkserver' in line:\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+        "print(line.replace(b'\\0', b' ').decode())\n")
+    line = subprocess.run([sys.executable, "-c", script], check=True, timeout=120, capture_output=True,
+                          text=True).stdout
+    assert f"['json', '{entry}']" in line, line
+
+
 @pytest.mark.multiprocess
 def test_ranks_under_torchrun_give_the_serial_verdict_bit_for_bit(runs, tmp_path):
     """``torchrun --nproc-per-node 2 -m ttrace_megatron.cli compare --distributed``: each rank

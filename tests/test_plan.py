@@ -107,6 +107,18 @@ def test_what_a_killed_check_left_in_memory_is_taken_back(tmp_path):
     assert sorted(os.listdir(tmp_path)) == sorted([os.path.basename(made)] + kept)
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_reference_is_removed_whole_on_any_number_of_threads(tmp_path, threads):
+    tree = tmp_path / "ref"
+    for k, sub in enumerate(["", "rank0", "rank1", "rank1/deep"]):
+        (tree / sub).mkdir(parents=True, exist_ok=True)
+        for j in range(k + 1):
+            (tree / sub / f"f{j}.safetensors").write_bytes(b"x" * (j + 1) * 1000)
+    core.remove_tree(str(tree), threads)
+    assert not tree.exists()
+    core.remove_tree(str(tree), threads)  # gone already: nothing to do, no error
+
+
 @pytest.mark.multiprocess
 def test_the_default_check_holds_its_reference_in_memory_and_writes_none_of_it(tmp_path):
     """A clean bf16 check, its twin too: each pair's reference in memory, removed once judged; the

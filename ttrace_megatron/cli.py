@@ -194,6 +194,7 @@ def _run_pairs(recipe, twin, out: str, args, console: Console, json_path: Option
 
 
 PAIR_TRACES = ("reference", "candidate", "reference-perturbed", "replay")  # a pair's trace directories
+REMOVAL_THREADS = 4  # at most, unlinking an in-memory reference's files (``plan.remove_tree``)
 
 
 def _memory_scratch(planned: Optional[dict], args) -> Optional[str]:
@@ -221,7 +222,8 @@ def _let_go_reference(report: dict, ref_dir: str, pair_out: str, args, console: 
     pair's has the memory; a failing check's is moved under ``--out`` first where the disk has room
     for it (the evidence of a failure is kept, as on the disk; a pass needs none). The removal runs
     on a thread (``removals``) beside what the check does next (its reports, the twin's start):
-    freeing a tmpfs's pages took 0.5 s for the 50M rung's 4 GB, in the kernel."""
+    freeing a tmpfs's pages took 0.5 s for the 50M rung's 4 GB, in the kernel, and half that with
+    its files unlinked on both cores of the development VM (the check waits for it before it ends)."""
     from . import plan as core
 
     if ref_dir == os.path.join(pair_out, "reference") or not os.path.isdir(ref_dir):
@@ -243,7 +245,9 @@ def _let_go_reference(report: dict, ref_dir: str, pair_out: str, args, console: 
                 why = f"moving it under {pair_out} failed ({e.strerror or e})"
         console.print(f"[yellow]the failing check's reference ({core.human(size)}, held in memory) is not kept: "
                       f"{why}[/]", highlight=False)
-    removal = threading.Thread(target=shutil.rmtree, args=(ref_dir,), kwargs={"ignore_errors": True},
+    from .compare_workers import available_cores
+
+    removal = threading.Thread(target=core.remove_tree, args=(ref_dir, min(available_cores(), REMOVAL_THREADS)),
                                name="ttrace-remove-reference")
     removal.start()
     removals.append(removal)

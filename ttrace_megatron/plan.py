@@ -15,6 +15,7 @@ token goes to ``topk`` experts). ``benchmarks/plan_check.py`` measures it agains
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -265,6 +266,32 @@ def memory_scratch(root: str = MEMORY_ROOT) -> str:
                 and not _alive(int(parts[2]))):
             shutil.rmtree(os.path.join(root, name), ignore_errors=True)
     return tempfile.mkdtemp(prefix=f"ttrace-{space}-{os.getpid()}-", dir=root)
+
+
+def remove_tree(path: str, threads: int) -> None:
+    """``shutil.rmtree(path, ignore_errors=True)``, its files unlinked ``threads`` at a time. Freeing
+    a tmpfs's pages is the kernel's work, file by file: the 50M rung's in-memory reference (4.04 GB,
+    16 files) took 0.54-0.58 s on one thread of the 2-core development VM and 0.28-0.29 s on two."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    files = []
+    for parent, _, names in os.walk(path):
+        files.extend(os.path.join(parent, n) for n in names)
+    if threads > 1 and len(files) > 1:
+        def unlink(name: str) -> None:
+            with contextlib.suppress(OSError):
+                os.unlink(name)
+
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="ttrace-remove") as pool:
+            list(pool.map(unlink, sorted(files, key=_size, reverse=True)))
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _size(path: str) -> int:
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
 
 
 def _pid_namespace() -> str:
