@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from conftest import load
-from ttrace_megatron import compare_workers
+from ttrace_megatron import compare_workers, fork_server
 from ttrace_megatron.compare import compare_traces
 from ttrace_megatron.errors import ConfigMismatchError, TraceError
 from ttrace_megatron.report import to_json
@@ -190,7 +190,7 @@ def test_the_fork_server_hides_every_gpu_from_what_it_forks():
         "import os\n"
         "os.environ['CUDA_VISIBLE_DEVICES'] = '0'\n"
         "from multiprocessing import forkserver\n"
-        "from ttrace_megatron.compare_workers import forkserver_context\n"
+        "from ttrace_megatron.fork_server import forkserver_context\n"
         "forkserver_context([])\n"
         "import time\n"
         "pid = forkserver._forkserver._forkserver_pid\n"
@@ -212,11 +212,11 @@ def test_the_fork_server_imports_what_the_ttrace_script_imports():
     (0.30-0.41 s a process otherwise, on the development VM). The server's command line lists its preload."""
     setup = open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "setup.py")).read()
     entry = setup.split('"ttrace=', 1)[1].split(":", 1)[0]
-    assert entry == compare_workers.ENTRY_MODULE
+    assert entry == fork_server.ENTRY_MODULE
     script = (
         "import time\n"
         "from multiprocessing import forkserver\n"
-        "from ttrace_megatron.compare_workers import forkserver_context\n"
+        "from ttrace_megatron.fork_server import forkserver_context\n"
         "forkserver_context(['json'])\n"
         "pid = forkserver._forkserver._forkserver_pid\n"
         "for _ in range(200):\n"
@@ -229,6 +229,42 @@ def test_the_fork_server_imports_what_the_ttrace_script_imports():
     line = subprocess.run([sys.executable, "-c", script], check=True, timeout=120, capture_output=True,
                           text=True).stdout
     assert f"['json', '{entry}']" in line, line
+
+
+@pytest.mark.parametrize("how", [["--cpu"], []])
+def test_ttrace_run_starts_the_fork_server_before_it_imports_torch(how):
+    """The server's imports (torch, megatron-core: ~4 s) run beside the command's own only if it
+    starts first: ``ttrace run`` asked torch whether it had a GPU before, and its first rank began
+    1.3 s later on the development VM. Here no GPU is in sight (none, or all hidden), or ``--cpu``."""
+    script = (
+        "import sys\n"
+        "from ttrace_megatron.adapter.run import server\n"
+        "def started(preload):\n"
+        "    print('torch imported:', 'torch' in sys.modules, 'preload:', preload == server.PRELOAD)\n"
+        "    raise SystemExit(0)\n"
+        "server.forkserver_context = started\n"
+        "from ttrace_megatron.cli import main\n"
+        f"main(['run', '--no-disk-check'] + {how!r})\n")
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    out = subprocess.run([sys.executable, "-c", script], check=True, timeout=120, capture_output=True, text=True,
+                         env=env).stdout
+    assert "torch imported: False preload: True" in out, out
+
+
+def test_a_gpu_is_in_sight_unless_every_one_is_hidden(monkeypatch, tmp_path):
+    from ttrace_megatron.adapter.run import server
+
+    node = tmp_path / "nvidia0"
+    node.write_text("")
+    monkeypatch.setattr(server, "GPU_DEVICE_NODES", (str(tmp_path / "nvidia[0-9]*"),))
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert server.gpu_device_visible()
+    for hidden in ("", "-1"):
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", hidden)
+        assert not server.gpu_device_visible()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    node.unlink()
+    assert not server.gpu_device_visible()  # no device node: CPU, whatever the variable says
 
 
 @pytest.mark.multiprocess

@@ -429,16 +429,17 @@ def _recipe_paths(target: str) -> List[str]:
 
 def cmd_run(args, console: Console) -> int:
     """One recipe (or the embedded default), or every recipe of a directory with a summary."""
+    if not getattr(args, "megatron_lm", None):  # (pretrain_gpt.py runs are started by torchrun)
+        from .adapter.run.server import prestart, prestart_early
+
+        if not prestart_early(args.cpu):  # first, before anything imports torch, where no GPU is in sight
+            import torch
+
+            prestart(cpu=not torch.cuda.is_available())
     from .recipe import default_recipe, load_recipe
     from .report import first_mismatch_of, headline
 
     _check_tensorboard(args)
-    if not getattr(args, "megatron_lm", None):  # (pretrain_gpt.py runs are started by torchrun)
-        import torch
-
-        from .adapter.run.launch import prestart
-
-        prestart(cpu=args.cpu or not torch.cuda.is_available())
     targets = _recipe_paths(args.recipe) if args.recipe else [None]
     many = len(targets) > 1 or (args.recipe and os.path.isdir(args.recipe))
     out_root = args.out or tempfile.mkdtemp(prefix="ttrace-")

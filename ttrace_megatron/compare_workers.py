@@ -33,7 +33,6 @@ Knows nothing about megatron.
 from __future__ import annotations
 
 import math
-import multiprocessing
 import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
@@ -43,6 +42,7 @@ import torch
 
 from . import keys
 from .allocator import keep_freed_memory
+from .fork_server import forkserver_context
 from .keys import TensorKey, TensorKind
 from .trace_store import verify_files
 
@@ -204,42 +204,6 @@ def reclipped_here(worker, key: TensorKey, common: Set[TensorKey], clips: Set[Te
         worker.tensor(clip)
         clips.add(clip)
     return worker.step_bounds.reclipped(key)
-
-
-def forkserver_context(preload: List[str]):
-    """The fork-server context this process's CPU work is forked from (a ``ttrace run``'s ranks, a
-    compare's workers), its server started now if it is not running: with ``preload`` imported
-    once, and every GPU hidden from it and so from every process forked from it. A CPU rank on a
-    machine with GPUs runs through a shim that refuses a process seeing CUDA (``ttrace run --cpu``
-    there); a compare worker needs no GPU. This process's own view is left as it was. (Whoever
-    starts the server first chooses its preload: the other's imports then happen in each child.)"""
-    from multiprocessing import forkserver
-
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(server_preload(preload))
-    before = os.environ.get("CUDA_VISIBLE_DEVICES")
-    os.environ["CUDA_VISIBLE_DEVICES"] = ""
-    try:
-        forkserver.ensure_running()
-    finally:
-        if before is None:
-            del os.environ["CUDA_VISIBLE_DEVICES"]
-        else:
-            os.environ["CUDA_VISIBLE_DEVICES"] = before
-    return ctx
-
-
-ENTRY_MODULE = "ttrace_megatron.cli"  # what the ``ttrace`` console script imports (setup.py's entry point)
-
-
-def server_preload(preload: List[str]) -> List[str]:
-    """What the fork server imports once: ``preload``, and :data:`ENTRY_MODULE`. Each process
-    forked from the server first runs the parent's ``__main__`` again (multiprocessing's spawn
-    preparation; Python 3.11's fork server does not pass it the main path to preload), and the
-    ``ttrace`` script's one import, the CLI with rich, took each rank, plan and compare worker
-    0.30-0.41 s on the development VM before its target started, against 0.02-0.04 s preloaded.
-    A ``ttrace run`` starts at least three such processes one after the other."""
-    return list(preload) + [m for m in (ENTRY_MODULE,) if m not in preload]
 
 
 def _main_importable() -> bool:

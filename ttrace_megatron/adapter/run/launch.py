@@ -23,9 +23,10 @@ from typing import Optional
 import torch
 import torch.multiprocessing as mp
 
-from ...compare_workers import forkserver_context
 from ...errors import BuiltOtherwise, RecipeError, RunFailed
+from ...fork_server import forkserver_context
 from .runner import Probes, RunSpec, run_rank
+from .server import PRELOAD
 
 __all__ = ["RunFailed", "free_port", "launch"]
 
@@ -34,13 +35,6 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-# what the fork server imports once; the layer specs and the plan are what a rank or the disk check's plan
-# imported after its fork (0.1 s of the plan's 0.16 s in its process, on the development VM)
-PRELOAD = ["ttrace_megatron.adapter.run.worker_env", "torch", "megatron.core.models.gpt", "megatron.core.optimizer", "megatron.core.distributed",
-           "megatron.core.pipeline_parallel", "megatron.core.models.gpt.gpt_layer_specs", "ttrace_megatron.adapter.run.runner",
-           "ttrace_megatron.adapter.record.recorder", "ttrace_megatron.adapter.run.plan"]
 
 
 def _worker(rank: int, spec: RunSpec, probes: Probes, error_dir: str) -> None:
@@ -139,14 +133,6 @@ def _context(cpu: bool):
     if cpu:
         return forkserver_context(PRELOAD)
     return mp.get_context("spawn")
-
-
-def prestart(cpu: bool) -> None:
-    """On CPU, start the ranks' fork server now: its imports (torch and megatron-core, ~4 s) run
-    while the calling process does its own work (validating a recipe imports megatron-core too),
-    instead of before the first rank."""
-    if cpu:
-        _context(cpu)
 
 
 def run_function(target, args: tuple, timeout_s: float, cpu: bool = False) -> Optional[int]:
