@@ -128,7 +128,7 @@ CURRENT: Tuple[Source, ...] = (
     Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_b536d29.md",),
            "benchmarks/results/history/issue36_bf16_twin.md",
            reruns=("zoo_bf16_twin_0169bc2_epyc.md", "zoo_fp16_fp8_twin_0169bc2_epyc.md",
-                   "zoo_bf16_twin_f496d39_epyc.md")),
+                   "zoo_bf16_twin_f496d39_epyc.md", "zoo_fp16_fp8_twin_e6e58f3_epyc.md")),
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("upstream Megatron-LM bugs, fp32, at width (8 layers, h512, V32k)", UPSTREAM,
@@ -142,14 +142,17 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
-           ("online_parity_f5a2a02_epyc.jsonl", "online_parity_bf16_f5a2a02_epyc.jsonl"),
+           ("online_parity_e6e58f3_epyc.jsonl", "online_parity_bf16_f5a2a02_epyc.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
-           COSTS_TABLE, ("cost_table_bb3bcf8_b_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+           COSTS_TABLE, ("cost_table_e6e58f3_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at bb3bcf8, two sessions before (its plain baseline 0.5 s slower, its whole check 0.4 s: "
+           "see the history)", COSTS_TABLE, ("cost_table_bb3bcf8_b_epyc.md",),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("the same table on the H100 machine's 16-core host, every core (the GPU hidden: one GPU cannot hold the "
            "TP2 candidate; compare on 1 and 16 workers; before 7c71be0's pool, which took compare's 16 workers from "
            "7.6-8.1 s to 5.8-6.0 s on the H200 machine's host: see the history)", COSTS_TABLE,
