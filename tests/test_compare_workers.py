@@ -251,6 +251,32 @@ def test_ttrace_run_starts_the_fork_server_before_it_imports_torch(how):
     assert "torch imported: False preload: True" in out, out
 
 
+@pytest.mark.parametrize("size, workers, started", [(300 << 20, None, True), (1 << 20, None, False),
+                                                    (300 << 20, 1, False)])
+def test_ttrace_compare_starts_its_workers_server_before_torch_where_it_will_pool(tmp_path, size, workers, started):
+    """A candidate of at least MIN_PARALLEL_BYTES in data files, more than one worker: the server is
+    started before the command imports torch. A sparse file stands for the candidate's data."""
+    cand = tmp_path / "cand" / "rank-00000"
+    cand.mkdir(parents=True)
+    with open(cand / "iter-00000.safetensors", "wb") as f:
+        f.truncate(size)
+    script = (
+        "import sys\n"
+        "from ttrace_megatron import fork_server\n"
+        "def started(preload):\n"
+        "    print('started; torch imported:', 'torch' in sys.modules, preload == fork_server.COMPARE_PRELOAD)\n"
+        "    raise SystemExit(0)\n"
+        "fork_server.forkserver_context = started\n"
+        "fork_server.available_cores = lambda: 2\n"
+        "from ttrace_megatron.cli import main\n"
+        f"main(['compare', {str(tmp_path / 'ref')!r}, {str(tmp_path / 'cand')!r}]"
+        f" + {(['--workers', str(workers)] if workers else [])!r})\n")
+    path = tmp_path / "main.py"  # a __main__ a worker could import, as the ttrace script is
+    path.write_text(script)
+    out = subprocess.run([sys.executable, str(path)], timeout=120, capture_output=True, text=True).stdout
+    assert ("started; torch imported: False True" in out) == started, out
+
+
 def test_a_gpu_is_in_sight_unless_every_one_is_hidden(monkeypatch, tmp_path):
     from ttrace_megatron.adapter.run import server
 

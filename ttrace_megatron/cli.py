@@ -529,6 +529,10 @@ def write_junit(rows, path: str) -> None:
 
 
 def cmd_compare(args, console: Console) -> int:
+    if not getattr(args, "distributed", False):  # its workers' server first, before torch is imported here
+        from .fork_server import prestart_compare
+
+        prestart_compare(args.candidate, getattr(args, "workers", None))
     report = _compare(args.reference, args.candidate, console, args.json, getattr(args, "perturbed", None),
                       getattr(args, "workers", None), distributed=getattr(args, "distributed", False))
     if report is None:  # a rank of --distributed other than 0

@@ -33,7 +33,6 @@ Knows nothing about megatron.
 from __future__ import annotations
 
 import math
-import os
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from typing import Callable, Iterator, List, Optional, Set, Tuple
@@ -42,25 +41,17 @@ import torch
 
 from . import keys
 from .allocator import keep_freed_memory
-from .fork_server import forkserver_context
+from .fork_server import (COMPARE_PRELOAD, MIN_PARALLEL_BYTES, _main_importable,  # noqa: F401 - re-exported
+                          available_cores, forkserver_context)
 from .keys import TensorKey, TensorKind
 from .trace_store import verify_files
 
 # the judge and its verdicts are compare's (``_TraceJudge``, ``TensorResult``): compare imports this
 # module, not the other way round; a worker is handed compare's ``open_judge`` to build its own
-# below this many candidate bytes in microbatch keys, starting processes costs more than it saves
-MIN_PARALLEL_BYTES = 256 << 20
 
 Dirs = Tuple[str, str, Optional[str]]  # reference, candidate, perturbation run (or None)
 
 _JUDGE = None  # a worker process's own judge (compare._TraceJudge)
-
-
-def available_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 def per_microbatch(key: TensorKey) -> bool:
@@ -100,7 +91,7 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable, peaks
     small = not parallel or _candidate_bytes(judge, parallel) < MIN_PARALLEL_BYTES
     pooled = workers > 1 and not small and _main_importable()
     # the fork server's imports (~1 s: torch) run while the files are verified
-    ctx = forkserver_context(["ttrace_megatron.compare"]) if pooled else None
+    ctx = forkserver_context(COMPARE_PRELOAD) if pooled else None
     verified = verify_files(readers, threads=max(1, workers))
     if not pooled:
         for key in judge.common:
@@ -204,16 +195,6 @@ def reclipped_here(worker, key: TensorKey, common: Set[TensorKey], clips: Set[Te
         worker.tensor(clip)
         clips.add(clip)
     return worker.step_bounds.reclipped(key)
-
-
-def _main_importable() -> bool:
-    """A new process re-imports the parent's ``__main__`` from its file: not possible for a script
-    read from stdin (or ``-c``); such a caller compares in its own process."""
-    import sys
-
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None)
-    return path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path)
 
 
 def _start_worker(open_judge: Callable, dirs: Dirs, tol_config, verified: Set[Tuple[str, int, int]],

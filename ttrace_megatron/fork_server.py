@@ -10,7 +10,12 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-from typing import List
+from typing import List, Optional
+
+# compare's workers: below this many candidate bytes in microbatch keys, starting processes costs more
+# than it saves (``compare_workers``; ``prestart_compare`` counts the candidate's data files instead)
+MIN_PARALLEL_BYTES = 256 << 20
+COMPARE_PRELOAD = ["ttrace_megatron.compare"]  # what compare's workers need, when compare starts the server
 
 
 def forkserver_context(preload: List[str]):
@@ -49,4 +54,45 @@ def server_preload(preload: List[str]) -> List[str]:
     return list(preload) + [m for m in (ENTRY_MODULE,) if m not in preload]
 
 
-__all__ = ["ENTRY_MODULE", "forkserver_context", "server_preload"]
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _main_importable() -> bool:
+    """A new process re-imports the parent's ``__main__`` from its file: not possible for a script
+    read from stdin (or ``-c``); such a caller compares in its own process."""
+    import sys
+
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    return path is None or getattr(main, "__spec__", None) is not None or os.path.exists(path)
+
+
+def prestart_compare(candidate_dir: str, workers: Optional[int]) -> bool:
+    """Start the server ``ttrace compare`` will fork its workers from now, before the command
+    imports torch, where it will want them: more than one worker, a candidate of at least
+    :data:`MIN_PARALLEL_BYTES` in data files (an online candidate's verdict sums are far less) and
+    a ``__main__`` a worker can import. Started once compare had imported torch, the server's own
+    imports were still running when the pool's first worker was due: on a 16-core Xeon host the
+    first began 4 s into a compare of 8 s (BENCHMARKS.md, issue #35). True where it started it."""
+    if (workers or available_cores()) <= 1 or not _main_importable():
+        return False
+    total = 0
+    for parent, _, names in os.walk(candidate_dir):
+        for name in names:
+            if name.endswith(".safetensors"):
+                try:
+                    total += os.stat(os.path.join(parent, name)).st_size
+                except OSError:
+                    pass
+    if total < MIN_PARALLEL_BYTES:
+        return False
+    forkserver_context(COMPARE_PRELOAD)
+    return True
+
+
+__all__ = ["COMPARE_PRELOAD", "ENTRY_MODULE", "MIN_PARALLEL_BYTES", "available_cores", "forkserver_context",
+           "prestart_compare", "server_preload"]
