@@ -228,7 +228,46 @@ def test_the_fork_server_imports_what_the_ttrace_script_imports():
         "print(line.replace(b'\\0', b' ').decode())\n")
     line = subprocess.run([sys.executable, "-c", script], check=True, timeout=120, capture_output=True,
                           text=True).stdout
-    assert f"['json', '{entry}']" in line, line
+    assert f"['{fork_server.EXIT_MODULE}', 'json', '{entry}']" in line, line
+
+
+def test_the_fork_server_runs_its_exit_handlers_and_skips_the_teardown(tmp_path):
+    """The server holds its parent's stdout and stderr: a pipe reading ``ttrace run`` closes only
+    when the server is gone, and the teardown of torch and megatron-core took ~1.3 s of that. A
+    module the server preloads registers an exit handler (which must run) and holds an object
+    whose finalizer would run in the teardown (which must not)."""
+    (tmp_path / "probe_module.py").write_text(
+        "import atexit, os\n"
+        "OUT = os.environ['PROBE_OUT']\n"
+        "atexit.register(lambda: open(os.path.join(OUT, 'atexit'), 'w').close())\n"
+        "class Teardown:\n"
+        "    def __del__(self, _open=open, _path=os.path.join(OUT, 'teardown')):\n"
+        "        _open(_path, 'w').close()\n"
+        "held = Teardown()\n"
+        "open(os.path.join(OUT, 'imported'), 'w').close()\n")
+    script = (
+        "import time\n"
+        "from multiprocessing import forkserver\n"
+        "from ttrace_megatron.fork_server import forkserver_context\n"
+        "forkserver_context(['probe_module'])\n"
+        "import os\n"
+        "for _ in range(400):  # until the server has imported its preload\n"
+        "    if os.path.exists(os.path.join(os.environ['PROBE_OUT'], 'imported')):\n"
+        "        break\n"
+        "    time.sleep(0.05)\n"
+        "print(forkserver._forkserver._forkserver_pid)\n")
+    env = dict(os.environ, PROBE_OUT=str(tmp_path),  # the server finds the probe where the parent did
+               PYTHONPATH=os.pathsep.join([str(tmp_path)] + [p for p in sys.path if p]))
+    pid = int(subprocess.run([sys.executable, "-c", script], check=True, timeout=120, capture_output=True,
+                             text=True, env=env).stdout.split()[-1])
+    import time
+
+    for _ in range(400):  # the parent is gone: the server exits
+        if not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z":
+            break
+        time.sleep(0.05)
+    assert (tmp_path / "imported").exists() and (tmp_path / "atexit").exists()
+    assert not (tmp_path / "teardown").exists()
 
 
 @pytest.mark.parametrize("how", [["--cpu"], []])

@@ -41,17 +41,19 @@ def forkserver_context(preload: List[str]):
     return ctx
 
 
+EXIT_MODULE = "ttrace_megatron.fork_server_exit"  # first: the server's exit skips the interpreter's teardown
 ENTRY_MODULE = "ttrace_megatron.cli"  # what the ``ttrace`` console script imports (setup.py's entry point)
 
 
 def server_preload(preload: List[str]) -> List[str]:
-    """What the fork server imports once: ``preload``, and :data:`ENTRY_MODULE`. Each process
-    forked from the server first runs the parent's ``__main__`` again (multiprocessing's spawn
-    preparation; Python 3.11's fork server does not pass it the main path to preload), and the
-    ``ttrace`` script's one import, the CLI with rich, took each rank, plan and compare worker
-    0.30-0.41 s on the development VM before its target started, against 0.02-0.04 s preloaded.
-    A ``ttrace run`` starts at least three such processes one after the other."""
-    return list(preload) + [m for m in (ENTRY_MODULE,) if m not in preload]
+    """What the fork server imports once: :data:`EXIT_MODULE` (``fork_server_exit``), ``preload``,
+    and :data:`ENTRY_MODULE`. Each process forked from the server first runs the parent's
+    ``__main__`` again (multiprocessing's spawn preparation; Python 3.11's fork server does not pass
+    it the main path to preload), and the ``ttrace`` script's one import, the CLI with rich, took
+    each rank, plan and compare worker 0.30-0.41 s on the development VM before its target started,
+    against 0.02-0.04 s preloaded. A ``ttrace run`` starts at least three such processes one after
+    the other."""
+    return [EXIT_MODULE] + [m for m in preload if m != EXIT_MODULE] + [m for m in (ENTRY_MODULE,) if m not in preload]
 
 
 def available_cores() -> int:
