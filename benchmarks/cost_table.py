@@ -108,7 +108,7 @@ def floors(tmp: str) -> dict:
 
     from ttrace_megatron import plan as core
     from ttrace_megatron.adapter.run.plan import check_plan
-    from ttrace_megatron.compare_workers import available_cores
+    from ttrace_megatron.fork_server import available_cores
 
     recipe = shipped_recipe(RECIPE, "fp32", 1, True)
     rates = core.measure_compare_rates(tmp)

@@ -293,7 +293,7 @@ def test_ttrace_run_starts_the_fork_server_before_it_imports_torch(how):
 @pytest.mark.parametrize("size, workers, started", [(300 << 20, None, True), (1 << 20, None, False),
                                                     (300 << 20, 1, False)])
 def test_ttrace_compare_starts_its_workers_server_before_torch_where_it_will_pool(tmp_path, size, workers, started):
-    """A candidate of at least MIN_PARALLEL_BYTES in data files, more than one worker: the server is
+    """A candidate of at least MIN_PARALLEL_BYTES on the disk, more than one worker: the server is
     started before the command imports torch. A sparse file stands for the candidate's data."""
     cand = tmp_path / "cand" / "rank-00000"
     cand.mkdir(parents=True)

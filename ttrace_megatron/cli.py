@@ -64,7 +64,7 @@ def _compare(ref_dir: str, cand_dir: str, console: Console, json_path: Optional[
     judges its share of the keys, rank 0 the verdicts and the report; the others return None.
     """
     from .compare import compare_traces
-    from .compare_workers import available_cores
+    from .fork_server import available_cores
     from .online import combine_online, has_online_results
     from .report import render, to_json, write_json
 
@@ -245,7 +245,7 @@ def _let_go_reference(report: dict, ref_dir: str, pair_out: str, args, console: 
                 why = f"moving it under {pair_out} failed ({e.strerror or e})"
         console.print(f"[yellow]the failing check's reference ({core.human(size)}, held in memory) is not kept: "
                       f"{why}[/]", highlight=False)
-    from .compare_workers import available_cores
+    from .fork_server import available_cores
 
     removal = threading.Thread(target=core.remove_tree, args=(ref_dir, min(available_cores(), REMOVAL_THREADS)),
                                name="ttrace-remove-reference")
@@ -608,7 +608,7 @@ def cmd_plan(args, console: Console) -> int:
     from . import plan as core
     from .adapter.recipe.config import validate_recipe
     from .adapter.run.plan import model_shape
-    from .compare_workers import available_cores
+    from .fork_server import available_cores
 
     recipe, notes = _plan_recipe(args)
     validate_recipe(recipe)  # what run refuses, plan refuses alike

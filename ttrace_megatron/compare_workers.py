@@ -41,8 +41,7 @@ import torch
 
 from . import keys
 from .allocator import keep_freed_memory
-from .fork_server import (COMPARE_PRELOAD, MIN_PARALLEL_BYTES, _main_importable,  # noqa: F401 - re-exported
-                          available_cores, forkserver_context)
+from .fork_server import COMPARE_PRELOAD, MIN_PARALLEL_BYTES, available_cores, forkserver_context, main_importable
 from .keys import TensorKey, TensorKind
 from .trace_store import verify_files
 
@@ -89,7 +88,7 @@ def judged_in_order(judge, dirs: Dirs, workers: int, open_judge: Callable, peaks
     readers = [r for r in (judge.ref, judge.cand, judge.pert) if r is not None]
     parallel = [k for k in judge.common if measured_in_pool(k)]
     small = not parallel or _candidate_bytes(judge, parallel) < MIN_PARALLEL_BYTES
-    pooled = workers > 1 and not small and _main_importable()
+    pooled = workers > 1 and not small and main_importable()
     # the fork server's imports (~1 s: torch) run while the files are verified
     ctx = forkserver_context(COMPARE_PRELOAD) if pooled else None
     verified = verify_files(readers, threads=max(1, workers))

@@ -13,7 +13,7 @@ import os
 from typing import List, Optional
 
 # compare's workers: below this many candidate bytes in microbatch keys, starting processes costs more
-# than it saves (``compare_workers``; ``prestart_compare`` counts the candidate's data files instead)
+# than it saves (``compare_workers``; ``prestart_compare`` counts the candidate's bytes on the disk instead)
 MIN_PARALLEL_BYTES = 256 << 20
 COMPARE_PRELOAD = ["ttrace_megatron.compare"]  # what compare's workers need, when compare starts the server
 
@@ -53,7 +53,7 @@ def server_preload(preload: List[str]) -> List[str]:
     each rank, plan and compare worker 0.30-0.41 s on the development VM before its target started,
     against 0.02-0.04 s preloaded. A ``ttrace run`` starts at least three such processes one after
     the other."""
-    return [EXIT_MODULE] + [m for m in preload if m != EXIT_MODULE] + [m for m in (ENTRY_MODULE,) if m not in preload]
+    return [EXIT_MODULE] + [m for m in preload if m not in (EXIT_MODULE, ENTRY_MODULE)] + [ENTRY_MODULE]
 
 
 def available_cores() -> int:
@@ -63,7 +63,7 @@ def available_cores() -> int:
         return os.cpu_count() or 1
 
 
-def _main_importable() -> bool:
+def main_importable() -> bool:
     """A new process re-imports the parent's ``__main__`` from its file: not possible for a script
     read from stdin (or ``-c``); such a caller compares in its own process."""
     import sys
@@ -76,25 +76,25 @@ def _main_importable() -> bool:
 def prestart_compare(candidate_dir: str, workers: Optional[int]) -> bool:
     """Start the server ``ttrace compare`` will fork its workers from now, before the command
     imports torch, where it will want them: more than one worker, a candidate of at least
-    :data:`MIN_PARALLEL_BYTES` in data files (an online candidate's verdict sums are far less) and
+    :data:`MIN_PARALLEL_BYTES` on the disk (an online candidate's verdict sums are far less) and
     a ``__main__`` a worker can import. Started once compare had imported torch, the server's own
     imports were still running when the pool's first worker was due: on a 16-core Xeon host the
     first began 4 s into a compare of 8 s (BENCHMARKS.md, issue #35). True where it started it."""
-    if (workers or available_cores()) <= 1 or not _main_importable():
+    if (workers or available_cores()) <= 1 or not main_importable():
         return False
+    # the bytes on the disk, as plan.measured_bytes counts them, without importing plan (torch)
     total = 0
     for parent, _, names in os.walk(candidate_dir):
         for name in names:
-            if name.endswith(".safetensors"):
-                try:
-                    total += os.stat(os.path.join(parent, name)).st_size
-                except OSError:
-                    pass
+            try:
+                total += os.path.getsize(os.path.join(parent, name))
+            except OSError:  # gone meanwhile
+                pass
     if total < MIN_PARALLEL_BYTES:
         return False
     forkserver_context(COMPARE_PRELOAD)
     return True
 
 
-__all__ = ["COMPARE_PRELOAD", "ENTRY_MODULE", "MIN_PARALLEL_BYTES", "available_cores", "forkserver_context",
-           "prestart_compare", "server_preload"]
+__all__ = ["COMPARE_PRELOAD", "ENTRY_MODULE", "EXIT_MODULE", "MIN_PARALLEL_BYTES", "available_cores",
+           "forkserver_context", "main_importable", "prestart_compare", "server_preload"]
