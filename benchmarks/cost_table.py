@@ -62,9 +62,13 @@ def _cpu_model() -> str:
     return platform.machine()
 
 
-def whole_checks(tmp: str, repeats: int, cpu: bool) -> dict:
+def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dict:
     """(1) and (2): plain training, then the default check and the check with its reference on the
-    disk, alternated ``repeats`` times (this VM's timings move by 10-20 % from one check to the next)."""
+    disk, alternated ``repeats`` times (this VM's timings move by 10-20 % from one check to the next).
+    Right before each check, the reference's bytes are written alone where that check puts them
+    (:func:`write_at_size`): the time to write them, in the state the machine is in for that check."""
+    from ttrace_megatron import plan as core
+
     os.makedirs(os.path.join(tmp, "plain"))
     trained = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, "plain"), cpu)["seconds"]
     out = {"trained_s": trained, "auto": [], "disk": []}
@@ -72,9 +76,23 @@ def whole_checks(tmp: str, repeats: int, cpu: bool) -> dict:
         for where in ("auto", "disk"):
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
-            out[where].append(check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where))
+            place = core.MEMORY_ROOT if where == "auto" and core.memory_room() else work
+            written = write_at_size(place, reference_bytes)
+            row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)
+            out[where].append(dict(row, write_at_size_bps=written))
             shutil.rmtree(work, ignore_errors=True)
     return out
+
+
+def write_at_size(directory: str, nbytes: int) -> float:
+    """Bytes a second of writing ``nbytes`` (the reference's, rounded up to 1 MiB) alone in one
+    file in ``directory``, then fsync'd (``plan.measure_write_bandwidth``), the file removed after.
+    At a check's own size, not 256 MiB: this VM gives a process memory it has not touched lately at
+    a fraction of the rate it gives memory freed moments before (writing 4 GB into /dev/shm measured
+    0.55-0.58 GB/s where 256 MiB measured 1.8-2.4 GB/s), and a check's reference is such memory."""
+    from ttrace_megatron import plan as core
+
+    return core.measure_write_bandwidth(directory, -(-nbytes // (1 << 20)) << 20)
 
 
 def recorded_compare(tmp: str, workers, cpu: bool) -> dict:
@@ -148,17 +166,41 @@ def staging_copy_rate(nbytes: int = 256 << 20) -> float:
 
 def recording_passes_row(m: dict) -> tuple:
     """What recording to memory does to every byte, each pass at its own measured speed, one after
-    the other: copied into staging, hashed (xxh3: compare's verifying rate), written; against the
-    write alone. On this machine the passes share its cores with the training they record."""
+    the other: copied into staging, hashed (xxh3: compare's verifying rate), written (at its own
+    size, alone, right before each check: ``write_at_size``); against the write alone. On this
+    machine the passes share its cores with the training they record."""
     fl = m["floors"]
-    size, rates = fl["reference_bytes"], {"copy": fl["staging_copy"], "hash": fl["compare_rates"]["verify"],
-                                          "write": fl["write_bandwidth"]["memory"]}
-    seconds = {k: size / v for k, v in rates.items()}
+    size = fl["reference_bytes"]
+    writes = [r["write_at_size_bps"] for r in m["whole"]["auto"] if r.get("write_at_size_bps")]
+    how = "at its size, before each check"
+    if not writes:  # (a table of the figures before write_at_size: the short write of the floors)
+        writes, how = [fl["write_bandwidth"]["memory"]], "256 MiB, the best of 3"
+    copy, hashed = size / fl["staging_copy"], size / fl["compare_rates"]["verify"]
+    totals = [copy + hashed + size / w for w in writes]
     return ("recording's passes over the reference's bytes, each at its own speed, one after the other: "
-            + ", ".join(f"{k} {rates[k] / 1e9:.1f} GB/s" for k in rates),
-            " + ".join(f"{seconds[k]:.2f}" for k in rates) + f" = {sum(seconds.values()):.2f} s",
-            f"{sum(seconds.values()) / seconds['write']:.2f}× the time to write its bytes (the passes share the "
-            f"{fl['cores']} cores with the training they record)", "≤ 1.2×")
+            f"copy {fl['staging_copy'] / 1e9:.1f} GB/s, hash {fl['compare_rates']['verify'] / 1e9:.1f} GB/s, "
+            f"write {' / '.join(f'{w / 1e9:.2f}' for w in writes)} GB/s ({how})",
+            " / ".join(f"{copy:.2f} + {hashed:.2f} + {size / w:.2f} = {t:.2f} s" for w, t in zip(writes, totals)),
+            " / ".join(f"{t / (size / w):.2f}" for w, t in zip(writes, totals))
+            + f"× the time to write its bytes (the passes share the {fl['cores']} cores with the training they "
+              "record)", "≤ 1.2×")
+
+
+def recording_row(went: str, extra: list, at_size: list, fl: dict) -> tuple:
+    """The reference's extra time over training it alone, against the time to write its bytes: at
+    their own size, alone, right before each check (``write_at_size``), and the short write of the
+    floors (256 MiB, the best of 3) beside it, which tables before 2026-11-27 divided by."""
+    size, short = fl["reference_bytes"], fl["write_bandwidth"][went]
+    both = lambda xs, f=".1f": " / ".join(format(x, f) for x in xs)  # noqa: E731 - each repeat, in order
+    value = f"{both(extra)} s for {size / 1e9:.2f} GB"
+    against_short = f"{both([e / (size / short) for e in extra], '.2f')}× at {short / 1e9:.2f} GB/s (256 MiB, the best of 3)"
+    if not all(at_size):
+        return (f"recorded iterations ({went}): the reference's extra time over training it alone", value,
+                f"{against_short}", "≤ 1.2×")
+    return (f"recorded iterations ({went}): the reference's extra time over training it alone", value,
+            f"{both([e / (size / w) for e, w in zip(extra, at_size)], '.2f')}× the time to write its bytes, "
+            f"alone right before each check ({both([size / w for w in at_size])} s: "
+            f"{both([w / 1e9 for w in at_size], '.2f')} GB/s, {went}); {against_short}", "≤ 1.2×")
 
 
 def table(m: dict) -> list:
@@ -181,12 +223,8 @@ def table(m: dict) -> list:
                      f"{both([r['wall_s'] - sum(p.values()) for r, p in zip(runs, parts)])}",
                      f"{both([r['wall_s'] / plain_s for r in runs], '.2f')}× the two layouts trained ({plain_s:.1f} s)",
                      "≤ 2×"))
-        write_bw = fl["write_bandwidth"][went]
         extra = [p["reference"] - trained["reference"] for p in parts]
-        rows.append((f"recorded iterations ({went}): the reference's extra time over training it alone",
-                     f"{both(extra)} s for {fl['reference_bytes'] / 1e9:.2f} GB",
-                     f"{both([e / (fl['reference_bytes'] / write_bw) for e in extra], '.2f')}× the time to write its "
-                     f"bytes at {write_bw / 1e9:.2f} GB/s (fsync'd 256 MiB, {went}, the best of 3)", "≤ 1.2×"))
+        rows.append(recording_row(went, extra, [r.get("write_at_size_bps") for r in runs], fl))
         if went == "memory" and fl.get("staging_copy"):
             rows.append(recording_passes_row(m))
     auto = m["whole"]["auto"]
@@ -196,14 +234,14 @@ def table(m: dict) -> list:
                  f"{fl['cores']} cores)", f"{both(judged)} s",
                  f"{both([j / floor for j in judged])}× the plan's floor of {floor:.1f} s a rank (its parts at the "
                  "rates below)", ""))
-    write = fl["reference_bytes"] / fl["write_bandwidth"]["memory"] if fl["write_bandwidth"]["memory"] else None
-    if write is not None:
-        least = plain_s + write + floor
+    writes = [fl["reference_bytes"] / r["write_at_size_bps"] for r in auto if r.get("write_at_size_bps")]
+    if writes and auto[0]["reference_in_memory"]:
+        least = [plain_s + w + floor for w in writes]
         rows.append(("the whole check with each part at its floor, one after the other: the two layouts trained, "
-                     "the reference's bytes written to memory at its measured bandwidth, the candidate's judging at "
-                     "the plan's floor",
-                     f"{plain_s:.1f} + {write:.1f} + {floor:.1f} = {least:.1f} s",
-                     f"{least / plain_s:.2f}× the two layouts trained", "≤ 2×"))
+                     "the reference's bytes written to memory alone right before each check, the candidate's "
+                     "judging at the plan's floor",
+                     " / ".join(f"{plain_s:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for w, t in zip(writes, least)),
+                     f"{both([t / plain_s for t in least], '.2f')}× the two layouts trained", "≤ 2×"))
     rec = m["recorded"]
     for c in rec["compares"]:
         thr = rec["trace_bytes"] / c["seconds"]
@@ -249,7 +287,7 @@ def main():
         # the bandwidths first, on a quiet machine (after 8 GB of traces were deleted, a write to memory measured 0.5 GB/s)
         m["floors"] = floors(tmp)
         m["memory_bandwidth"] = memory_bandwidth()
-        m["whole"] = whole_checks(tmp, args.repeats, args.cpu)
+        m["whole"] = whole_checks(tmp, args.repeats, args.cpu, m["floors"]["reference_bytes"])
         m["recorded"] = recorded_compare(tmp, list(dict.fromkeys(args.workers)), args.cpu)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
