@@ -149,7 +149,11 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
-           COSTS_TABLE, ("cost_table_e6e58f3_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+           COSTS_TABLE, ("cost_table_1ba8c4a_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at e6e58f3, the session before, on this VM at about twice this one's speed (hashing 13.8 "
+           "against 8.0 GB/s, the element-wise Adam check 1.9 against 1.0, the two layouts trained in 6.1 against "
+           "10.4 s), its write of the reference's bytes measured only short (256 MiB, the best of 3)", COSTS_TABLE,
+           ("cost_table_e6e58f3_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at bb3bcf8, two sessions before (its plain baseline 0.5 s slower, its whole check 0.4 s: "
            "see the history)", COSTS_TABLE, ("cost_table_bb3bcf8_b_epyc.md",),
            "benchmarks/results/history/issue35_costs.md"),
