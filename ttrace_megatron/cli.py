@@ -619,6 +619,7 @@ def cmd_plan(args, console: Console) -> int:
     where = args.out or tempfile.gettempdir()
     free = core.free_bytes(where)
     bandwidth = core.measure_write_bandwidth(core.existing_parent(where)) if args.measure_disk else None
+    memory_write = core.measure_memory_write(plan) if args.measure_disk else None
     rates = core.measure_compare_rates(core.existing_parent(where)) if args.measure_disk else None
     budget = core.parse_bytes(args.budget) if args.budget else None
     options = [("as asked", plan)] + [
@@ -628,6 +629,11 @@ def cmd_plan(args, console: Console) -> int:
     planned = dict(plan.to_json(), free_bytes=free, where=os.path.abspath(where), memory_room=room,
                    options=[dict(flags=flags, disk_needed=p.disk_needed()) for flags, p in options])
     workers = available_cores()
+    if bandwidth is not None:
+        planned["write_bandwidth"] = {"disk": bandwidth, "memory": memory_write[0] if memory_write else None,
+                                      "memory_bytes_timed": memory_write[1] if memory_write else None}
+        planned["write_seconds"] = {"disk": plan.all_bytes() / bandwidth,
+                                    "memory": plan.memory_written() / memory_write[0] if memory_write else None}
     if rates is not None:
         planned["compare_rates"] = dataclasses.asdict(rates)
         planned["judging_seconds"] = core.judging_seconds(plan, rates, workers)
@@ -638,7 +644,8 @@ def cmd_plan(args, console: Console) -> int:
         with open(args.json, "w") as f:
             json.dump(planned, f, indent=1)
     for line in core.format_plan(plan, free=free, budget=budget, write_bandwidth=bandwidth, options=options,
-                                 compare_rates=rates, workers=workers, memory_room=room):
+                                 compare_rates=rates, workers=workers, memory_room=room,
+                                 memory_write=memory_write):
         console.print(line, highlight=False, markup=False, overflow="ignore", crop=False)
     return EXIT_PASS
 
@@ -911,8 +918,9 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--world-size", type=int, metavar="N", help="the ranks of the run --megatron-lm-args describes")
     plan.add_argument("--budget", metavar="SIZE", help="suggest a selective recording that fits SIZE (e.g. 200GB)")
     plan.add_argument("--measure-disk", action="store_true",
-                      help="time a 256 MiB write where the traces go and compare's parts on this machine, and "
-                           "estimate the write and judging times")
+                      help="time a 256 MiB write where the traces go, a write of what is held in memory (256 MiB "
+                           "to 1 GiB) there, and compare's parts on this machine, and estimate the write and judging "
+                           "times")
     plan.add_argument("--json", help="write the plan here as JSON ('-': nothing printed)")
     _add_online_arguments(plan, plan=True)
     for flag, text in (("--no-fp32-twin", "as run --no-fp32-twin"),

@@ -115,6 +115,11 @@ class Plan:
         """The most the sides written to memory hold at once: the largest of them (one at a time)."""
         return max((self.side(n).total() for n in self.in_memory), default=0)
 
+    def memory_written(self) -> int:
+        """What the check writes to memory in all: each side held there (a pair's reference, and a
+        twin's), written one after the other."""
+        return sum(self.side(n).total() for n in self.in_memory)
+
     def all_bytes(self) -> int:
         """What the check leaves on the disk with every side kept (``--out``): the sides in memory are not."""
         return self.seed_checkpoint_bytes + sum(s.total() for s in self.sides if s.name not in self.in_memory)
@@ -136,6 +141,7 @@ class Plan:
     def to_json(self) -> dict:
         return {"recipe": self.recipe, "disk_needed": self.disk_needed(), "all_bytes": self.all_bytes(),
                 "in_memory": list(self.in_memory), "memory_needed": self.memory_needed(),
+                "memory_written": self.memory_written(),
                 "host_memory": self.host_memory(),
                 "seed_checkpoint_bytes": self.seed_checkpoint_bytes, "notes": self.notes,
                 "sides": [{"name": s.name, "ranks": s.ranks, "iterations": s.iterations, "online": s.online,
@@ -339,8 +345,10 @@ def measured_bytes(trace_dir: str) -> int:
 def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = None,
                 write_bandwidth: Optional[float] = None, options: Sequence[Tuple[str, Plan]] = (),
                 compare_rates: Optional[CompareRates] = None, workers: int = 1,
-                memory_room: Optional[int] = None) -> List[str]:
-    """The plan as plain lines (no colour: it goes into logs and CI output too)."""
+                memory_room: Optional[int] = None, memory_write: Optional[Tuple[float, int]] = None) -> List[str]:
+    """The plan as plain lines (no colour: it goes into logs and CI output too). ``memory_write``:
+    (bytes a second, bytes timed) of a write where the sides held in memory go
+    (:func:`measure_memory_write`)."""
     lines = [f"{plan.recipe}: what this check writes (predicted)"]
     head = f"{'side':22} {'ranks':>5} {'iters':>5} " + " ".join(f"{COLUMN[k]:>11}" for k in KINDS) + \
         f" {'per iter':>10} {'total':>10}"
@@ -371,6 +379,12 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
     if write_bandwidth:
         lines.append(f"writing it at this disk's measured {human(write_bandwidth)}/s: about "
                      f"{plan.all_bytes() / write_bandwidth:.0f} s")
+    if memory_write and plan.in_memory:
+        rate, timed = memory_write
+        lines.append(f"writing what is held in memory ({', '.join(plan.in_memory)}: {human(plan.memory_written())} to "
+                     f"{MEMORY_ROOT}) at the measured {human(rate)}/s ({human(timed)} timed alone): at least "
+                     f"{plan.memory_written() / rate:.1f} s (memory the kernel has not given out lately can come "
+                     "several times slower, on a VM most)")
     if compare_rates is not None:
         lines.append(f"compare's parts on one thread here: verifying {human(compare_rates.verify)}/s, reading "
                      f"{human(compare_rates.read)}/s, sums {human(compare_rates.sums)}/s, the element-wise Adam check "
@@ -497,6 +511,23 @@ def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, 
     took 1.5× it on one process and 2.4× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
     return {s.name: compare_seconds(s, rates, 1 if s.online else workers) / (s.ranks if s.online else 1)
             for s in plan.sides if s.judged}
+
+
+# the most ``ttrace plan --measure-disk`` writes to memory to time it: a write of 256 MiB is served by
+# memory freed moments before, and overstated the rate for the 50M rung's 4 GB reference by 1.4-6×
+# on the development VM (256 MiB at 1.8-2.4 GB/s, 4 GB at 0.36-1.55 GB/s); 1 GiB costs a second or two
+MEMORY_SAMPLE_MAX = 1 << 30
+MEMORY_SAMPLE_MIN = 1 << 28
+
+
+def measure_memory_write(plan: Plan, root: str = MEMORY_ROOT) -> Optional[Tuple[float, int]]:
+    """(bytes a second, bytes timed) of one write to ``root`` of what the plan holds in memory,
+    between :data:`MEMORY_SAMPLE_MIN` and :data:`MEMORY_SAMPLE_MAX`, in whole MiB; None where it
+    holds nothing there."""
+    if not plan.in_memory:
+        return None
+    nbytes = min(max(plan.memory_written(), MEMORY_SAMPLE_MIN), MEMORY_SAMPLE_MAX) >> 20 << 20
+    return measure_write_bandwidth(root, nbytes), nbytes
 
 
 def measure_write_bandwidth(directory: str, nbytes: int = 1 << 28) -> float:
