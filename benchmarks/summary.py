@@ -150,6 +150,10 @@ CURRENT: Tuple[Source, ...] = (
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
            COSTS_TABLE, ("cost_table_1ba8c4a_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table again at 54dd80c (the same code), an hour later, three checks each: the first write of "
+           "the reference's bytes alone was slow again (13.0 s) and the later ones fast (3.3, 2.8 s), the recording's "
+           "extra time 12.0-17.6 s after either", COSTS_TABLE, ("cost_table_54dd80c_epyc.md",),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at e6e58f3, the session before, on this VM at about twice this one's speed (hashing 13.8 "
            "against 8.0 GB/s, the element-wise Adam check 1.9 against 1.0, the two layouts trained in 6.1 against "
            "10.4 s), its write of the reference's bytes measured only short (256 MiB, the best of 3)", COSTS_TABLE,
