@@ -149,8 +149,12 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
-           COSTS_TABLE, ("cost_table_1ba8c4a_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
-    Source("the same table again at 54dd80c (the same code), an hour later, three checks each: the first write of "
+           COSTS_TABLE, ("cost_table_fc53238_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 1ba8c4a, earlier the same day, its compare on 2 workers timed with the pool's fork "
+           "server starting inside the clock (11.0 s, as 1 worker; at fc53238 the server is up before it, as `ttrace "
+           "compare` starts it: 7.2 s against 12.9 s)", COSTS_TABLE, ("cost_table_1ba8c4a_epyc.md",),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table again at 54dd80c (the same code as 1ba8c4a), an hour later, three checks each: the first write of "
            "the reference's bytes alone was slow again (13.0 s) and the later ones fast (3.3, 2.8 s), the recording's "
            "extra time 12.0-17.6 s after either", COSTS_TABLE, ("cost_table_54dd80c_epyc.md",),
            "benchmarks/results/history/issue35_costs.md"),
