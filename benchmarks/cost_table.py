@@ -76,7 +76,9 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
         for where in ("auto", "disk"):
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
-            place = core.MEMORY_ROOT if where == "auto" and core.memory_room() else work
+            # where ``ttrace run`` will put this reference (plan.reference_in_memory, as the run decides it)
+            held = core.reference_in_memory(where, reference_bytes, core.memory_room(), True)
+            place = core.MEMORY_ROOT if held else work
             written = write_at_size(place, reference_bytes)
             row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)
             out[where].append(dict(row, write_at_size_bps=written))
@@ -164,6 +166,11 @@ def staging_copy_rate(nbytes: int = 256 << 20) -> float:
     return sum(s.numel() * 4 for s in sources) / (time.perf_counter() - start)
 
 
+def each(xs, f: str = ".1f") -> str:
+    """Each repeat's figure, in order: ``a / b``."""
+    return " / ".join(format(x, f) for x in xs)
+
+
 def recording_passes_row(m: dict) -> tuple:
     """What recording to memory does to every byte, each pass at its own measured speed, one after
     the other: copied into staging, hashed (xxh3: compare's verifying rate), written (at its own
@@ -171,15 +178,12 @@ def recording_passes_row(m: dict) -> tuple:
     machine the passes share its cores with the training they record."""
     fl = m["floors"]
     size = fl["reference_bytes"]
-    writes = [r["write_at_size_bps"] for r in m["whole"]["auto"] if r.get("write_at_size_bps")]
-    how = "at its size, before each check"
-    if not writes:  # (a table of the figures before write_at_size: the short write of the floors)
-        writes, how = [fl["write_bandwidth"]["memory"]], "256 MiB, the best of 3"
+    writes = [r["write_at_size_bps"] for r in m["whole"]["auto"]]
     copy, hashed = size / fl["staging_copy"], size / fl["compare_rates"]["verify"]
     totals = [copy + hashed + size / w for w in writes]
     return ("recording's passes over the reference's bytes, each at its own speed, one after the other: "
             f"copy {fl['staging_copy'] / 1e9:.1f} GB/s, hash {fl['compare_rates']['verify'] / 1e9:.1f} GB/s, "
-            f"write {' / '.join(f'{w / 1e9:.2f}' for w in writes)} GB/s ({how})",
+            f"write {each([w / 1e9 for w in writes], '.2f')} GB/s (at its size, before each check)",
             " / ".join(f"{copy:.2f} + {hashed:.2f} + {size / w:.2f} = {t:.2f} s" for w, t in zip(writes, totals)),
             " / ".join(f"{t / (size / w):.2f}" for w, t in zip(writes, totals))
             + f"× the time to write its bytes (the passes share the {fl['cores']} cores with the training they "
@@ -191,16 +195,13 @@ def recording_row(went: str, extra: list, at_size: list, fl: dict) -> tuple:
     their own size, alone, right before each check (``write_at_size``), and the short write of the
     floors (256 MiB, the best of 3) beside it, which tables before 2026-11-27 divided by."""
     size, short = fl["reference_bytes"], fl["write_bandwidth"][went]
-    both = lambda xs, f=".1f": " / ".join(format(x, f) for x in xs)  # noqa: E731 - each repeat, in order
-    value = f"{both(extra)} s for {size / 1e9:.2f} GB"
-    against_short = f"{both([e / (size / short) for e in extra], '.2f')}× at {short / 1e9:.2f} GB/s (256 MiB, the best of 3)"
-    if not all(at_size):
-        return (f"recorded iterations ({went}): the reference's extra time over training it alone", value,
-                f"{against_short}", "≤ 1.2×")
-    return (f"recorded iterations ({went}): the reference's extra time over training it alone", value,
-            f"{both([e / (size / w) for e, w in zip(extra, at_size)], '.2f')}× the time to write its bytes, "
-            f"alone right before each check ({both([size / w for w in at_size])} s: "
-            f"{both([w / 1e9 for w in at_size], '.2f')} GB/s, {went}); {against_short}", "≤ 1.2×")
+    return (f"recorded iterations ({went}): the reference's extra time over training it alone",
+            f"{each(extra)} s for {size / 1e9:.2f} GB",
+            f"{each([e / (size / w) for e, w in zip(extra, at_size)], '.2f')}× the time to write its bytes, "
+            f"alone right before each check ({each([size / w for w in at_size])} s: "
+            f"{each([w / 1e9 for w in at_size], '.2f')} GB/s, {went}); "
+            f"{each([e / (size / short) for e in extra], '.2f')}× at {short / 1e9:.2f} GB/s (256 MiB, the best of 3)",
+            "≤ 1.2×")
 
 
 def table(m: dict) -> list:
@@ -209,7 +210,6 @@ def table(m: dict) -> list:
     plain_s = sum(trained.values())
     bw, rates, fl = m["memory_bandwidth"], m["floors"]["compare_rates"], m["floors"]
     rows = []
-    both = lambda xs, f=".1f": " / ".join(format(x, f) for x in xs)  # noqa: E731 - each repeat, in order
     for where, label in (("auto", "the default: online, the reference in memory"),
                          ("disk", "online, the reference on the disk (--reference-in disk)")):
         runs = m["whole"][where]
@@ -217,31 +217,31 @@ def table(m: dict) -> list:
         went = "memory" if runs[0]["reference_in_memory"] else "disk"
         rows.append((f"the whole check, {label} ({', '.join(r['verdict'] for r in runs)}; "
                      f"{runs[0]['bytes_total'] / 1e9:.2f} GB written to the disk)",
-                     f"{both([r['wall_s'] for r in runs])} s: reference {both([p['reference'] for p in parts])} "
-                     f"(trained alone {trained['reference']:.1f}), candidate {both([p['candidate'] for p in parts])} "
-                     f"(alone {trained['candidate']:.1f}), compare {both([p['compare'] for p in parts])}, the rest "
-                     f"{both([r['wall_s'] - sum(p.values()) for r, p in zip(runs, parts)])}",
-                     f"{both([r['wall_s'] / plain_s for r in runs], '.2f')}× the two layouts trained ({plain_s:.1f} s)",
+                     f"{each([r['wall_s'] for r in runs])} s: reference {each([p['reference'] for p in parts])} "
+                     f"(trained alone {trained['reference']:.1f}), candidate {each([p['candidate'] for p in parts])} "
+                     f"(alone {trained['candidate']:.1f}), compare {each([p['compare'] for p in parts])}, the rest "
+                     f"{each([r['wall_s'] - sum(p.values()) for r, p in zip(runs, parts)])}",
+                     f"{each([r['wall_s'] / plain_s for r in runs], '.2f')}× the two layouts trained ({plain_s:.1f} s)",
                      "≤ 2×"))
         extra = [p["reference"] - trained["reference"] for p in parts]
-        rows.append(recording_row(went, extra, [r.get("write_at_size_bps") for r in runs], fl))
+        rows.append(recording_row(went, extra, [r["write_at_size_bps"] for r in runs], fl))
         if went == "memory" and fl.get("staging_copy"):
             rows.append(recording_passes_row(m))
     auto = m["whole"]["auto"]
     judged = [r["timings_s"]["candidate"] - trained["candidate"] for r in auto]
     floor = fl["judging_floor_online"]["candidate"]
     rows.append(("the candidate's online judging: its extra time over training it alone (both ranks on "
-                 f"{fl['cores']} cores)", f"{both(judged)} s",
-                 f"{both([j / floor for j in judged])}× the plan's floor of {floor:.1f} s a rank (its parts at the "
+                 f"{fl['cores']} cores)", f"{each(judged)} s",
+                 f"{each([j / floor for j in judged])}× the plan's floor of {floor:.1f} s a rank (its parts at the "
                  "rates below)", ""))
-    writes = [fl["reference_bytes"] / r["write_at_size_bps"] for r in auto if r.get("write_at_size_bps")]
-    if writes and auto[0]["reference_in_memory"]:
+    writes = [fl["reference_bytes"] / r["write_at_size_bps"] for r in auto]
+    if auto[0]["reference_in_memory"]:
         least = [plain_s + w + floor for w in writes]
         rows.append(("the whole check with each part at its floor, one after the other: the two layouts trained, "
                      "the reference's bytes written to memory alone right before each check, the candidate's "
                      "judging at the plan's floor",
                      " / ".join(f"{plain_s:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for w, t in zip(writes, least)),
-                     f"{both([t / plain_s for t in least], '.2f')}× the two layouts trained", "≤ 2×"))
+                     f"{each([t / plain_s for t in least], '.2f')}× the two layouts trained", "≤ 2×"))
     rec = m["recorded"]
     for c in rec["compares"]:
         thr = rec["trace_bytes"] / c["seconds"]
