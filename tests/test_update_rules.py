@@ -7,9 +7,12 @@ that applied another lr, weight decay on the wrong tensor, moments it did not re
 parameter.
 """
 
+import dataclasses
+
 import pytest
 import torch
 
+from ttrace_megatron import update_rules
 from ttrace_megatron.update_rules import AdamRule, judge_adam_update
 
 RULE = AdamRule(beta1=0.9, beta2=0.999, eps=1e-8)
@@ -75,3 +78,27 @@ def test_wrong_steps_fail():
     # a stale parameter: the update never reached it
     v = judge_adam_update(RULE, 1e-3, 3, "float32", p0, ref[0], ref[1:], ref[1:])
     assert v.worst_ratio > 10
+
+
+@pytest.mark.parametrize("nan", [False, True])
+def test_chunked_verdict_is_the_whole_tensors(monkeypatch, nan):
+    """Judged a chunk at a time, the worst element is the one an argmax over the whole tensor
+    picks: the first of the largest ratio where it ties in a later chunk, a NaN before any number
+    (the first NaN where there are several)."""
+    p0, state, grad, noise, ref, _ = _pair(0, steps_before=2)
+    cand = [t.clone() for t in _step(p0, state, grad + noise, 1.01e-3, 0.01, 2)]  # another lr: large ratios
+    n = cand[0].numel()
+    whole = judge_adam_update(RULE, 1e-3, 3, "float32", cand[0], ref[0], cand[1:], ref[1:])
+    last = n - 1 - whole.worst_index % 256  # a later chunk, its element at another offset
+    twin = [r.clone() for r in ref]
+    for c, r in zip(cand, twin):  # the worst element's values again: the same ratio, bit for bit
+        c[last], r[last] = c[whole.worst_index], r[whole.worst_index]
+    if nan:
+        for at in (n - 300, n - 3):
+            cand[0][at] = float("nan")
+    wanted = judge_adam_update(RULE, 1e-3, 3, "float32", cand[0], twin[0], cand[1:], twin[1:])
+    assert wanted.worst_index == (n - 300 if nan else whole.worst_index)
+    monkeypatch.setattr(update_rules, "UPDATE_CHUNK", 256)
+    chunked = judge_adam_update(RULE, 1e-3, 3, "float32", cand[0], twin[0], cand[1:], twin[1:])
+    assert dataclasses.astuple(chunked) == pytest.approx(dataclasses.astuple(wanted), nan_ok=True, rel=0, abs=0)
+    assert chunked.worst_index == wanted.worst_index
