@@ -50,6 +50,12 @@ def test_extra_args_provider_chains_and_parses():
     assert not opts.write_tensors  # online compare writes verdicts only
     off = TraceOptions.from_args(ttrace.extra_args_provider(argparse.ArgumentParser()).parse_args([]))
     assert not off.enabled and off.write_tensors
+    # what `ttrace run --megatron-lm` gives a side comes back whole from its flags
+    from ttrace_megatron.adapter.megatron_lm.checkout import trace_args
+
+    side = TraceOptions(enabled=True, dir="cand", reference="ref", lockstep="ref", page_cache=True, map_reference=True)
+    back = TraceOptions.from_args(ttrace.extra_args_provider(argparse.ArgumentParser()).parse_args(trace_args(side)))
+    assert back == side
     with pytest.raises(argparse.ArgumentTypeError):
         parse_int_ranges("1,x")
 

@@ -1,5 +1,6 @@
 """Traces: round trip, and bad input gets an error naming the file, the rank and the tensor."""
 
+import io
 import json
 import os
 
@@ -17,14 +18,14 @@ from test_placement import _all_coords, layouts
 KEY = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", "forward", "output")
 
 
-def single_device_reference(tmp, full) -> TraceReader:
+def single_device_reference(tmp, full, mapped: bool = False) -> TraceReader:
     """A reference trace holding ``full`` as KEY, whole on its one rank."""
     write_run_info(str(tmp), {"role": "reference", "world_size": 1, "num_layers": 2})
     w = TraceWriter(str(tmp), 0, {"tp": (0, 1)})
     w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
     w.flush(1)
     w.close()
-    return TraceReader(str(tmp))
+    return TraceReader(str(tmp), mapped=mapped)
 
 
 def rank_pieces(layout, sizes, stored):
@@ -277,11 +278,12 @@ def test_format_1_traces_keep_their_scale(tmp_path):
 
 
 @settings(max_examples=150, deadline=None)
-@given(layouts(), st.integers(0, 2**31 - 1), st.sampled_from([1.0, 0.5]), st.booleans())
-def test_reading_a_rank_piece_of_a_reference_reads_what_slicing_the_whole_gives(case, seed, scale, row_by_row):
+@given(layouts(), st.integers(0, 2**31 - 1), st.sampled_from([1.0, 0.5]), st.booleans(), st.booleans())
+def test_reading_a_rank_piece_of_a_reference_reads_what_slicing_the_whole_gives(case, seed, scale, row_by_row, mapped):
     """compare.reference_piece reads only the bytes of a rank's piece from a single-device
-    reference (row by row, or the span of short rows): bitwise what slicing the whole tensor gives,
-    for every layout of the placement vocabulary and every rank."""
+    reference (row by row, or the span of short rows; or, mapped, views of the file's map):
+    bitwise what slicing the whole tensor gives, for every layout of the placement vocabulary and
+    every rank."""
     import dataclasses
     import tempfile
 
@@ -292,7 +294,7 @@ def test_reading_a_rank_piece_of_a_reference_reads_what_slicing_the_whole_gives(
     layout = dataclasses.replace(layout, scale=scale)
     full = torch.randn(layout.logical_shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float32)
     with tempfile.TemporaryDirectory() as tmp:
-        reader = single_device_reference(tmp, full)
+        reader = single_device_reference(tmp, full, mapped)
         pieces = group_records(reader)[KEY]
         before = trace_store.RUN_BYTES
         trace_store.RUN_BYTES = 1 if row_by_row else before
@@ -405,3 +407,88 @@ def test_online_ranks_check_the_reference_once_between_them(tmp_path, monkeypatc
     with pytest.raises(TraceError, match="incomplete online results: the reference is damaged") as e:
         combine_online(str(tmp_path / "cand"))
     assert e.value.rank == 1
+
+
+def test_a_mapped_reader_reads_what_a_reader_reads_and_writes_no_file(tmp_path):
+    """Through memory maps: the same tensors, bit for bit (whole, a row view, a column view, a record
+    whose offset is not a multiple of its element size, read the usual way); what is written into a
+    tensor read so reaches neither the file nor another reader; a file that changed size since it
+    was verified is named, not mapped."""
+    from ttrace_megatron.compare import group_records, reference_piece
+
+    write_run_info(str(tmp_path), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
+    full, late = torch.randn(64, 48), torch.randn(5)
+    odd = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", "forward", "input")
+    late_key = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc2", "forward", "output")
+    w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
+    w.add(odd, torch.arange(7, dtype=torch.uint8), Layout((), (7,)), depth=1)
+    w.add(late_key, late, Layout((), (5,)), depth=1)  # 7 bytes after an element boundary
+    w.flush(1)
+    w.close()
+    plain, mapped = TraceReader(str(tmp_path)), TraceReader(str(tmp_path), mapped=True)
+    (rt, rec), (_, rec_odd), (_, rec_late) = list(mapped.records())
+    reads, read_into = [], mapped._read_into
+    mapped._read_into = lambda *a: (reads.append(a[2].key), read_into(*a))
+    assert torch.equal(mapped.load(rt, rec_late), late) and reads == [late_key]  # unaligned: read, not viewed
+    for reader in (plain, mapped):
+        assert torch.equal(reader.load(rt, rec), full)
+        assert torch.equal(reader.load(rt, rec_odd), torch.arange(7, dtype=torch.uint8))
+    assert reads == [late_key] and len(mapped._maps) == 1  # the others: views of the map it was hashed from
+    for placement in (Shard(0, "tp"), Shard(1, "tp")):
+        layout = Layout((placement,), tuple(full.shape))
+        shape = tuple(full.chunk(2, dim=placement.dim)[1].shape)
+        got = [reference_piece(r, group_records(r)[KEY], layout, {"tp": (1, 2)}, shape) for r in (plain, mapped)]
+        assert torch.equal(got[0], full.chunk(2, dim=placement.dim)[1]) and torch.equal(got[1], got[0])
+    viewed = mapped.load(rt, rec)
+    viewed.add_(1.0)  # the map is private: the file and other readers keep the recorded values
+    assert torch.equal(TraceReader(str(tmp_path), mapped=True).load(rt, rec), full)
+    assert torch.equal(TraceReader(str(tmp_path)).load(rt, rec), full)
+    # a file of another size than its manifest's, though vouched for (another process checked it,
+    # TraceReader.verified): named where it is mapped, not read past what was checked
+    from ttrace_megatron.trace_store import _fingerprint
+
+    path = os.path.join(rt.dir, rec.file)
+    with open(path, "ab") as f:
+        f.write(b"0" * 8)
+    again = TraceReader(str(tmp_path), mapped=True)
+    again.verified.add(_fingerprint(path, os.stat(path)))
+    with pytest.raises(TraceError, match="changed since it was verified") as e:
+        again.load(rt, rec)
+    assert e.value.path.endswith(rec.file) and e.value.rank == 0 and e.value.tensor == str(KEY)
+    # flipped bits: named when the mapped reader hashes the file from its map, which it then lets go
+    raw = bytearray(open(os.path.join(rt.dir, rec.file), "rb").read()[:-8])
+    raw[-3] ^= 0xFF
+    open(os.path.join(rt.dir, rec.file), "wb").write(bytes(raw))
+    corrupt = TraceReader(str(tmp_path), mapped=True)
+    with pytest.raises(TraceError, match="corrupt") as e:
+        corrupt.load(rt, rec)
+    assert e.value.path.endswith(rec.file) and corrupt._maps == {}
+
+
+@pytest.mark.parametrize("in_memory", [True, False])
+def test_a_check_maps_only_its_own_reference_in_memory(tmp_path, monkeypatch, in_memory):
+    """``ttrace run`` has the candidate (and the perturbation run) read the reference through maps
+    only where the reference is the check's own, in memory: never a reference under --out."""
+    import argparse
+
+    from rich.console import Console
+
+    from conftest import load
+    from ttrace_megatron import cli
+
+    sides = {}
+
+    def run_side(role, trace_dir, inject=(), **trace):
+        sides[os.path.basename(trace_dir)] = trace
+        os.makedirs(trace_dir, exist_ok=True)
+
+    monkeypatch.setattr(cli, "_compare", lambda *a, **kw: {"verdict": "pass", "first_mismatch": None})
+    args = argparse.Namespace(online=True, no_lockstep=False, inject=[], perturb=True, no_localize=False,
+                              workers=None, tensorboard=None)
+    ref_dir = str(tmp_path / "shm" / "reference") if in_memory else None
+    cli._run_and_compare(load("gpt_tp2_sp"), str(tmp_path / "out"), args, Console(file=io.StringIO()), run_side,
+                         ref_dir=ref_dir)
+    assert sides["candidate"]["map_reference"] is in_memory
+    assert sides["reference-perturbed"]["map_reference"] is in_memory
+    assert "map_reference" not in sides["reference"]

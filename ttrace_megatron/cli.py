@@ -279,7 +279,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
     ref_dir, cand_dir = ref_dir or os.path.join(out, "reference"), os.path.join(out, "candidate")
     # online: each candidate rank judges its shards as it runs; with --tensorboard the verdicts per
     # iteration go out as scalars during the run (adapter/run/live_scalars.py)
-    online = dict(reference=ref_dir, keep_tensors=False,
+    online = dict(reference=ref_dir, keep_tensors=False, map_reference=in_memory,
                   tensorboard=_tensorboard_dir(args, out)) if args.online else {}
     lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     console.print(f"reference run (1 rank) → {ref_dir}" + (" (in memory, removed once judged; --reference-in disk "

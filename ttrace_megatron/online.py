@@ -64,9 +64,11 @@ class OnlineComparer:
     (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
 
     def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False,
-                 world_size: int = 1):
+                 world_size: int = 1, mapped: bool = False):
         keep_freed_memory()  # this rank judges chunk by chunk as it trains (allocator's docstring)
-        self.reference = TraceReader(reference_dir)
+        # mapped: the reference is read through memory maps of its files (TraceReader), where no one
+        # writes it while this rank reads it
+        self.reference = TraceReader(reference_dir, mapped=mapped)
         self.reference.prefetch()  # read while this rank builds its model and runs its first layers
         # the reference's checksums are checked once a check, not once a rank: each rank checks its
         # share of the files (at close, those it did not open before) and trusts the others' ranks

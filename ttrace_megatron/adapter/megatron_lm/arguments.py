@@ -64,6 +64,10 @@ FLAGS = (
     ("--ttrace-page-cache", dict(
         action="store_true", help="write the trace through the page cache (no O_DIRECT, no fsync): a check that reads it "
                                   "right after on this machine (lock-step, online) reads it from memory")),
+    ("--ttrace-map-reference", dict(
+        action="store_true", help="with --ttrace-reference: read the reference through memory maps of its files, "
+                                  "not copies; only for a reference written whole before this run and by no one "
+                                  "while it runs (a file that shrinks under a map ends the run with SIGBUS)")),
     ("--ttrace-role", dict(choices=("auto", REFERENCE, CANDIDATE), default="auto",
                            help="label of this run (auto: reference when TP=PP=CP=EP=DP=1)")),
 )

@@ -293,6 +293,8 @@ def trace_args(trace: TraceOptions, recipe: Optional[Recipe] = None) -> List[str
         argv += ["--ttrace-page-cache"]
     if trace.reference:  # online compare; its verdicts go out through Megatron-LM's own TensorBoard writer
         argv += ["--ttrace-reference", trace.reference] + (["--ttrace-keep-tensors"] if trace.keep_tensors else [])
+        if trace.map_reference:
+            argv += ["--ttrace-map-reference"]
         if trace.tensorboard:
             argv += ["--tensorboard-dir", trace.tensorboard]
     if trace.replay:

@@ -46,6 +46,10 @@ class TraceOptions:
     # write through the page cache, not O_DIRECT, and without fsync: a check on this machine reads
     # this trace right after (lock-step, online), from memory instead of the disk (TraceWriter)
     page_cache: bool = False
+    # with ``reference``: it is this check's own, written whole before this run started and by no one
+    # while it runs (``ttrace run``'s reference in memory): read through memory maps of its files,
+    # not copies (TraceReader's ``mapped``)
+    map_reference: bool = False
     # with ``reference``: the verdicts per iteration as scalars (live_scalars), through ttrace's own
     # SummaryWriter in this directory, and/or through Megatron-LM's TensorBoard and W&B writers
     tensorboard: Optional[str] = None
@@ -69,6 +73,7 @@ class TraceOptions:
             lockstep=getattr(args, "ttrace_lockstep", None),
             seed_init=getattr(args, "ttrace_seed_init", None) or SEED_INIT_MEGATRON,
             page_cache=bool(getattr(args, "ttrace_page_cache", False)),
+            map_reference=bool(getattr(args, "ttrace_map_reference", False)),
             # Megatron-LM makes its writers on the last rank from these; every rank holds the arguments
             megatron_writers=bool(getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)),
         )
@@ -346,7 +351,7 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
         from ...online import OnlineComparer
 
         online = OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep),
-                                world_size=torch.distributed.get_world_size())
+                                world_size=torch.distributed.get_world_size(), mapped=options.map_reference)
         sinks.append(online)
     clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
     dispatcher = Dispatcher(chunks, clock)
