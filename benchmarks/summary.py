@@ -149,6 +149,9 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
+           COSTS_TABLE, ("cost_table_363522a_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 6f0aaca, half an hour earlier, before the candidate read its in-memory reference "
+           "through memory maps (363522a): its judging 10.1 / 9.8 s over its training, against 8.0 / 8.5 s",
            COSTS_TABLE, ("cost_table_6f0aaca_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at fc53238, the session before on this VM, before the element-wise Adam check's 1.7× "
            "(97a3c87, 6f0aaca: 1.0 against 1.7 GB/s on one core; the two layouts trained in 8.5 against 10.0 s)",
