@@ -148,10 +148,13 @@ class BufferPool:
         return out if out is not None else read_piece(source, meta)
 
     def give(self, *tensors: Optional[torch.Tensor]) -> None:
-        """Take back buffers :meth:`take` gave out (whole, as given: not views of them)."""
+        """Take back buffers :meth:`take` gave out (whole, as given: not views of them). Memory torch
+        did not allocate is never taken: a piece read through a trace's map (``TraceReader``'s
+        ``mapped``) looks like a whole buffer, and writing into it would change what later reads of
+        that file in this process see."""
         for t in tensors:
             if isinstance(t, torch.Tensor) and t.numel() and t.is_contiguous() and t.storage_offset() == 0 and (
-                    t.untyped_storage().nbytes() == t.numel() * t.element_size()):
+                    t.untyped_storage().nbytes() == t.numel() * t.element_size()) and t.untyped_storage().resizable():
                 self._free.setdefault(t.untyped_storage().nbytes(), []).append(
                     torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()))
 

@@ -298,8 +298,10 @@ class RankTrace:
 class TraceReader:
     """Reads and validates a whole trace directory (all ranks).
 
-    ``mapped``: read the data through a private memory map of each file (copy-on-write: writing into
-    what was read changes no file), views of the page cache instead of copies of it. Only for a trace
+    ``mapped``: read the data through a private memory map of each file, views of the page cache
+    instead of copies of it. What is read so is shared by every read of the same bytes in this
+    process: writing into it (copy-on-write: no file changes) would change what later reads see, so
+    a caller copies before it writes (``streaming.BufferPool`` never takes such memory). Only for a trace
     written whole before it is read and written by no one while it is: a file that shrinks under a map
     kills the reader with SIGBUS where a read names the file (:class:`TraceError`). ``ttrace run``'s
     candidate maps its own in-memory reference (``TraceOptions.map_reference``): an online rank's
@@ -307,7 +309,7 @@ class TraceReader:
 
     def __init__(self, trace_dir: str, *, allow_incomplete: bool = False, mapped: bool = False):
         self.dir = trace_dir
-        self.mapped = mapped and hasattr(mmap, "ACCESS_COPY")
+        self.mapped = mapped
         run_path = os.path.join(trace_dir, RUN_FILE)
         self.run = read_json(run_path, rank=None)
         if not isinstance(self.run, dict) or "world_size" not in self.run:
@@ -444,7 +446,8 @@ class TraceReader:
                 yield rt, rec
 
     def load(self, rank_trace: RankTrace, rec: Record) -> torch.Tensor:
-        """Read one tensor: only its bytes, at its offset (no memory map, no whole-file buffer)."""
+        """Read one tensor: only its bytes, at its offset (no whole-file buffer); where the reader is
+        ``mapped``, a view of its file's map, which no one may write into (see ``mapped``)."""
         path, dtype, shape, start, nbytes = self._locate(rank_trace, rec)
         mapped = self._mapped_elements(rank_trace, rec, dtype, start, nbytes)
         if mapped is not None:
@@ -459,9 +462,10 @@ class TraceReader:
                   offset: int) -> torch.Tensor:
         """Read only the elements of one tensor that a strided view of it covers (``shape``,
         ``stride`` and ``offset`` in elements, as ``torch.as_strided`` takes them, with strides
-        >= 0), into a new contiguous tensor of ``shape``: what one rank's slice of a logical tensor
-        needs (``compare.reference_piece``). Rows of at least :data:`RUN_BYTES` each are read one by
-        one; shorter ones as the span from the first element to the last, in one read."""
+        >= 0), into a new contiguous tensor of ``shape`` (mapped: the map's own view where that is
+        contiguous): what one rank's slice of a logical tensor needs (``compare.reference_piece``).
+        Rows of at least :data:`RUN_BYTES` each are read one by one; shorter ones as the span from
+        the first element to the last, in one read."""
         path, dtype, whole, start, nbytes = self._locate(rank_trace, rec)
         shape, stride = tuple(int(n) for n in shape), tuple(int(n) for n in stride)
         out = torch.empty(shape, dtype=dtype)
