@@ -122,8 +122,9 @@ def recorded_compare(tmp: str, workers, cpu: bool) -> dict:
     return result
 
 
-def floors(tmp: str) -> dict:
-    """(4): write bandwidth where a reference goes (memory, the disk), compare's parts, the judging floors."""
+def floors(tmp: str, workers) -> dict:
+    """(4): write bandwidth where a reference goes (memory, the disk), compare's parts, the judging floors
+    (the recorded pair's on each count of workers compare runs on)."""
     import dataclasses
 
     from ttrace_megatron import plan as core
@@ -143,6 +144,8 @@ def floors(tmp: str) -> dict:
             "compare_rates": dataclasses.asdict(rates), "cores": cores,
             "judging_floor_online": core.judging_seconds(plan, rates, cores),
             "judging_floor_recorded": core.judging_seconds(recorded, rates, cores),
+            "compare_floor_by_workers": {str(n): core.judging_seconds(recorded, rates, n)["candidate"]
+                                         for n in workers},
             "reference_bytes": plan.side("reference").total()}
 
 
@@ -204,6 +207,17 @@ def recording_row(went: str, extra: list, at_size: list, fl: dict) -> tuple:
             "≤ 1.2×")
 
 
+def _against_floor(fl: dict, workers: int, seconds: float) -> str:
+    """Compare's time against its parts' floor on as many processes: every part one after the other
+    at its rate on one thread (``plan.compare_seconds``), the work split evenly. The slowest part's
+    row bounds what compare could reach; this one says how far it is from what its parts allow."""
+    floor = fl.get("compare_floor_by_workers", {}).get(str(workers))
+    if floor is None:
+        return ""
+    return (f"; {seconds / floor:.2f}× its parts' floor of {floor:.1f} s (every part one after the other, "
+            f"the plan's, on {workers} process{'es' if workers > 1 else ''})")
+
+
 def table(m: dict) -> list:
     """The rows: (measure, value, ratio, goal)."""
     trained = m["whole"]["trained_s"]
@@ -248,7 +262,8 @@ def table(m: dict) -> list:
         n = c["workers"]
         rows.append((f"compare from the page cache, {n} worker{'s' if n > 1 else ''} ({rec['trace_bytes'] / 1e9:.2f} GB, "
                      f"{c['tensors']} keys, verdict {c['verdict']})", f"{c['seconds']:.1f} s, {thr / 1e9:.2f} GB/s",
-                     f"{thr / bw:.3f}× memory bandwidth ({bw / 1e9:.1f} GB/s)", "≥ 0.5×"))
+                     f"{thr / bw:.3f}× memory bandwidth ({bw / 1e9:.1f} GB/s)" + _against_floor(fl, n, c["seconds"]),
+                     "≥ 0.5×"))
         peak, largest = c["peak_kib_over_baseline"] * 1024, rec["largest_tensor_bytes"]
         rows.append((f"compare peak over baseline, the comparing process, {n} worker{'s' if n > 1 else ''}",
                      f"{peak / 2**20:.0f} MiB", f"{peak / largest:.2f}× the largest tensor "
@@ -285,7 +300,7 @@ def main():
         m = {"commit": _commit(), "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), torch "
                                              f"{torch.__version__}, gloo" + ("; GPUs hidden (--cpu)" if args.cpu else "")}
         # the bandwidths first, on a quiet machine (after 8 GB of traces were deleted, a write to memory measured 0.5 GB/s)
-        m["floors"] = floors(tmp)
+        m["floors"] = floors(tmp, list(dict.fromkeys(args.workers)))
         m["memory_bandwidth"] = memory_bandwidth()
         m["whole"] = whole_checks(tmp, args.repeats, args.cpu, m["floors"]["reference_bytes"])
         m["recorded"] = recorded_compare(tmp, list(dict.fromkeys(args.workers)), args.cpu)
