@@ -120,7 +120,8 @@ CURRENT: Tuple[Source, ...] = (
             "scale_terms_mixtral_w2048_seeds23_effd963.jsonl"),
            "benchmarks/results/history/issue31_scale.md"),
     Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_a08cc57_epyc.md",),
-           "benchmarks/results/history/issue38_traces_that_travel.md", reruns=("zoo_fp32_6a4c5f9_epyc.md",)),
+           "benchmarks/results/history/issue38_traces_that_travel.md",
+           reruns=("zoo_fp32_6a4c5f9_epyc.md", "zoo_fp32_ff30424_epyc.md")),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_05409b1_60ee444.md",),
            "benchmarks/results/history/issue31_scale.md", reruns=("zoo_fp32_wide_distopt_a073567.md",)),
     Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
@@ -142,15 +143,19 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
-           ("online_parity_e6e58f3_epyc.jsonl", "online_parity_bf16_f5a2a02_epyc.jsonl"),
+           ("online_parity_ff30424_epyc.jsonl", "online_parity_bf16_f5a2a02_epyc.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
+           COSTS_TABLE, ("cost_table_e752554_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 363522a, the session before, on another VM of this kind (e752554's table adds "
+           "compare's parts' floor): the two layouts trained in 9.7 s (11.5 at e752554), the "
+           "reference's bytes written alone cold once (6.2 s) and warm once (2.4; 2.2 and 2.0 at e752554)",
            COSTS_TABLE, ("cost_table_363522a_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
-    Source("the same table at 6f0aaca, half an hour earlier, before the candidate read its in-memory reference "
+    Source("the same table at 6f0aaca, half an hour before 363522a's, before the candidate read its in-memory reference "
            "through memory maps (363522a): its judging 10.1 / 9.8 s over its training, against 8.0 / 8.5 s",
            COSTS_TABLE, ("cost_table_6f0aaca_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at fc53238, the session before on this VM, before the element-wise Adam check's 1.7× "
