@@ -475,6 +475,40 @@ def test_a_mapped_reader_reads_what_a_reader_reads_and_writes_no_file(tmp_path):
     assert e.value.path.endswith(rec.file) and corrupt._maps == {}
 
 
+def test_a_mapped_piece_kept_whole_is_the_map_itself(tmp_path):
+    """What an online rank keeps of a step (``BufferPool.read``): a piece that lies contiguous in a
+    mapped file is the map's own view, not a copy (the same values, sharing the map's memory, never
+    taken back by the pool); a piece that does not (a column shard), and any piece of a reader that
+    does not map, is read into a buffer of the pool. It fails if the pool copies a contiguous piece
+    of a map, or hands out a view of one that is not contiguous."""
+    from ttrace_megatron.compare import group_records, reference_piece_source
+    from ttrace_megatron.streaming import BufferPool
+
+    write_run_info(str(tmp_path), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
+    full = torch.randn(64, 48)
+    w.add(KEY, full, Layout((), tuple(full.shape)), depth=1)
+    w.flush(1)
+    w.close()
+    for mapped in (False, True):
+        reader = TraceReader(str(tmp_path), mapped=mapped)
+        (rt, rec), = list(reader.records())
+        base = reader.load(rt, rec) if mapped else None  # the map's view of the whole record
+        for placement, contiguous in ((Shard(0, "tp"), True), (Shard(1, "tp"), False)):
+            layout = Layout((placement,), tuple(full.shape))
+            want = full.chunk(2, dim=placement.dim)[1]
+            source = reference_piece_source(reader, group_records(reader)[KEY], layout, {"tp": (1, 2)},
+                                            tuple(want.shape))
+            pool = BufferPool()
+            got = pool.read(source)
+            assert torch.equal(got, want)
+            shares = base is not None and got.untyped_storage().data_ptr() == base.untyped_storage().data_ptr()
+            assert shares == (mapped and contiguous)
+            assert got.untyped_storage().resizable() != shares  # a pool buffer is torch's, a view the map's
+            pool.give(got)
+            assert bool(pool._free) != shares  # the map's view is not taken back
+
+
 @pytest.mark.parametrize("in_memory", [True, False])
 def test_a_check_maps_only_its_own_reference_in_memory(tmp_path, monkeypatch, in_memory):
     """``ttrace run`` has the candidate (and the perturbation run) read the reference through maps

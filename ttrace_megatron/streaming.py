@@ -38,6 +38,11 @@ class TensorSource:
     def read(self, view: torch.Tensor) -> torch.Tensor:  # pragma: no cover - interface
         raise NotImplementedError
 
+    def shared(self, view: torch.Tensor) -> Optional[torch.Tensor]:
+        """The elements of ``view`` as a view of memory this source shares with others (a trace's
+        map), no copy, never to be written into; None where they can only be read (the default)."""
+        return None
+
     def meta(self) -> torch.Tensor:
         """The whole tensor, as a view to cut: a contiguous meta tensor of its shape."""
         return torch.empty(self.shape, device="meta")
@@ -59,6 +64,9 @@ class RecordSource(TensorSource):
 
     def read(self, view: torch.Tensor) -> torch.Tensor:
         return self.reader.load_view(self.rank_trace, self.record, view.shape, view.stride(), view.storage_offset())
+
+    def shared(self, view: torch.Tensor) -> Optional[torch.Tensor]:
+        return self.reader.shared_view(self.rank_trace, self.record, view.shape, view.stride(), view.storage_offset())
 
 
 @dataclasses.dataclass
@@ -116,6 +124,12 @@ class PieceSource(TensorSource):
             return read_flat(self.source, self.piece, begin, begin + view.numel()).reshape(view.shape)
         return read_piece(self.source, self.piece).as_strided(view.shape, view.stride(), view.storage_offset())
 
+    def shared(self, view: torch.Tensor) -> Optional[torch.Tensor]:
+        """The whole piece where it is one view of its source (not a concatenation) that the source
+        shares; None for anything else."""
+        whole = (tuple(view.shape) == tuple(self.shape) and view.is_contiguous() and not view.storage_offset())
+        return self.source.shared(self.piece.parts[0]) if whole and len(self.piece.parts) == 1 else None
+
 
 class BufferPool:
     """Host buffers given back to be taken again, by byte count: what an online rank holds of a
@@ -139,8 +153,12 @@ class BufferPool:
         return self.take(tuple(tensor.shape), tensor.dtype).copy_(tensor)
 
     def read(self, source: TensorSource) -> torch.Tensor:
-        """All of ``source``, read a chunk at a time into a taken buffer."""
+        """All of ``source``: the memory it shares where it does (a view of a trace's map: no copy,
+        never given back), else read a chunk at a time into a taken buffer."""
         meta, out = source.meta(), None
+        shared = source.shared(meta)
+        if shared is not None:
+            return shared.view(source.shape)
         for begin, end in chunks(meta.numel()):
             part = read_flat(source, meta, begin, end)
             out = self.take(source.shape, part.dtype) if out is None else out

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import mmap
 import os
 import re
@@ -301,7 +302,8 @@ class TraceReader:
     ``mapped``: read the data through a private memory map of each file, views of the page cache
     instead of copies of it. What is read so is shared by every read of the same bytes in this
     process: writing into it (copy-on-write: no file changes) would change what later reads see, so
-    a caller copies before it writes (``streaming.BufferPool`` never takes such memory). Only for a trace
+    a caller copies before it writes (``streaming.BufferPool`` hands out a piece that lies contiguous in a map
+    as such a view, :meth:`shared_view`, and never takes one back). Only for a trace
     written whole before it is read and written by no one while it is: a file that shrinks under a map
     kills the reader with SIGBUS where a read names the file (:class:`TraceError`). ``ttrace run``'s
     candidate maps its own in-memory reference (``TraceOptions.map_reference``): an online rank's
@@ -497,6 +499,27 @@ class TraceReader:
         self._read_into(path, rank_trace.rank, rec, [(start + offset * item, span.numpy())])
         out.copy_(span.view(dtype).as_strided(shape, stride))
         return out
+
+    def shared_view(self, rank_trace: RankTrace, rec: Record, shape: Sequence[int], stride: Sequence[int],
+                    offset: int) -> Optional[torch.Tensor]:
+        """The elements of a strided view of one tensor (as :meth:`load_view` takes it) as a view of
+        the file's map, no copy: where the reader is ``mapped`` and they lie contiguous in the file.
+        None otherwise (:meth:`load_view` then reads or copies them). Shared with every other read of
+        those bytes in this process: never to be written into."""
+        if not self.mapped:
+            return None
+        path, dtype, whole, start, nbytes = self._locate(rank_trace, rec)
+        shape, stride = tuple(int(n) for n in shape), tuple(int(n) for n in stride)
+        if not shape or not math.prod(shape):
+            return None
+        last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
+        if min(stride) < 0 or offset < 0 or (last + 1) * dtype.itemsize > nbytes:
+            return None  # (load_view names what does not fit)
+        mapped = self._mapped_elements(rank_trace, rec, dtype, start, nbytes)
+        if mapped is None:
+            return None
+        view = mapped.as_strided(shape, stride, offset)
+        return view if view.is_contiguous() else None
 
     def _mapped_elements(self, rank_trace: RankTrace, rec: Record, dtype: torch.dtype, start: int,
                          nbytes: int) -> Optional[torch.Tensor]:
