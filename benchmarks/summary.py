@@ -150,6 +150,11 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
+           COSTS_TABLE, ("cost_table_cecd0b1_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at e752554, half an hour earlier, before a kept piece of the mapped reference was a view "
+           "of the map (cecd0b1): 2.21 / 2.13× against 2.82 / 2.64×, the reference's recording 4.9 / 3.8 s against "
+           "9.0 / 6.8 (which cecd0b1 did not touch: this VM's noise); in 12 checks of each, alternated, cecd0b1's "
+           "candidate took 0.7-0.8 s less on the mean (see the history)",
            COSTS_TABLE, ("cost_table_e752554_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 363522a, the session before, on another VM of this kind (e752554's table adds "
            "compare's parts' floor): the two layouts trained in 9.7 s (11.5 at e752554), the "
