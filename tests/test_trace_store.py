@@ -480,7 +480,8 @@ def test_a_mapped_piece_kept_whole_is_the_map_itself(tmp_path):
     mapped file is the map's own view, not a copy (the same values, sharing the map's memory, never
     taken back by the pool); a piece that does not (a column shard), and any piece of a reader that
     does not map, is read into a buffer of the pool. It fails if the pool copies a contiguous piece
-    of a map, or hands out a view of one that is not contiguous."""
+    of a map, or hands out a view of one that is not contiguous. A view that does not fit the record
+    is named, shared or read."""
     from ttrace_megatron.compare import group_records, reference_piece_source
     from ttrace_megatron.streaming import BufferPool
 
@@ -507,6 +508,11 @@ def test_a_mapped_piece_kept_whole_is_the_map_itself(tmp_path):
             assert got.untyped_storage().resizable() != shares  # a pool buffer is torch's, a view the map's
             pool.give(got)
             assert bool(pool._free) != shares  # the map's view is not taken back
+        # a view past the record's end is named alike, shared (a mapped reader) or read
+        for read in ((reader.shared_view,) if mapped else ()) + (reader.load_view,):
+            with pytest.raises(TraceError, match="does not fit") as e:
+                read(rt, rec, (65, 48), (48, 1), 0)
+            assert e.value.path.endswith(rec.file) and e.value.rank == 0 and e.value.tensor == str(KEY)
 
 
 @pytest.mark.parametrize("in_memory", [True, False])

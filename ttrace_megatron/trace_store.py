@@ -474,10 +474,7 @@ class TraceReader:
         if out.numel() == 0:
             return out
         item = dtype.itemsize
-        last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
-        if min(stride, default=0) < 0 or offset < 0 or (last + 1) * item > nbytes:
-            raise TraceError(f"a view of {list(shape)} at {offset} does not fit the tensor's {list(whole)}",
-                             path=path, rank=rank_trace.rank, tensor=str(rec.key))
+        last = _fitting_view(path, rank_trace.rank, rec, whole, nbytes // item, shape, stride, offset)
         mapped = self._mapped_elements(rank_trace, rec, dtype, start, nbytes)
         if mapped is not None:  # the view of the map itself where it is contiguous, else one copy of it
             return mapped.as_strided(shape, stride, offset).contiguous()
@@ -504,17 +501,16 @@ class TraceReader:
                     offset: int) -> Optional[torch.Tensor]:
         """The elements of a strided view of one tensor (as :meth:`load_view` takes it) as a view of
         the file's map, no copy: where the reader is ``mapped`` and they lie contiguous in the file.
-        None otherwise (:meth:`load_view` then reads or copies them). Shared with every other read of
-        those bytes in this process: never to be written into."""
+        None otherwise (:meth:`load_view` then reads or copies them); a view that does not fit the
+        record is named as :meth:`load_view` names it. Shared with every other read of those bytes in
+        this process: never to be written into."""
         if not self.mapped:
             return None
         path, dtype, whole, start, nbytes = self._locate(rank_trace, rec)
         shape, stride = tuple(int(n) for n in shape), tuple(int(n) for n in stride)
-        if not shape or not math.prod(shape):
+        if not math.prod(shape):
             return None
-        last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
-        if min(stride) < 0 or offset < 0 or (last + 1) * dtype.itemsize > nbytes:
-            return None  # (load_view names what does not fit)
+        _fitting_view(path, rank_trace.rank, rec, whole, nbytes // dtype.itemsize, shape, stride, offset)
         mapped = self._mapped_elements(rank_trace, rec, dtype, start, nbytes)
         if mapped is None:
             return None
@@ -694,6 +690,18 @@ def _verify_view(view: memoryview, info: dict) -> Tuple[int, bool]:
 
 
 _DTYPES_BY_NAME = {v: k for k, v in SAFETENSORS_DTYPES.items()}
+
+
+def _fitting_view(path: str, rank: int, rec: Record, whole: Sequence[int], numel: int, shape: Tuple[int, ...],
+                  stride: Tuple[int, ...], offset: int) -> int:
+    """The last element a strided view of a record's ``numel`` elements covers (not empty, as
+    ``torch.as_strided`` takes it), or a :class:`TraceError` naming the file, rank and tensor where
+    it does not lie within them (a negative stride or offset, or past the end)."""
+    last = offset + sum((n - 1) * st for n, st in zip(shape, stride))
+    if min(stride, default=0) < 0 or offset < 0 or last >= numel:
+        raise TraceError(f"a view of {list(shape)} at {offset} does not fit the tensor's {list(whole)}",
+                         path=path, rank=rank, tensor=str(rec.key))
+    return last
 
 
 def _index_header(header: bytes, data_start: int, file_size: int, path: str, rank: int):
