@@ -7,7 +7,13 @@ one has touched yet, then an fsync, all inside the step. On the 2-core developme
 recorded iteration 5-8× the time its bytes take to write (BENCHMARKS.md, "Costs"). Here
 
 * each recorded tensor is copied into one of a few fixed staging buffers (warm after their first
-  use), as it is recorded;
+  use), as it is recorded. A host tensor is copied by one plain ``memcpy`` (numpy's, which releases
+  the GIL), not by ``Tensor.copy_``: torch splits a copy that size over its intra-op threads, and
+  the writer thread, busy beside them in the kernel, left one of them waiting for a core while
+  the other waited for it at the end of the copy. On the 2-core development VM an 8 MiB copy ran
+  at 6 GB/s so beside a writing thread, against 22 GB/s for the plain one; in one profiled
+  reference of the 50M rung (py-spy, native frames, a slow phase of the VM) the copies were 3.5 s
+  of its 12 s. In a fast phase the two took alike (ten alternated checks: 5.9 s against 6.1 s);
 * a full buffer goes to two background threads at once: one writes it, with ``O_DIRECT`` where
   the filesystem allows (no page-cache pages to allocate, and the run's page cache is left
   alone), else through the page cache; the other adds it to the file's xxh3 checksum. Both
@@ -39,6 +45,7 @@ import struct
 import threading
 from typing import Callable, List, Optional
 
+import numpy as np
 import torch
 import xxhash
 
@@ -65,6 +72,17 @@ def checksum_entry(raw: bytes, head_bytes: int) -> dict:
     region (what a writer would have listed; for tools and tests that write a file themselves)."""
     return {CHECKSUM: {"head_bytes": head_bytes, "head": xxhash.xxh3_64_hexdigest(raw[:head_bytes]),
                        "data": xxhash.xxh3_64_hexdigest(raw[head_bytes:])}}
+
+
+def copy_bytes(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst[:] = src``, both flat ``uint8`` of one length, ``dst`` in host memory: a host ``src`` by
+    one memcpy on the calling thread (numpy's, the GIL released; the module's docstring says why
+    not ``Tensor.copy_``), a device one by ``Tensor.copy_``, synchronously (into pinned memory: the
+    run may free or overwrite it right after; not measured on a GPU yet)."""
+    if src.device.type == "cpu":
+        np.copyto(dst.numpy(), src.numpy())
+    else:
+        dst.copy_(src)
 
 
 class _Countdown:
@@ -135,15 +153,13 @@ class StreamingFile:
         src = tensor.detach()
         if not src.is_contiguous():
             src = src.contiguous()
-        # a device tensor is copied straight into the pinned staging buffer, synchronously (so the
-        # run may free or overwrite it right after); not measured on a GPU yet
         flat = src.reshape(-1).view(torch.uint8)
         pos, total = 0, flat.numel()
         while pos < total:
             if self._staged is None:
                 self._staged, self._fill = self.writer.acquire(), 0
             take = min(total - pos, STAGING_BYTES - self._fill)
-            self._staged.tensor[self._fill:self._fill + take].copy_(flat[pos:pos + take])
+            copy_bytes(self._staged.tensor[self._fill:self._fill + take], flat[pos:pos + take])
             self._fill += take
             pos += take
             if self._fill == STAGING_BYTES:
