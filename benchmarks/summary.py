@@ -49,6 +49,9 @@ COSTS_TABLE = "costs_table"  # costs.py's Markdown: its first table (one run), s
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
 EPYC = "CPU (2-core AMD EPYC, gloo)"  # result files named *_epyc: a session on another machine of the same kind
+# result files named *_zen5: a 2-core VM of the same kind on an AMD EPYC of family 26 (Zen 5, AVX-512),
+# where *_epyc's was family 25 (Zen 3, AVX2): the same figures run faster there, and round differently
+EPYC_ZEN5 = "CPU (2-core AMD EPYC, Zen 5, gloo)"
 H200 = "NVIDIA H200"
 H100 = "NVIDIA H100"
 # result files named *_h100host: gloo on the 16-core Xeon host of the H100 machine, its GPU unused
@@ -149,7 +152,15 @@ CURRENT: Tuple[Source, ...] = (
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
-           "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`",
+           "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
+           "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones)",
+           COSTS_TABLE, ("cost_table_7432885_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at d8d4fcc on the same VM, three quarters of an hour earlier, before a recorded host tensor was staged by "
+           "one memcpy instead of torch's threaded copy (7432885): 2.94 / 2.40× against 2.64 / 2.50×, the reference's "
+           "bytes written alone in 8.0 / 1.9 s there against 2.2 / 1.3 s (this VM's phases: in ten alternated checks "
+           "of the two commits, in a fast phase, the reference took 5.9 s against 6.1 s on the mean)",
+           COSTS_TABLE, ("cost_table_d8d4fcc_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at cecd0b1, the session before, on a Zen 3 VM of this kind",
            COSTS_TABLE, ("cost_table_cecd0b1_epyc.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at e752554, half an hour earlier, before a kept piece of the mapped reference was a view "
            "of the map (cecd0b1): 2.21 / 2.13× against 2.82 / 2.64×, the reference's recording 4.9 / 3.8 s against "
@@ -232,7 +243,8 @@ def commit_of(name: str) -> str:
 def machine_of(name: str) -> str:
     stem = os.path.splitext(name)[0]
     return H200 if stem.endswith("_h200") else H100 if stem.endswith("_h100") else \
-        H100_HOST if stem.endswith("_h100host") else EPYC if stem.endswith("_epyc") else CPU
+        H100_HOST if stem.endswith("_h100host") else EPYC if stem.endswith("_epyc") else \
+        EPYC_ZEN5 if stem.endswith("_zen5") else CPU
 
 
 def markdown_tables(path: str) -> List[List[Dict[str, str]]]:
