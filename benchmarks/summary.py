@@ -124,7 +124,7 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue31_scale.md"),
     Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_a08cc57_epyc.md",),
            "benchmarks/results/history/issue38_traces_that_travel.md",
-           reruns=("zoo_fp32_6a4c5f9_epyc.md", "zoo_fp32_ff30424_epyc.md")),
+           reruns=("zoo_fp32_6a4c5f9_epyc.md", "zoo_fp32_ff30424_epyc.md", "zoo_fp32_ac5c878_zen5.md")),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_05409b1_60ee444.md",),
            "benchmarks/results/history/issue31_scale.md", reruns=("zoo_fp32_wide_distopt_a073567.md",)),
     Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
