@@ -59,13 +59,13 @@ def test_a_reference_held_in_memory_takes_no_disk_and_is_planned_as_memory():
     assert held.disk_needed() == 100 + 12 * per == held.all_bytes()  # the two candidates
     assert held.memory_needed() == 5 * per  # one reference at a time: each goes once its pair is judged
     assert core.Plan("r", sides, 100, held.peak_sides).memory_needed() == 0
-    # the host's memory beside the training: that reference, 32 MiB of staging a recording rank, compare's peak
-    assert held.host_memory() == {"reference_in_memory": 5 * per, "staging_per_rank": 32 << 20,
+    # the host's memory beside the training: that reference, 64 MiB of staging a recording rank, compare's peak
+    assert held.host_memory() == {"reference_in_memory": 5 * per, "staging_per_rank": 64 << 20,
                                   "compare_per_process": core.COMPARE_FIXED_BYTES}  # (4 kB tensors: its fixed part)
     big = core.TensorGroup(core.OPTIMIZER, 10 ** 8, 4, 1)
     assert core.Plan("r", [_side("reference", 1, {}, [g, big])], 0, (("reference",),)).host_memory()[
         "compare_per_process"] == 8 * 10 ** 8
-    assert "host memory beside the training: 33.6 MB of staging" in "\n".join(core.format_plan(held))
+    assert "host memory beside the training: 67.1 MB of staging" in "\n".join(core.format_plan(held))
     assert "NOT ENOUGH (ttrace run refuses it)" in "\n".join(core.format_plan(held, memory_room=5 * per - 1))
     assert "NOT ENOUGH" not in "\n".join(core.format_plan(held, free=10 ** 9, memory_room=5 * per))
     # where the reference goes: auto takes memory where it fits and the check keeps no traces

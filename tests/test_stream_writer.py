@@ -72,6 +72,31 @@ def test_round_trip_through_small_buffers_and_header_parts(tmp_path, monkeypatch
     assert [f.name for f in files[:-1]] == [f"iter-000001-{k:03d}.safetensors" for k in range(1, len(files))]
 
 
+def test_an_iteration_is_written_into_two_files_at_once_and_reads_back_in_order(tmp_path, monkeypatch):
+    """Past LANE_OPENS_AT bytes, each tensor goes to the lane given the fewest bytes: two files of
+    the iteration written by two threads, each byte-exact, and the records read back in the order
+    they were recorded, whichever file became whole first."""
+    from ttrace_megatron import trace_store
+
+    monkeypatch.setattr(stream_writer, "STAGING_BYTES", 3 * stream_writer.ALIGN)
+    monkeypatch.setattr(stream_writer, "STAGING_BUFFERS", 2)  # one a lane: each holds the one it fills
+    monkeypatch.setattr(trace_store, "LANE_OPENS_AT", 20_000)  # m0 (12 kB) and m1 (164 kB) in the first file
+    tensors = _tensors() * 5
+    _record(tmp_path, tensors)
+    files = _check_round_trip(tmp_path, tensors)
+    reader = TraceReader(str(tmp_path))
+    records = reader.ranks[0].records
+    assert [int(r.key.module[1:]) for r in records] == list(range(len(tensors)))
+    per_file = {}
+    for rec in records:
+        t = tensors[int(rec.key.module[1:])]
+        per_file.setdefault(rec.file, []).append(t.numel() * t.element_size())
+    assert [f.name for f in files] == ["iter-000001-001.safetensors", "iter-000001.safetensors"]
+    assert records[0].file == records[1].file == "iter-000001.safetensors" and records[2].file != records[0].file
+    first, second = (sum(per_file[f.name]) for f in files)
+    assert abs(first - second) <= 40 * 1024 * 4  # balanced to within the largest tensor
+
+
 def test_a_host_tensor_is_staged_by_one_memcpy_not_by_torchs_threads(tmp_path, monkeypatch):
     """A host tensor's bytes reach the staging buffers without ``Tensor.copy_``, whose copy torch
     splits over its intra-op threads (stream_writer's docstring: beside the writer thread it ran at a
@@ -178,8 +203,10 @@ def test_tmpfs_refuses_o_direct_at_open_and_is_written_through_the_page_cache(tm
 
 DISK_FULL = r"""
 import os, resource, signal, sys, torch
+from ttrace_megatron import trace_store
 from ttrace_megatron.placement import Layout, Replicate
 from ttrace_megatron.trace_store import TensorKey, TraceWriter
+trace_store.LANE_OPENS_AT = int(sys.argv[2])
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (2 << 20, resource.RLIM_INFINITY))
 w = TraceWriter(sys.argv[1], 0, {"tp": (0, 1)})
@@ -195,19 +222,25 @@ print("training went on")
 """
 
 
-def test_a_disk_that_fills_up_mid_write_stops_recording_not_training(tmp_path):
-    out = subprocess.run([sys.executable, "-c", DISK_FULL, str(tmp_path)], capture_output=True, text=True,
-                         env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
+@pytest.mark.parametrize("lanes_at,listed", [
+    (32 << 20, {"iter-000001.safetensors": 0.0}),  # one file an iteration: m1-m3 overflow it
+    # two lanes from the start: m1 and m3 overflow the second lane's file, m2's on the first is whole,
+    # and listed though it became whole after the other lane failed
+    (0, {"iter-000001.safetensors": 0.0, "iter-000001-002.safetensors": 2.0})])
+def test_a_disk_that_fills_up_mid_write_stops_recording_not_training(tmp_path, lanes_at, listed):
+    out = subprocess.run([sys.executable, "-c", DISK_FULL, str(tmp_path), str(lanes_at)], capture_output=True,
+                         text=True, env=dict(os.environ, PYTHONPATH=REPO), timeout=120)
     assert out.returncode == 0, out.stderr
     assert "training went on" in out.stdout
     assert "recording stopped" in out.stdout and "File too large" in out.stdout
     manifest = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
     assert manifest["complete"] is False and "File too large" in manifest["failure"]
-    assert list(manifest["files"]) == ["iter-000001.safetensors"]  # the whole file written before the limit
+    assert set(manifest["files"]) == set(listed)  # the whole files written before the limit
     write_run_info(str(tmp_path), {"role": "candidate", "world_size": 1, "num_layers": 1})
     reader = TraceReader(str(tmp_path), allow_incomplete=True)
-    rank_trace, rec = next(reader.records())
-    assert torch.equal(reader.load(rank_trace, rec), torch.zeros(1 << 18))
+    loaded = {rec.file: reader.load(rank_trace, rec) for rank_trace, rec in reader.records()}
+    assert set(loaded) == set(listed)
+    assert all(torch.equal(t, torch.full((1 << 18,), listed[f])) for f, t in loaded.items())
 
 
 def test_format_2_traces_with_crc32_still_read_and_their_damage_is_named(tmp_path):

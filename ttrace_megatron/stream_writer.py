@@ -14,7 +14,7 @@ recorded iteration 5-8× the time its bytes take to write (BENCHMARKS.md, "Costs
   at 6 GB/s so beside a writing thread, against 22 GB/s for the plain one; in one profiled
   reference of the 50M rung (py-spy, native frames, a slow phase of the VM) the copies were 3.5 s
   of its 12 s. In a fast phase the two took alike (ten alternated checks: 5.9 s against 6.1 s);
-* a full buffer goes to two background threads at once: one writes it, with ``O_DIRECT`` where
+* a full buffer goes to two background threads at once: one (its file's lane's) writes it, with ``O_DIRECT`` where
   the filesystem allows (no page-cache pages to allocate, and the run's page cache is left
   alone), else through the page cache; the other adds it to the file's xxh3 checksum. Both
   release the GIL. Hashing and writing one after the other on one thread made a recorded iteration
@@ -56,7 +56,9 @@ HEADER_REGION = 128 << 10  # 8-byte length + JSON header; ~1500 tensors per file
 # an iteration of 1.35 GB in one file left one of two online ranks hashing twice what the other did
 PART_BYTES = 256 << 20
 STAGING_BYTES = 8 << 20
-STAGING_BUFFERS = 4  # 32 MiB of host memory per rank, whatever the size of the trace
+# 64 MiB of host memory per rank, whatever the size of the trace; shared by the writer's lanes, each
+# holding one it fills: with 4, the 50M rung's reference waited 0.7-0.8 s for a free one; with 8, 0.2-0.4
+STAGING_BUFFERS = 8
 
 SAFETENSORS_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
                       torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
@@ -117,8 +119,9 @@ class StreamingFile:
     """One safetensors file being written. Its methods run on the recording thread; the writes
     they queue run on the :class:`BackgroundWriter`'s thread."""
 
-    def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool, sync: bool = True):
+    def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool, sync: bool = True, lane: int = 0):
         self.writer = writer
+        self.lane = lane  # the writer thread that writes this file, in order
         self.sync = sync  # fsync the file once whole (else its checksum alone vouches for it after a crash)
         self.error: Optional[OSError] = None  # set by the writer thread
         self._data_hash = xxhash.xxh3_64()  # of the data region, kept by the checksum thread
@@ -171,7 +174,7 @@ class StreamingFile:
         staged, nbytes = self._staged, self._fill
         both = _Countdown(2, lambda: self.writer.release(staged))
         self.writer.submit_checksum(self._hash_job(staged, nbytes, both))
-        self.writer.submit(self._write_job(staged, self._written, nbytes, both))
+        self.writer.submit(self._write_job(staged, self._written, nbytes, both), self.lane)
         self._written += self._fill
         self._staged, self._fill = None, 0
 
@@ -186,7 +189,7 @@ class StreamingFile:
         header = ("{" + ",".join(self._entries) + "}").encode()
         header += b" " * (HEADER_REGION - 8 - len(header))
         head = struct.pack("<Q", len(header)) + header
-        self.writer.submit(lambda: self._finish(head, on_done, on_error))
+        self.writer.submit(lambda: self._finish(head, on_done, on_error), self.lane)
 
     def abandon(self) -> None:
         """Stop writing this file: what is staged is dropped, queued writes are skipped."""
@@ -194,7 +197,7 @@ class StreamingFile:
             self.writer.release(self._staged)
             self._staged = None
         self.error = self.error or OSError(errno.ECANCELED, "abandoned")
-        self.writer.submit(self._close_fds)
+        self.writer.submit(self._close_fds, self.lane)
 
     # ---- writer thread
     def _write_job(self, staged: _Staging, offset: int, nbytes: int, both: _Countdown):
@@ -265,20 +268,25 @@ class StreamingFile:
 
 
 class BackgroundWriter:
-    """Two threads, one running queued writes in order and one the checksums, and the pool of
-    staging buffers they share: a buffer goes back to the pool once both are done with it.
+    """A writer thread a lane (:data:`WRITE_LANES`), each running its lane's queued writes in order,
+    one thread for the checksums, and the pool of staging buffers they share: a buffer goes back to
+    the pool once its write and its checksum are done.
 
     The pool bounds memory: when the disk is slower than the run records, :meth:`acquire` waits
     for a buffer to be written (the run slows down rather than grow without limit).
     """
 
-    def __init__(self, name: str):
-        self._jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
+    def __init__(self, name: str, lanes: int = 1):
+        if STAGING_BUFFERS < lanes:  # each lane holds the buffer it fills: fewer would wait forever
+            raise ValueError(f"{STAGING_BUFFERS} staging buffers cannot serve {lanes} writer lanes")
+        self.lanes = lanes
+        self._jobs: "List[queue.Queue[Optional[Callable[[], None]]]]" = [queue.Queue() for _ in range(lanes)]
         self._checksum_jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._free: "queue.Queue[_Staging]" = queue.Queue()
         self._allocated = 0
+        queues = [(jobs, f"writer{k}" if lanes > 1 else "writer") for k, jobs in enumerate(self._jobs)]
         self._threads = [threading.Thread(target=self._run, args=(jobs, what), name=f"{name}-{what}", daemon=True)
-                         for jobs, what in ((self._jobs, "writer"), (self._checksum_jobs, "checksum"))]
+                         for jobs, what in queues + [(self._checksum_jobs, "checksum")]]
         for thread in self._threads:
             thread.start()
 
@@ -295,15 +303,16 @@ class BackgroundWriter:
     def release(self, staged: _Staging) -> None:
         self._free.put(staged)
 
-    def submit(self, job: Callable[[], None]) -> None:
-        self._jobs.put(job)
+    def submit(self, job: Callable[[], None], lane: int = 0) -> None:
+        self._jobs[lane].put(job)
 
     def submit_checksum(self, job: Callable[[], None]) -> None:
         self._checksum_jobs.put(job)
 
     def stop(self) -> None:
         self._checksum_jobs.put(None)
-        self._jobs.put(None)
+        for jobs in self._jobs:
+            jobs.put(None)
         for thread in self._threads:
             thread.join()
 

@@ -4,7 +4,8 @@ Layout of a trace directory::
 
     run.json                         what ran: role, world size, configs, library versions
     rank-00003/manifest.json         this rank's coordinates and one entry per recorded tensor
-    rank-00003/iter-000001.safetensors  the tensors of one iteration
+    rank-00003/iter-000001.safetensors  the tensors of one iteration (with iter-000001-001... : a file
+                                        a writer lane, and parts past a size)
 
 Data files are written in the background while the run goes on (:mod:`.stream_writer`). A rank's
 manifest is rewritten atomically (write, fsync, rename) once each data file is whole, and says
@@ -48,6 +49,14 @@ REPLAY = "replay"  # the candidate again, every hooked module on the reference's
 # a strided read (:meth:`TraceReader.load_view`) reads row by row from rows of this size on: shorter
 # rows cost more in calls than reading the span between them (page cache: ~9 GB/s here)
 RUN_BYTES = 64 << 10
+# a rank writes its iteration's tensors into this many files at once (its lanes), one writer thread
+# each, a tensor to the lane given the fewest bytes: tmpfs holds a file's lock through a whole write,
+# so one thread's writes into fresh pages bounded the reference's recording (2.5 GB/s on the 2-core
+# development VM; 4.4-5.1 GB/s for two threads into two files, 2.3-2.8 into one). The second lane
+# opens once the iteration has recorded LANE_OPENS_AT bytes: a small iteration stays in one file (a
+# file's header region is 128 KiB, most of a toy iteration's bytes)
+WRITE_LANES = 2
+LANE_OPENS_AT = 32 << 20
 _DATA_FILE_RE = re.compile(r"^iter-\d{6}(-\d{3})?\.safetensors$")
 _RANK_DIR = "rank-{:05d}"
 
@@ -128,11 +137,14 @@ def write_run_info(trace_dir: str, info: dict) -> None:
 
 
 class TraceWriter:
-    """Writes one rank's trace, one safetensors file per recorded iteration (or several parts).
+    """Writes one rank's trace: an iteration's tensors in :data:`WRITE_LANES` safetensors files (or
+    more parts), written at once.
 
-    Tensors are copied into staging buffers as they are recorded and written by a background
-    thread while training goes on (:mod:`.stream_writer`); a data file is listed in the manifest
-    once it is whole and fsync'd. :meth:`close` waits for the writes and marks the trace complete.
+    Tensors are copied into staging buffers as they are recorded and written by background threads,
+    one a lane, while training goes on (:mod:`.stream_writer`); a data file is listed in the manifest
+    once it is whole (and fsync'd where the trace syncs), the records in the manifest in the order
+    each file became whole (a reader orders them by ``seq``). :meth:`close` waits for the writes and
+    marks the trace complete.
 
     A failure to write (a full or unwritable disk) never stops training: recording stops, a
     warning is printed once, and the manifest says why the trace is incomplete.
@@ -154,12 +166,11 @@ class TraceWriter:
         self.records: List[Record] = []  # of the files written whole; guarded by _lock
         self._record_texts: List[str] = []  # each record's manifest JSON, made once (the manifest is rewritten often)
         self.files: Dict[str, dict] = {}
-        self._lock = threading.RLock()  # the writer thread lists files and may fail too
+        self._lock = threading.RLock()  # the writer threads list files and may fail too
         self._writer: Optional[BackgroundWriter] = None  # started by the first tensor recorded
-        self._file: Optional[StreamingFile] = None
-        self._file_name = ""
-        self._file_iteration = -1
-        self._file_records: List[Record] = []
+        self._open: List[Optional[_OpenFile]] = [None] * WRITE_LANES  # the file each lane writes now
+        self._lane_bytes = [0] * WRITE_LANES  # bytes handed to each lane this iteration
+        self._lanes_iteration = -1
         self._seq = 0
         self._file_index: Dict[int, int] = {}
         self.failed: Optional[str] = None
@@ -178,36 +189,43 @@ class TraceWriter:
             arrival: bool = False, statistic_of: str = "", roundoff: float = 0.0) -> None:
         """Copy ``tensor`` into the file of its iteration now; it is written in the background."""
         if not self.active:
-            self._drop_file()
+            self._drop_files()
             return
         name = f"t{self._seq:07d}"
         try:
-            if self._file is not None and key.iteration != self._file_iteration:
-                self._finish_file()
-            if self._file is None:
-                self._open_file(key.iteration)
-            if not self._file.append(name, tensor):  # its header region or its part is full: a new part
-                self._finish_file()
-                self._open_file(key.iteration)
-                self._file.append(name, tensor)
+            for k, open_file in enumerate(self._open):  # a new iteration: the last one's files are whole
+                if open_file is not None and open_file.iteration != key.iteration:
+                    self._finish_file(k)
+            if key.iteration != self._lanes_iteration:
+                self._lanes_iteration, self._lane_bytes = key.iteration, [0] * WRITE_LANES
+            lane = self._lane()
+            if self._open[lane] is None:
+                self._open_file(key.iteration, lane)
+            if not self._open[lane].file.append(name, tensor):  # its header region or its part is full: a new part
+                self._finish_file(lane)
+                self._open_file(key.iteration, lane)
+                self._open[lane].file.append(name, tensor)
         except OSError as e:
             self._fail(e)
             return
-        self._file_records.append(Record(
-            key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, self._file_name, name, depth,
+        self._lane_bytes[lane] += tensor.numel() * tensor.element_size()
+        self._open[lane].records.append(Record(
+            key, layout, dtype_name(tensor.dtype), tuple(tensor.shape), self._seq, self._open[lane].name, name, depth,
             dtype_name(compute_dtype or tensor.dtype), reduction, arrival, statistic_of, roundoff))
         self._seq += 1
 
     def flush(self, iteration: int) -> None:
-        """The iteration is over: its file is finished in the background (not waited for)."""
+        """The iteration is over: its files are finished in the background (not waited for)."""
         if not self.active:
-            self._drop_file()
-        elif self._file is not None:
-            self._finish_file()
+            self._drop_files()
+            return
+        for lane, open_file in enumerate(self._open):
+            if open_file is not None:
+                self._finish_file(lane)
 
     def close(self) -> None:
         """Wait for every write, then mark the trace complete (if nothing failed)."""
-        self.flush(self._file_iteration)
+        self.flush(-1)
         if self._writer is not None:
             self._writer.stop()
             self._writer = None
@@ -220,7 +238,7 @@ class TraceWriter:
 
     def abandon(self, reason: str) -> None:
         """The run stopped mid-iteration: drop the unfinished file, leave the trace marked incomplete."""
-        self._drop_file()
+        self._drop_files()
         if self._writer is not None:
             self._writer.stop()  # earlier iterations' files are still listed
             self._writer = None
@@ -232,31 +250,38 @@ class TraceWriter:
                 except OSError:
                     pass
 
-    def _open_file(self, iteration: int) -> None:
+    def _lane(self) -> int:
+        """The lane given the fewest bytes this iteration (lane 0 until it holds LANE_OPENS_AT)."""
+        if sum(self._lane_bytes) < LANE_OPENS_AT:
+            return 0
+        return min(range(WRITE_LANES), key=self._lane_bytes.__getitem__)
+
+    def _open_file(self, iteration: int, lane: int) -> None:
         part = self._file_index.get(iteration, 0)
         fname = f"iter-{iteration:06d}.safetensors" if part == 0 else f"iter-{iteration:06d}-{part:03d}.safetensors"
         if self._writer is None:
-            self._writer = BackgroundWriter(f"ttrace-writer-rank{self.rank}")
-        self._file = StreamingFile(self._writer, os.path.join(self.dir, fname), self.direct_io, self.sync)
+            self._writer = BackgroundWriter(f"ttrace-writer-rank{self.rank}", lanes=WRITE_LANES)
+        self._open[lane] = _OpenFile(StreamingFile(self._writer, os.path.join(self.dir, fname), self.direct_io,
+                                                   self.sync, lane=lane), fname, iteration)
         self._file_index[iteration] = part + 1
-        self._file_name, self._file_iteration, self._file_records = fname, iteration, []
 
-    def _finish_file(self) -> None:
-        fname, records = self._file_name, self._file_records
-        self._file.finish(lambda _, size, checksum: self._listed(fname, records, size, checksum),
-                          lambda _, error: self._fail(error))
-        self._file, self._file_records = None, []
+    def _finish_file(self, lane: int) -> None:
+        open_file, self._open[lane] = self._open[lane], None
+        fname, records = open_file.name, open_file.records
+        open_file.file.finish(lambda _, size, checksum: self._listed(fname, records, size, checksum),
+                              lambda _, error: self._fail(error))
 
-    def _drop_file(self) -> None:
-        if self._file is not None:
-            self._file.abandon()
-            self._file, self._file_records = None, []
+    def _drop_files(self) -> None:
+        for lane, open_file in enumerate(self._open):
+            if open_file is not None:
+                open_file.file.abandon()
+                self._open[lane] = None
 
     def _listed(self, fname: str, records: List[Record], size: int, checksum: dict) -> None:
-        """On the writer thread: a data file is whole and fsync'd; the manifest now lists it."""
+        """On a writer thread: a data file is whole (and fsync'd where the trace syncs); the manifest
+        now lists it. Also after a write on another lane failed: the file is whole, and the manifest
+        still says the trace is incomplete, and why."""
         with self._lock:
-            if not self.active:
-                return
             self.records.extend(records)
             self._record_texts.extend(json.dumps(r.to_json(), separators=(",", ":")) for r in records)
             self.files[fname] = {"bytes": size, CHECKSUM: checksum}
@@ -285,6 +310,16 @@ class TraceWriter:
                           separators=(",", ":"))
         atomic_write_text(os.path.join(self.dir, MANIFEST_FILE),
                           head[:-1] + ',"records":[' + ",".join(self._record_texts) + "]}")
+
+
+@dataclasses.dataclass
+class _OpenFile:
+    """A data file a :class:`TraceWriter` is writing now, on one of its writer lanes."""
+
+    file: StreamingFile
+    name: str
+    iteration: int
+    records: List[Record] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -423,7 +458,8 @@ class TraceReader:
                     raise TraceError(f"data file name {fname!r} is not allowed", path=path, rank=rank)
                 if not isinstance(info.get("bytes"), int) or not _checksum_listed(info):
                     raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
-            records = [Record.from_json(r) for r in m["records"]]
+            # in recording order: a writer's lanes list their files as each is whole, not in order
+            records = sorted((Record.from_json(r) for r in m["records"]), key=lambda r: r.seq)
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
         except TraceError:
             raise
