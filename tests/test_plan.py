@@ -350,16 +350,27 @@ def test_judging_time_is_planned_per_side_from_the_measured_rates():
     got = core.judging_seconds(plan, rates, workers=4)
     assert set(got) == {"candidate", "perturbation run"}
 
-    def expected(side, total, records, workers):
+    def judged(side, total, records):
         optimizer = 3 * side.bytes_per_iteration()[core.OPTIMIZER]
         assert optimizer >= 3 * 3 * (4 << 20)  # (and the records' headers)
-        return (2 * total / 16e9 + (2 * total + 2 * optimizer) / 4e9 + 2 * total / 8e9 + 2 * optimizer / 1e9
-                + records * 1e-4) / workers
+        return 2 * total / 8e9 + 2 * optimizer / 1e9 + records * 1e-4, optimizer
 
     as_recorded = dataclasses.replace(online, online=False)
+    total = as_recorded.total()
     # records: 3 optimizer records sharded over 2 ranks and 8 activations replicated on 2, 3 iterations
-    assert got["candidate"] == pytest.approx(expected(as_recorded, as_recorded.total(), 3 * (3 * 2 + 8 * 2), 1) / 2)
-    assert got["perturbation run"] == pytest.approx(expected(recorded, recorded.total(), 3 * (3 + 8), 4))
+    work, optimizer = judged(as_recorded, total, 3 * (3 * 2 + 8 * 2))
+    # online: the reference's files verified once between the ranks, its pieces read (and its moments
+    # again), not the candidate's own tensors, which are in memory
+    assert got["candidate"] == pytest.approx((ref.total() / 16e9 + (total + optimizer) / 4e9 + work) / 2)
+    work, optimizer = judged(recorded, recorded.total(), 3 * (3 + 8))
+    assert got["perturbation run"] == pytest.approx(
+        (2 * recorded.total() / 16e9 + (2 * recorded.total() + 2 * optimizer) / 4e9 + work) / 4)
+    # the reference held in memory: an online rank's pieces of it are views of its files' maps, not reads
+    held = dataclasses.replace(plan, in_memory=("reference",))
+    mapped = core.judging_seconds(held, rates, workers=4)
+    work, optimizer = judged(as_recorded, total, 3 * (3 * 2 + 8 * 2))
+    assert mapped["candidate"] == pytest.approx((ref.total() / 16e9 + work) / 2)
+    assert mapped["perturbation run"] == got["perturbation run"]
     lines = core.format_plan(plan, compare_rates=rates, workers=4)
     assert any(line.startswith("judging candidate as it runs") and " a rank (" in line for line in lines)
 

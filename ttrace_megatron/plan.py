@@ -489,28 +489,54 @@ def measure_compare_rates(directory: str, elements: int = 1 << 22) -> CompareRat
         torch.set_num_threads(threads)
 
 
-def compare_seconds(side: SidePlan, rates: CompareRates, workers: int = 1) -> float:
-    """Judging a side against its reference, its parts at ``rates`` on ``workers`` processes: both
-    sides' files verified once, every byte read with the reference's at its positions and their sums
-    taken, each updated value checked element by element over both sides' values and moments (about
-    twice the side's optimizer bytes, read again), and each record's own cost. An online side judges
-    what it would record (its reference's files verified as it starts)."""
+def compare_seconds(side: SidePlan, rates: CompareRates, workers: int = 1, reference_bytes: Optional[int] = None,
+                    mapped: bool = False) -> float:
+    """Judging a side against its reference, its parts at ``rates``: every byte's sums taken with the
+    reference's at its positions, each updated value checked element by element over both sides'
+    values and moments (about twice the side's optimizer bytes), and each record's own cost; and
+    what comes before them:
+
+    * a recorded side, judged after the run on ``workers`` processes: both sides' files verified
+      once, every byte read with the reference's, the moments read again for the update check;
+    * an online side, judged as it runs, on all its ranks together (what it would record): its own
+      tensors are in memory, neither read nor verified; the reference's files (``reference_bytes``)
+      are verified once between its ranks, and the reference's pieces read, with its moments again,
+      unless ``mapped`` (the reference held in memory: its pieces are views of the page cache)."""
     recorded = dataclasses.replace(side, online=False)
     total = recorded.total()
     optimizer = recorded.bytes_per_iteration()[OPTIMIZER] * side.iterations
     records = sum(g.record_count(side.sizes) for g in side.groups) * side.iterations
-    work = ((2 * total + 2 * optimizer) / rates.read + 2 * total / rates.sums + 2 * optimizer / rates.update
-            + records * rates.record)
-    return (2 * total / rates.verify + work) / max(workers, 1)
+    judge = 2 * total / rates.sums + 2 * optimizer / rates.update + records * rates.record
+    if side.online:
+        reads = 0.0 if mapped else (total + optimizer) / rates.read
+        return (total if reference_bytes is None else reference_bytes) / rates.verify + reads + judge
+    return (2 * total / rates.verify + (2 * total + 2 * optimizer) / rates.read + judge) / max(workers, 1)
+
+
+def reference_of(plan: Plan, side: SidePlan) -> Optional[SidePlan]:
+    """The reference ``side`` is judged against: the plan's ``reference`` (a twin's side, its twin's)."""
+    prefix = side.name.rpartition("/")[0]
+    name = f"{prefix}/reference" if prefix else "reference"
+    return next((s for s in plan.sides if s.name == name), None)
 
 
 def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, float]:
     """:func:`compare_seconds` of each side judged against the reference: an online side's on each
-    of its ranks (a rank judges its own shards, on its own thread), a recorded one's after the run.
-    A floor, not a forecast: at the 50M rung (``benchmarks/compare_at_scale.py``) the whole compare
-    took 1.5× it on one process and 2.4× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
-    return {s.name: compare_seconds(s, rates, 1 if s.online else workers) / (s.ranks if s.online else 1)
-            for s in plan.sides if s.judged}
+    of its ranks (a rank judges its own shards, on its own thread; the reference mapped where the
+    plan holds it in memory), a recorded one's after the run. A floor, not a forecast: at the 50M
+    rung (``benchmarks/compare_at_scale.py``) the whole compare took 1.5× it on one process and
+    2.4× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
+    out = {}
+    for s in plan.sides:
+        if not s.judged:
+            continue
+        if not s.online:
+            out[s.name] = compare_seconds(s, rates, workers)
+            continue
+        ref = reference_of(plan, s)
+        out[s.name] = compare_seconds(s, rates, reference_bytes=ref.total() if ref else None,
+                                      mapped=ref is not None and ref.name in plan.in_memory) / s.ranks
+    return out
 
 
 # the most ``ttrace plan --measure-disk`` writes to memory to time it: a write of 256 MiB is served by
