@@ -72,15 +72,19 @@ def _cpu_model() -> str:
 
 def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dict:
     """(1) and (2): plain training, then the default check and the check with its reference on the
-    disk, alternated ``repeats`` times (this VM's timings move by 10-20 % from one check to the next).
-    Right before each check, the reference's bytes are written alone where that check puts them
-    (:func:`write_at_size`): the time to write them, in the state the machine is in for that check."""
+    disk, the three alternated ``repeats`` times: each check is divided by the plain training right
+    before it (this VM's timings move by 10-20 % from one check to the next, and by 1.4× between its
+    phases: a table at 8dd6c98 divided both repeats by one plain training of 5.9 s, where the others
+    took 5.0-5.2). Right before each check, the reference's bytes are written alone where that check
+    puts them (:func:`write_at_size`): the time to write them, in the state the machine is in for
+    that check."""
     from ttrace_megatron import plan as core
 
-    os.makedirs(os.path.join(tmp, "plain"))
-    trained = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, "plain"), cpu)["seconds"]
-    out = {"trained_s": trained, "auto": [], "disk": []}
+    out = {"trained_s": None, "auto": [], "disk": []}
     for k in range(repeats):
+        os.makedirs(os.path.join(tmp, f"plain-{k}"))
+        trained = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, f"plain-{k}"), cpu)["seconds"]
+        out["trained_s"] = out["trained_s"] or trained
         for where in ("auto", "disk"):
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
@@ -89,7 +93,7 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
             place = core.MEMORY_ROOT if held else work
             written = write_at_size(place, reference_bytes)
             row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)
-            out[where].append(dict(row, write_at_size_bps=written))
+            out[where].append(dict(row, write_at_size_bps=written, trained_s=trained))
             shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -231,9 +235,13 @@ def _against_floor(fl: dict, workers: int, seconds: float) -> str:
 
 
 def table(m: dict) -> list:
-    """The rows: (measure, value, ratio, goal)."""
-    trained = m["whole"]["trained_s"]
-    plain_s = sum(trained.values())
+    """The rows: (measure, value, ratio, goal). Each check against the plain training right before
+    it (tables before 2026-11-29: against one, before all)."""
+    first = m["whole"]["trained_s"]
+    plain_s = sum(first.values())
+
+    def trained(r: dict) -> dict:
+        return r.get("trained_s") or first
     bw, rates, fl = m["memory_bandwidth"], m["floors"]["compare_rates"], m["floors"]
     rows = []
     for where, label in (("auto", "the default: online, the reference in memory"),
@@ -244,17 +252,19 @@ def table(m: dict) -> list:
         rows.append((f"the whole check, {label} ({', '.join(r['verdict'] for r in runs)}; "
                      f"{runs[0]['bytes_total'] / 1e9:.2f} GB written to the disk)",
                      f"{each([r['wall_s'] for r in runs])} s: reference {each([p['reference'] for p in parts])} "
-                     f"(trained alone {trained['reference']:.1f}), candidate {each([p['candidate'] for p in parts])} "
-                     f"(alone {trained['candidate']:.1f}), compare {each([p['compare'] for p in parts])}, the rest "
+                     f"(trained alone {each([trained(r)['reference'] for r in runs])}), candidate "
+                     f"{each([p['candidate'] for p in parts])} (alone {each([trained(r)['candidate'] for r in runs])}), "
+                     f"compare {each([p['compare'] for p in parts])}, the rest "
                      f"{each([r['wall_s'] - sum(p.values()) for r, p in zip(runs, parts)])}",
-                     f"{each([r['wall_s'] / plain_s for r in runs], '.2f')}× the two layouts trained ({plain_s:.1f} s)",
+                     f"{each([r['wall_s'] / sum(trained(r).values()) for r in runs], '.2f')}× the two layouts "
+                     f"trained right before it ({each([sum(trained(r).values()) for r in runs])} s)",
                      "≤ 2×"))
-        extra = [p["reference"] - trained["reference"] for p in parts]
+        extra = [p["reference"] - trained(r)["reference"] for r, p in zip(runs, parts)]
         rows.append(recording_row(went, extra, [r["write_at_size_bps"] for r in runs], fl))
         if went == "memory" and fl.get("staging_copy"):
             rows.append(recording_passes_row(m))
     auto = m["whole"]["auto"]
-    judged = [r["timings_s"]["candidate"] - trained["candidate"] for r in auto]
+    judged = [r["timings_s"]["candidate"] - trained(r)["candidate"] for r in auto]
     floor = fl["judging_floor_online"]["candidate"]
     rows.append(("the candidate's online judging: its extra time over training it alone (both ranks on "
                  f"{fl['cores']} cores)", f"{each(judged)} s",
@@ -263,12 +273,13 @@ def table(m: dict) -> list:
                  "verified)", ""))
     writes = [fl["reference_bytes"] / r["write_at_size_bps"] for r in auto]
     if auto[0]["reference_in_memory"]:
-        least = [plain_s + w + floor for w in writes]
+        plains = [sum(trained(r).values()) for r in auto]
+        least = [p + w + floor for p, w in zip(plains, writes)]
         rows.append(("the whole check with each part at its floor, one after the other: the two layouts trained, "
                      "the reference's bytes written to memory alone right before each check, the candidate's "
                      "judging at the plan's floor",
-                     " / ".join(f"{plain_s:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for w, t in zip(writes, least)),
-                     f"{each([t / plain_s for t in least], '.2f')}× the two layouts trained", "≤ 2×"))
+                     " / ".join(f"{p:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for p, w, t in zip(plains, writes, least)),
+                     f"{each([t / p for p, t in zip(plains, least)], '.2f')}× the two layouts trained", "≤ 2×"))
     rec = m["recorded"]
     for c in rec["compares"]:
         thr = rec["trace_bytes"] / c["seconds"]
