@@ -30,6 +30,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -99,14 +100,28 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
 
 
 def write_at_size(directory: str, nbytes: int) -> float:
-    """Bytes a second of writing ``nbytes`` (the reference's, rounded up to 1 MiB) alone in one
-    file in ``directory``, then fsync'd (``plan.measure_write_bandwidth``), the file removed after.
-    At a check's own size, not 256 MiB: this VM gives a process memory it has not touched lately at
-    a fraction of the rate it gives memory freed moments before (writing 4 GB into /dev/shm measured
-    0.55-0.58 GB/s where 256 MiB measured 1.8-2.4 GB/s), and a check's reference is such memory."""
-    from ttrace_megatron import plan as core
+    """Bytes a second of writing ``nbytes`` (the reference's, rounded up to 1 MiB a file) alone in
+    ``directory`` as the tracer writes them: in ``trace_store.WRITE_LANES`` files at once, a thread
+    each, each fsync'd (``plan.measure_write_bandwidth``) and removed after. (One thread into one
+    file, as tables before 2026-11-29 timed it, takes up to twice as long on tmpfs here: a recording
+    written by two lanes measured 0.56-0.94× that.) At a check's own size, not 256 MiB: this VM gives
+    a process memory it has not touched lately at a fraction of the rate it gives memory freed
+    moments before (writing 4 GB into /dev/shm measured 0.55-0.58 GB/s where 256 MiB measured
+    1.8-2.4 GB/s), and a check's reference is such memory."""
+    import threading
 
-    return core.measure_write_bandwidth(directory, -(-nbytes // (1 << 20)) << 20)
+    from ttrace_megatron import plan as core
+    from ttrace_megatron.trace_store import WRITE_LANES
+
+    each = -(-nbytes // (WRITE_LANES << 20)) << 20
+    threads = [threading.Thread(target=core.measure_write_bandwidth, args=(directory, each))
+               for _ in range(WRITE_LANES)]
+    start = time.monotonic()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return WRITE_LANES * each / max(time.monotonic() - start, 1e-9)
 
 
 def recorded_compare(tmp: str, workers, cpu: bool) -> dict:
@@ -213,13 +228,16 @@ def recording_row(went: str, extra: list, at_size: list, fl: dict) -> tuple:
     """The reference's extra time over training it alone, against the time to write its bytes: at
     their own size, alone, right before each check (``write_at_size``), and the short write of the
     floors (256 MiB, the best of 3) beside it, which tables before 2026-11-27 divided by."""
+    from ttrace_megatron.trace_store import WRITE_LANES
+
     size, short = fl["reference_bytes"], fl["write_bandwidth"][went]
     return (f"recorded iterations ({went}): the reference's extra time over training it alone",
             f"{each(extra)} s for {size / 1e9:.2f} GB",
             f"{each([e / (size / w) for e, w in zip(extra, at_size)], '.2f')}× the time to write its bytes, "
-            f"alone right before each check ({each([size / w for w in at_size])} s: "
-            f"{each([w / 1e9 for w in at_size], '.2f')} GB/s, {went}); "
-            f"{each([e / (size / short) for e in extra], '.2f')}× at {short / 1e9:.2f} GB/s (256 MiB, the best of 3)",
+            f"alone right before each check, into {WRITE_LANES} files at once as the tracer writes them "
+            f"({each([size / w for w in at_size])} s: {each([w / 1e9 for w in at_size], '.2f')} GB/s, {went}); "
+            f"{each([e / (size / short) for e in extra], '.2f')}× at {short / 1e9:.2f} GB/s (256 MiB, one file, "
+            "the best of 3)",
             "≤ 1.2×")
 
 
