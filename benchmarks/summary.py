@@ -153,7 +153,19 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
-           "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones)",
+           "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
+           "training right before it, and the reference's recording by the time to write its bytes as the tracer "
+           "now writes them, into two files at once (09ff700)",
+           COSTS_TABLE, ("cost_table_fcf5a7b_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 68051ea, on the same VM minutes before, in a slow phase (fresh memory written at "
+           "0.48 GB/s): the code is fcf5a7b's, but the reference's recording is divided by its bytes written by one "
+           "thread into one file (0.56 / 0.70× that: a recording written by two lanes outran it)",
+           COSTS_TABLE, ("cost_table_68051ea_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 68051ea again, right after, in a middling phase (0.98 / 1.13 GB/s; the recording "
+           "0.78 / 0.94× the one-thread write)",
+           COSTS_TABLE, ("cost_table_68051ea_b_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 7432885 on the same VM, the session before, with one writer thread and 4 staging "
+           "buffers, against one plain training before both repeats and the one-thread write",
            COSTS_TABLE, ("cost_table_7432885_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at d8d4fcc on the same VM, three quarters of an hour earlier, before a recorded host tensor was staged by "
            "one memcpy instead of torch's threaded copy (7432885): 2.94 / 2.40× against 2.64 / 2.50×, the reference's "
