@@ -160,7 +160,6 @@ def floors(tmp: str, workers) -> dict:
 
     recipe = shipped_recipe(RECIPE, "fp32", 1, True)
     rates = core.measure_compare_rates(tmp)
-    plan = check_plan(recipe, online=True, twin=False)
     held = check_plan(recipe, online=True, twin=False, reference_in_memory=True)  # the default check's
     recorded = check_plan(recipe, online=False, twin=False)
     cores = available_cores()
@@ -170,21 +169,18 @@ def floors(tmp: str, workers) -> dict:
     return {"write_bandwidth": {"memory": best(core.MEMORY_ROOT) if core.memory_room() else None, "disk": best(tmp)},
             "staging_copy": max(staging_copy_rate() for _ in range(3)),
             "compare_rates": dataclasses.asdict(rates), "cores": cores,
-            # the default check's ranks read the reference held in memory through maps; on the disk, by reads
+            # the default check's: its ranks read the reference held in memory through maps
             "judging_floor_online": core.judging_seconds(held, rates, cores),
-            "judging_floor_online_disk": core.judging_seconds(plan, rates, cores),
             "judging_floor_recorded": core.judging_seconds(recorded, rates, cores),
             "compare_floor_by_workers": {str(n): core.judging_seconds(recorded, rates, n)["candidate"]
                                          for n in workers},
-            "reference_bytes": plan.side("reference").total()}
+            "reference_bytes": held.side("reference").total()}
 
 
 def staging_copy_rate(nbytes: int = 256 << 20) -> float:
     """Bytes a second a recording rank copies tensors into its staging buffers at, alone on one
     thread (``stream_writer``: 8 MiB buffers, warm, its ``copy_bytes``; 32 MiB fp32 tensors, written
     once before)."""
-    import time
-
     import torch
 
     from ttrace_megatron import stream_writer

@@ -279,14 +279,13 @@ class BackgroundWriter:
     def __init__(self, name: str, lanes: int = 1):
         if STAGING_BUFFERS < lanes:  # each lane holds the buffer it fills: fewer would wait forever
             raise ValueError(f"{STAGING_BUFFERS} staging buffers cannot serve {lanes} writer lanes")
-        self.lanes = lanes
         self._jobs: "List[queue.Queue[Optional[Callable[[], None]]]]" = [queue.Queue() for _ in range(lanes)]
         self._checksum_jobs: "queue.Queue[Optional[Callable[[], None]]]" = queue.Queue()
         self._free: "queue.Queue[_Staging]" = queue.Queue()
         self._allocated = 0
-        queues = [(jobs, f"writer{k}" if lanes > 1 else "writer") for k, jobs in enumerate(self._jobs)]
+        queues = [(jobs, f"writer{k}") for k, jobs in enumerate(self._jobs)] + [(self._checksum_jobs, "checksum")]
         self._threads = [threading.Thread(target=self._run, args=(jobs, what), name=f"{name}-{what}", daemon=True)
-                         for jobs, what in queues + [(self._checksum_jobs, "checksum")]]
+                         for jobs, what in queues]
         for thread in self._threads:
             thread.start()
 
