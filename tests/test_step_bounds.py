@@ -78,6 +78,21 @@ def test_twin_explains_one_call_and_a_chained_optimizers_root_sum_square():
     assert chained.explain(7.5) == (None, pytest.approx(0.003))  # no combination reproduces it
 
 
+def test_the_twin_squares_a_grad_larger_than_its_host_piece_whole(monkeypatch):
+    """On a host the twin squares a grad in pieces of NORM_PIECE_HOST elements (a buffer that stays
+    in cache): every piece, the last partial one included, counts, to fp64 round-off."""
+    from ttrace_megatron.adapter.record.recorder import NORM_PIECE_HOST
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", lambda tensor, group=None: None)  # one rank
+    torch.manual_seed(0)
+    grads = [torch.randn(3 * NORM_PIECE_HOST + 5), torch.randn(7)]
+    twin = _GradNormTwin()
+    twin.observe(grads, 2.0, None, torch.tensor(1.0))
+    exact = math.sqrt(sum(float(g.double().square().sum()) for g in grads))
+    # fp64 sums of ~800k squares in two orders: ~1e-14 apart (a piece left out: ~1e-1; fp32: ~1e-7)
+    assert twin.calls[0] == (1.0, pytest.approx(exact, rel=1e-12))
+
+
 def test_terms_come_from_the_calls_that_make_the_steps_norm():
     """A ChainedOptimizer's norm is √Σ over its parts' calls; a later call (a part clipping by its own
     norm) is not counted again. A parameter this rank did not count takes the axes of its kind's call."""

@@ -49,7 +49,12 @@ from ..recipe.naming import all_parameters, canonical_module_names, mtp_layers, 
 from .optimizer_state import expected_states, grad_scaler, group_settings, loss_scale, main_params, step_count
 
 
-NORM_PIECE = 1 << 22  # elements of a grad squared in fp64 at once, for the grad norm's fp64 twin (32 MiB)
+# elements of a grad squared in fp64 at once, for the grad norm's fp64 twin: on a GPU 32 MiB a piece
+# (few launches); on a host 2 MiB, which the copy writes and the norm reads again while in cache.
+# 4M-element pieces took 5-7× as long (16M fp32 elements: 24-34 ms against 4.7-5.8 ms, the Zen 5 VM):
+# at the 50M rung a TP2 candidate rank's twins took 0.10-0.11 s of its three steps, now 0.04-0.05
+NORM_PIECE = 1 << 22
+NORM_PIECE_HOST = 1 << 18
 
 
 @dataclasses.dataclass
@@ -482,11 +487,12 @@ class _GradNormTwin:
         # fresh 32 MiB allocation a piece (on a host, each was fresh pages: 0.78 s of a 50M-parameter
         # reference's three iterations); the same values, so the same norms, as a copy a piece
         most = max((to_local_if_dtensor(g).numel() for g in grads), default=0)
-        wide = torch.empty(min(NORM_PIECE, most), dtype=torch.float64, device=device)
+        step = NORM_PIECE_HOST if device.type == "cpu" else NORM_PIECE
+        wide = torch.empty(min(step, most), dtype=torch.float64, device=device)
         for i, g in enumerate(grads):
             local = to_local_if_dtensor(g).detach().reshape(-1)
-            for start in range(0, local.numel(), NORM_PIECE):
-                piece = local[start:start + NORM_PIECE]
+            for start in range(0, local.numel(), step):
+                piece = local[start:start + step]
                 squares[i] += torch.linalg.vector_norm(wide[:piece.numel()].copy_(piece)) ** 2
         total = squares.sum().reshape(1)
         experts = False
