@@ -84,7 +84,8 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
     out = {"trained_s": None, "auto": [], "disk": []}
     for k in range(repeats):
         os.makedirs(os.path.join(tmp, f"plain-{k}"))
-        trained = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, f"plain-{k}"), cpu)["seconds"]
+        trained_run = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, f"plain-{k}"), cpu)
+        trained = trained_run["seconds"]
         out["trained_s"] = out["trained_s"] or trained
         for where in ("auto", "disk"):
             work = os.path.join(tmp, f"{where}-{k}")
@@ -94,7 +95,8 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
             place = core.MEMORY_ROOT if held else work
             written = write_at_size(place, reference_bytes)
             row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)
-            out[where].append(dict(row, write_at_size_bps=written, trained_s=trained))
+            out[where].append(dict(row, write_at_size_bps=written, trained_s=trained,
+                                   trained_core_seconds=trained_run.get("core_seconds")))
             shutil.rmtree(work, ignore_errors=True)
     return out
 
@@ -201,6 +203,30 @@ def each(xs, f: str = ".1f") -> str:
     return " / ".join(format(x, f) for x in xs)
 
 
+def cores_row(runs: list) -> tuple:
+    """Where the machine's cores went during each default check, against the plain training right
+    before it (both sides' launches summed): work in user space, work in the kernel (a fresh page's
+    fault and zeroing, a tmpfs write), and idle (a rank waiting for another, or for its writes).
+    From ``/proc/stat``, the whole machine: what else ran then is in it too."""
+    def parts(c: dict) -> str:
+        return f"user {c['user']:.1f} + kernel {c['kernel']:.1f} + idle {c['idle']:.1f}"
+
+    def summed(r: dict) -> dict:
+        sides = r["trained_core_seconds"].values()
+        return {k: sum(c[k] for c in sides) for k in ("user", "kernel", "idle")}
+
+    def share(c: dict) -> float:
+        return c["idle"] / max(c["user"] + c["kernel"] + c["idle"], 1e-9)
+    checks, plains = [r["core_seconds"] for r in runs], [summed(r) for r in runs]
+    return ("where the cores went during the default check (core-seconds of the whole machine, /proc/stat), "
+            "against the two layouts' plain training right before it",
+            " / ".join(parts(c) for c in checks) + " core-s; trained: " + " / ".join(parts(c) for c in plains),
+            f"idle {each([100 * share(c) for c in checks], '.0f')} % of the check's core-seconds, "
+            f"{each([100 * share(c) for c in plains], '.0f')} % of the training's; busy "
+            f"{each([(c['user'] + c['kernel']) / (p['user'] + p['kernel']) for c, p in zip(checks, plains)], '.2f')}× "
+            "the training's", "")
+
+
 def recording_passes_row(m: dict) -> tuple:
     """What recording to memory does to every byte, each pass at its own measured speed, one after
     the other: copied into staging, hashed (xxh3: compare's verifying rate), written (at its own
@@ -273,6 +299,8 @@ def table(m: dict) -> list:
                      f"{each([r['wall_s'] / sum(trained(r).values()) for r in runs], '.2f')}× the two layouts "
                      f"trained right before it ({each([sum(trained(r).values()) for r in runs])} s)",
                      "≤ 2×"))
+        if where == "auto" and all(r.get("core_seconds") and r.get("trained_core_seconds") for r in runs):
+            rows.append(cores_row(runs))
         extra = [p["reference"] - trained(r)["reference"] for r, p in zip(runs, parts)]
         rows.append(recording_row(went, extra, [r["write_at_size_bps"] for r in runs], fl))
         if went == "memory" and fl.get("staging_copy"):

@@ -39,6 +39,28 @@ from ttrace_megatron.plan import MEMORY_ROOT  # noqa: E402
 MODES = {"recorded": ["--keep-traces"], "online": []}  # online: ttrace run's default
 
 
+def core_seconds() -> Optional[dict]:
+    """The whole machine's CPU time so far, by what it did (Linux's ``/proc/stat``, every core
+    summed, in seconds): ``user`` (nice included), ``kernel`` (system, irq, softirq), ``idle``
+    (iowait included), ``steal`` (a VM's time its host ran something else). Two readings' difference
+    says whether a stretch of wall time was work or waiting: a check's cores idle while a rank
+    waits for another at a collective. None where there is no ``/proc/stat``."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    hz = os.sysconf("SC_CLK_TCK")
+    fields += [0] * (8 - len(fields))
+    return {"user": (fields[0] + fields[1]) / hz, "kernel": (fields[2] + fields[5] + fields[6]) / hz,
+            "idle": (fields[3] + fields[4]) / hz, "steal": fields[7] / hz}
+
+
+def core_seconds_since(before: Optional[dict]) -> Optional[dict]:
+    now = core_seconds()
+    return None if before is None or now is None else {k: round(now[k] - before[k], 2) for k in now}
+
+
 def tree_bytes(path: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
 
@@ -56,11 +78,11 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
     out, report_path = os.path.join(tmp, "out"), os.path.join(tmp, "report.json")
     argv = ["run", path, "--out", out, "--json", report_path, "--quiet", "--reference-in", reference_in] + MODES[mode] + (
         ["--inject", inject] if inject else []) + (["--cpu"] if cpu else [])
-    start = time.monotonic()
+    start, before = time.monotonic(), core_seconds()
     with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal), \
             _reference_io(reference_io):
         main(argv)
-    wall = round(time.monotonic() - start, 2)
+    wall, cores = round(time.monotonic() - start, 2), core_seconds_since(before)
     with open(report_path) as f:
         report = json.load(f)
     sides = {}
@@ -76,7 +98,7 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
            "first_mismatch": f"{fm.get('module')} {fm.get('phase')} {fm.get('tensor')}" if fm else None,
            "culprit": next((f"{c['module']}, {c['phase']}, {c['tensor']}" for c in report.get("culprits") or []), None),
            "judged": len(report.get("tensors") or []), "skipped": len(report.get("skipped") or []),
-           "timings_s": report.get("timings_s"), "wall_s": wall,
+           "timings_s": report.get("timings_s"), "wall_s": wall, "core_seconds": cores,
            "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
                                     text=True).stdout.strip(),
            "megatron_core": megatron.core.__version__, "reference_io": reference_io, "reference_in": reference_in,
@@ -117,16 +139,18 @@ def plain(name: str, dtype: str, seed: int, wide: bool, tmp: str, cpu: bool = Fa
     from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, Probes, RunSpec, trace_options
 
     r = shipped_recipe(name, dtype, seed, wide)
-    seconds = {}
+    seconds, cores = {}, {}
     # twice: the first launch of a process starts the launcher's fork server (its imports), which the
-    # checks after it find started; the second's seconds are kept
+    # checks after it find started; the second's seconds (and the machine's core-seconds) are kept
     for role in (REFERENCE, CANDIDATE, REFERENCE, CANDIDATE):
-        start = time.monotonic()
+        start, before = time.monotonic(), core_seconds()
         launch(RunSpec(recipe=r.to_json(), role=role, cpu=cpu,
                        trace=trace_options(os.path.join(tmp, role), os.path.join(tmp, "seed.safetensors"))),
                probes=Probes(trace=False), timeout_s=3600)
         seconds[role] = round(time.monotonic() - start, 2)
+        cores[role] = core_seconds_since(before)
     return {"recipe": name, "wide": wide, "dtype": dtype, "seed": seed, "mode": "plain", "seconds": seconds,
+            "core_seconds": cores,
             "commit": subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
                                      text=True).stdout.strip(),
             "megatron_core": megatron.core.__version__,
