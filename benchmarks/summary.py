@@ -155,7 +155,11 @@ CURRENT: Tuple[Source, ...] = (
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
            "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
            "training right before it, and the reference's recording by the time to write its bytes as the tracer "
-           "now writes them, into two files at once (09ff700)",
+           "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976)",
+           COSTS_TABLE, ("cost_table_b2c5976_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at fcf5a7b on the same VM, the session before, in a slower phase (the reference's 4 GB "
+           "written alone to memory at 1.31 / 1.67 GB/s, against 4.33 / 4.39 at b2c5976), before the grad norm's "
+           "twin squared a host's grads in cache (eaa969b)",
            COSTS_TABLE, ("cost_table_fcf5a7b_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 68051ea, on the same VM minutes before, in a slow phase (fresh memory written at "
            "0.48 GB/s): the code is fcf5a7b's, but the reference's recording is divided by its bytes written by one "
