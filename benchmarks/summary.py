@@ -136,7 +136,7 @@ CURRENT: Tuple[Source, ...] = (
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("upstream Megatron-LM bugs, fp32, at width (8 layers, h512, V32k)", UPSTREAM,
-           ("upstream_fp32_wide_59bf492.md",), "benchmarks/results/history/issue31_scale.md"),
+           ("upstream_fp32_wide_b2c5976_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("upstream Megatron-LM bugs, bf16 with the fp32 twin", UPSTREAM, ("upstream_bf16_twin_7421a72.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("the fp32 twin's cost", TWIN_COST, ("twin_cost_7194ac9.jsonl",),
@@ -570,7 +570,7 @@ def per_bug_table() -> List[str]:
 
 
 # the upstream tables: fp32 at width, bf16 (with its twin) at toy size
-PER_UPSTREAM = (("fp32 pair, at width", "upstream_fp32_wide_59bf492.md", "detected", "error / tolerance",
+PER_UPSTREAM = (("fp32 pair, at width", "upstream_fp32_wide_b2c5976_zen5.md", "detected", "error / tolerance",
                  "localized (expected module, phase)"),
                 ("bf16 pair", "upstream_bf16_twin_7421a72.md", "detected", "error / tolerance",
                  "localized (expected module, phase)"),
