@@ -156,6 +156,11 @@ CURRENT: Tuple[Source, ...] = (
            "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
            "training right before it, and the reference's recording by the time to write its bytes as the tracer "
            "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976)",
+           COSTS_TABLE, ("cost_table_bfcf8c2_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at b2c5976 (the same code as bfcf8c2's), an hour before on the same VM, in a phase where "
+           "in every check one candidate rank ran up to 1.4 s more kernel time than the other and the other waited "
+           "(idle 16 % of the check's core-seconds against 12 % at bfcf8c2; the candidate 4.4 / 4.6 s over its "
+           "training against 2.8 / 2.5)",
            COSTS_TABLE, ("cost_table_b2c5976_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at fcf5a7b on the same VM, the session before, in a slower phase (the reference's 4 GB "
            "written alone to memory at 1.31 / 1.67 GB/s, against 4.33 / 4.39 at b2c5976), before the grad norm's "
