@@ -155,7 +155,10 @@ CURRENT: Tuple[Source, ...] = (
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
            "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
            "training right before it, and the reference's recording by the time to write its bytes as the tracer "
-           "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976)",
+           "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976); three "
+           "repeats",
+           COSTS_TABLE, ("cost_table_b77972b_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at bfcf8c2 (the same code), minutes before, two repeats",
            COSTS_TABLE, ("cost_table_bfcf8c2_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at b2c5976 (the same code as bfcf8c2's), an hour before on the same VM, in a phase where "
            "in every check one candidate rank ran up to 1.4 s more kernel time than the other and the other waited "
