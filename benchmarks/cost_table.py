@@ -94,8 +94,9 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
             held = core.reference_in_memory(where, reference_bytes, core.memory_room(), True)
             place = core.MEMORY_ROOT if held else work
             written = write_at_size(place, reference_bytes)
+            held = held_write(place, reference_bytes) if where == "auto" and place == core.MEMORY_ROOT else None
             row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)
-            out[where].append(dict(row, write_at_size_bps=written, trained_s=trained,
+            out[where].append(dict(row, write_at_size_bps=written, held=held, trained_s=trained,
                                    trained_core_seconds=trained_run.get("core_seconds")))
             shutil.rmtree(work, ignore_errors=True)
     return out
@@ -124,6 +125,51 @@ def write_at_size(directory: str, nbytes: int) -> float:
     for thread in threads:
         thread.join()
     return WRITE_LANES * each / max(time.monotonic() - start, 1e-9)
+
+
+def held_write(directory: str, nbytes: int) -> dict:
+    """The reference's bytes written as :func:`write_at_size` writes them, but into files that already
+    hold as many bytes (their pages overwritten in place, none allocated), then those files freed
+    (unlinked as ``ttrace run`` removes an in-memory reference: ``plan.remove_tree``). What a
+    reference written into memory the check already holds would pay for its writes, against
+    memory it has not touched lately: on this VM a tmpfs page written for the first time cost
+    0.37-0.44 s/GB in the kernel, overwritten 0.21-0.23, and freeing it 0.13-0.14 (one thread, 1 GB,
+    2026-11-29). The files are first written untimed."""
+    import threading
+
+    from ttrace_megatron import plan as core
+    from ttrace_megatron.fork_server import available_cores
+    from ttrace_megatron.trace_store import WRITE_LANES
+
+    each = -(-nbytes // (WRITE_LANES << 20)) << 20
+    work = tempfile.mkdtemp(dir=directory, prefix=".ttrace-held-")
+    paths = [os.path.join(work, f"lane{k}") for k in range(WRITE_LANES)]
+    block = os.urandom(1 << 20)
+
+    def write(path: str, mode: str) -> None:
+        with open(path, mode) as f:
+            for _ in range(each // len(block)):
+                f.write(block)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def lanes(mode: str) -> float:
+        threads = [threading.Thread(target=write, args=(path, mode)) for path in paths]
+        start = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        return time.monotonic() - start
+
+    try:
+        lanes("wb")
+        overwrite_s = lanes("r+b")  # the same files from their start: every page already there
+    finally:
+        start = time.monotonic()
+        core.remove_tree(work, min(available_cores(), 4))  # as ``cli.REMOVAL_THREADS`` removes a reference
+        free_s = time.monotonic() - start
+    return {"overwrite_bps": WRITE_LANES * each / max(overwrite_s, 1e-9), "free_s": free_s}
 
 
 def recorded_compare(tmp: str, workers, cpu: bool) -> dict:
@@ -263,6 +309,25 @@ def recording_row(went: str, extra: list, at_size: list, fl: dict) -> tuple:
             "≤ 1.2×")
 
 
+def held_row(runs: list, fl: dict) -> tuple:
+    """The reference's bytes written into memory the check already holds (:func:`held_write`), right
+    before each default check, against the same bytes into fresh memory (``write_at_size``) and the
+    freeing after: what a check would save on its fresh pages by writing its reference into a
+    buffer it holds (a streamed reference, not built), beside the rest of its parts."""
+    size = fl["reference_bytes"]
+    fresh = [size / r["write_at_size_bps"] for r in runs]
+    over = [size / r["held"]["overwrite_bps"] for r in runs]
+    free = [r["held"]["free_s"] for r in runs]
+    return ("the reference's bytes written into memory already held (files that hold as many bytes, "
+            "overwritten in place, as the tracer writes), right before each check; then freed as a check "
+            "frees its reference",
+            f"{each(over, '.2f')} s ({each([size / o / 1e9 for o in over], '.2f')} GB/s); freed in "
+            f"{each(free, '.2f')} s",
+            f"{each([f / o for f, o in zip(fresh, over)], '.2f')}× faster than into fresh memory "
+            f"({each(fresh, '.2f')} s); fresh pages and their freeing: "
+            f"{each([f - o + z for f, o, z in zip(fresh, over, free)], '.2f')} s of the default check", "")
+
+
 def _against_floor(fl: dict, workers: int, seconds: float) -> str:
     """Compare's time against its parts' floor on as many processes: every part one after the other
     at its rate on one thread (``plan.compare_seconds``), the work split evenly. The slowest part's
@@ -322,6 +387,14 @@ def table(m: dict) -> list:
                      "judging at the plan's floor",
                      " / ".join(f"{p:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for p, w, t in zip(plains, writes, least)),
                      f"{each([t / p for p, t in zip(plains, least)], '.2f')}× the two layouts trained", "≤ 2×"))
+        if all(r.get("held") for r in auto):
+            rows.append(held_row(auto, fl))
+            held = [fl["reference_bytes"] / r["held"]["overwrite_bps"] for r in auto]
+            least = [p + w + floor for p, w in zip(plains, held)]
+            rows.append(("the same, the reference's bytes written into memory already held (the row above)",
+                         " / ".join(f"{p:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s"
+                                    for p, w, t in zip(plains, held, least)),
+                         f"{each([t / p for p, t in zip(plains, least)], '.2f')}× the two layouts trained", "≤ 2×"))
     rec = m["recorded"]
     for c in rec["compares"]:
         thr = rec["trace_bytes"] / c["seconds"]
