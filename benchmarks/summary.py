@@ -155,8 +155,12 @@ CURRENT: Tuple[Source, ...] = (
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
            "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
            "training right before it, and the reference's recording by the time to write its bytes as the tracer "
-           "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976); three "
-           "repeats",
+           "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976); what the "
+           "reference's bytes cost written into memory the check already holds, and freed after, against fresh "
+           "memory (1da0cb4: what a reference streamed through a held buffer would save; not built); three repeats",
+           COSTS_TABLE, ("cost_table_1da0cb4_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at b77972b (the code of bfcf8c2), the session before, in a faster phase of the same VM "
+           "(the candidate 2.5-2.8 s over its training, against 3.1-4.1 s at 1da0cb4), three repeats",
            COSTS_TABLE, ("cost_table_b77972b_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at bfcf8c2 (the same code), minutes before, two repeats",
            COSTS_TABLE, ("cost_table_bfcf8c2_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
