@@ -124,7 +124,8 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue31_scale.md"),
     Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_a08cc57_epyc.md",),
            "benchmarks/results/history/issue38_traces_that_travel.md",
-           reruns=("zoo_fp32_6a4c5f9_epyc.md", "zoo_fp32_ff30424_epyc.md", "zoo_fp32_ac5c878_zen5.md")),
+           reruns=("zoo_fp32_6a4c5f9_epyc.md", "zoo_fp32_ff30424_epyc.md", "zoo_fp32_ac5c878_zen5.md",
+                   "zoo_fp32_1da0cb4_zen5.md")),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_0354fd3_zen5.md",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
@@ -146,7 +147,7 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
-           ("online_parity_ff30424_epyc.jsonl", "online_parity_bf16_a8b924e_epyc.jsonl"),
+           ("online_parity_1da0cb4_zen5.jsonl", "online_parity_bf16_a8b924e_epyc.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
