@@ -133,7 +133,8 @@ CURRENT: Tuple[Source, ...] = (
     Source("bug zoo, bf16/fp16/FP8 with the fp32 twin", BUGS, ("zoo_lowp_twin_b536d29.md",),
            "benchmarks/results/history/issue36_bf16_twin.md",
            reruns=("zoo_bf16_twin_0169bc2_epyc.md", "zoo_fp16_fp8_twin_0169bc2_epyc.md",
-                   "zoo_bf16_twin_f496d39_epyc.md", "zoo_fp16_fp8_twin_e6e58f3_epyc.md")),
+                   "zoo_bf16_twin_f496d39_epyc.md", "zoo_fp16_fp8_twin_e6e58f3_epyc.md",
+                   "zoo_bf16_twin_d077861_zen5.md", "zoo_fp16_fp8_twin_d077861_zen5.md")),
     Source("bug zoo, bf16, sensitized start", BUGS, ("zoo_bf16_sensitized_7194ac9.md",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("upstream Megatron-LM bugs, fp32, at width (8 layers, h512, V32k)", UPSTREAM,
@@ -147,7 +148,7 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same, one rank a side, on the CPU", TWIN_COST, ("twin_cost_single_rank_4d5e470.jsonl",),
            "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
-           ("online_parity_1da0cb4_zen5.jsonl", "online_parity_bf16_a8b924e_epyc.jsonl"),
+           ("online_parity_1da0cb4_zen5.jsonl", "online_parity_bf16_d077861_zen5.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
