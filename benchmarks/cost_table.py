@@ -94,9 +94,10 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
             held = core.reference_in_memory(where, reference_bytes, core.memory_room(), True)
             place = core.MEMORY_ROOT if held else work
             written = write_at_size(place, reference_bytes)
-            held = held_write(place, reference_bytes) if where == "auto" and place == core.MEMORY_ROOT else None
+            # the same bytes into memory already held, and freed (the default check's reference only)
+            into_held = held_write(place, reference_bytes) if where == "auto" and held else None
             row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)
-            out[where].append(dict(row, write_at_size_bps=written, held=held, trained_s=trained,
+            out[where].append(dict(row, write_at_size_bps=written, held=into_held, trained_s=trained,
                                    trained_core_seconds=trained_run.get("core_seconds")))
             shutil.rmtree(work, ignore_errors=True)
     return out
