@@ -161,6 +161,39 @@ def test_online_only_writes_no_tensors(runs):
     assert combine_online(cand).verdict == "pass"
 
 
+def test_combining_online_reads_no_reference_moments(runs, monkeypatch):
+    """After the run, a moment's cancellation factor is its main grad's: combining reads the
+    reference's main grads added up from SP replicas' partial sums (their norms), not the moments
+    stepped with them, and every tolerance is the one it gave when it read both."""
+    from ttrace_megatron import compare, online
+
+    recipe = load("gpt_tp2_sp")
+    ref = os.path.join(runs.reference(recipe), "reference")
+    _, cand = runs.candidate(recipe, name="online-reads", reference=ref, keep_tensors=False)
+    with monkeypatch.context() as m:  # as before: every key whose factor may exceed 1 read whole
+        m.setattr(compare.Cancellation, "reads_reference", compare.Cancellation.needs_reference)
+        before = {r.key: r for r in combine_online(cand).results}
+    read = []
+    real = online.logical_tensor
+
+    def logged(reader, pieces):
+        read.append(pieces[0][1].key)
+        return real(reader, pieces)
+    monkeypatch.setattr(online, "logical_tensor", logged)
+    combined = combine_online(cand)
+    kinds = {k.kind for k in read}
+    assert keys.TensorKind.MAIN_GRAD in kinds and keys.TensorKind.OPTIMIZER_STATE not in kinds, sorted(map(str, read))
+    stepped = {(k.iteration, k.module) for k in read if k.kind is keys.TensorKind.MAIN_GRAD}
+    moments = [r for r in combined.results
+               if r.key.kind is keys.TensorKind.OPTIMIZER_STATE and (r.key.iteration, r.key.module) in stepped]
+    assert moments and any("terms cancel" in r.tolerance_source for r in moments)
+    assert combined.verdict == "pass" and set(before) == {r.key for r in combined.results}
+    for r in combined.results:
+        assert (r.tolerance_eps, r.tolerance_source, r.error) == (
+            before[r.key].tolerance_eps, before[r.key].tolerance_source, before[r.key].error), r.key
+
+
+
 def test_cli_run_online(tmp_path):
     import json
 

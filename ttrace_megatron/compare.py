@@ -667,7 +667,8 @@ class BiasTerms:
                 self._magnitudes[key] = total if whole.numel() else torch.zeros(width, dtype=torch.float64)
         return self._magnitudes[key]
 
-    def factor(self, key: TensorKey, reference: torch.Tensor) -> float:
+    def factor(self, key: TensorKey, reference: Optional[torch.Tensor]) -> float:
+        """(``reference``: the bias grad's tensor; a moment's factor, its main grad's, needs none.)"""
         if keys.param_name_of(key.tensor) != "bias" or key.kind not in (
                 TensorKind.PARAM_GRAD, TensorKind.MAIN_GRAD, TensorKind.OPTIMIZER_STATE):
             return 1.0
@@ -718,7 +719,17 @@ class Cancellation:
             key.kind in (TensorKind.MAIN_GRAD, TensorKind.OPTIMIZER_STATE)
             and (key.iteration, coverage.param_of(key)) in self._grad_magnitude)
 
-    def factor(self, key: TensorKey, reference: torch.Tensor) -> float:
+    def reads_reference(self, key: TensorKey) -> bool:
+        """Whether :meth:`factor` reads the reference tensor itself (a main grad's norm, a bias
+        grad's size beside its terms). A moment takes its main grad's factor, and a bias's other
+        keys none: :meth:`factor` takes None for them, and online does not load them (the moments of
+        every weight whose grads are SP replicas' partial sums, and a bias's moments and updated
+        values, were read whole after the run for nothing)."""
+        return self.needs_reference(key) and key.kind in (TensorKind.PARAM_GRAD, TensorKind.MAIN_GRAD)
+
+    def factor(self, key: TensorKey, reference: Optional[torch.Tensor]) -> float:
+        """The factor of ``key`` given the reference's tensor (None where :meth:`reads_reference`
+        says it is not read)."""
         return self.factor_measured(key, fp64_norm(reference) if self.reduced(key) else 0.0,
                                     self.bias_terms.factor(key, reference))
 

@@ -599,7 +599,8 @@ def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,
             continue
         cancellation = 1.0
         if cancellations.needs_reference(key):
-            cancellation = cancellations.factor(key, logical_tensor(ref, ref_groups[key]).tensor)
+            reference = logical_tensor(ref, ref_groups[key]).tensor if cancellations.reads_reference(key) else None
+            cancellation = cancellations.factor(key, reference)
         result = combine_shards(key, entries, ref_groups[key][0][1], num_layers, order[key], tol_config,
                                 candidate_dir, observed=observed, cancellation=cancellation, step=step_bounds,
                                 overflowed=key.phase in OVERFLOW_PHASES and key.iteration in overflowed)
