@@ -193,7 +193,6 @@ def test_combining_online_reads_no_reference_moments(runs, monkeypatch):
             before[r.key].tolerance_eps, before[r.key].tolerance_source, before[r.key].error), r.key
 
 
-
 def test_cli_run_online(tmp_path):
     import json
 
