@@ -62,7 +62,7 @@ PATCH = (
 CHILD = r"""
 import json, os, shutil, sys, time
 sys.path.insert(0, os.path.join(sys.argv[1], "benchmarks"))
-from online_bytes import core_seconds, core_seconds_since, shipped_recipe
+from online_bytes import core_seconds, core_seconds_since, shipped_recipe, tree_bytes
 from ttrace_megatron.adapter.run.launch import launch
 from ttrace_megatron.adapter.run.runner import REFERENCE, Probes, RunSpec, trace_options
 
@@ -82,7 +82,7 @@ if __name__ == "__main__":
     before = core_seconds()
     traced = side(os.path.join(work, "traced"), seed, True)
     cores = core_seconds_since(before)
-    held = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(os.path.join(work, "traced")) for f in fs)
+    held = tree_bytes(os.path.join(work, "traced"))
     start = time.monotonic()
     shutil.rmtree(os.path.join(work, "traced"))
     print(json.dumps({"plain_s": round(plain, 2), "traced_s": round(traced, 2), "extra_s": round(traced - plain, 2),
