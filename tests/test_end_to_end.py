@@ -776,3 +776,70 @@ def test_real_text_through_megatrons_gpt_dataset(runs, tmp_path, name):
     c = compare_traces(ref, cand)
     assert c.verdict == "pass", f"first mismatch {c.first_mismatch}"
     assert c.reference_run["model_config"]["training"]["data_source"] == "megatron_data:" + prefix
+
+
+def _judged(report):
+    """A report's verdict on each tensor, without where the traces were."""
+    return report["verdict"], report["first_mismatch"], report["tensors"], report["summary"], report.get("culprits")
+
+
+@pytest.mark.parametrize("inject", [None, "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2"])
+def test_a_streamed_reference_gives_the_verdict_of_one_held_whole(tmp_path, inject):
+    """``--reference-in stream``: the candidate judges each iteration as the reference finishes it,
+    and the next overwrites what the verdict never reads again; every tensor's verdict, error and
+    tolerance are those of the reference held whole, and a failing check runs the reference again
+    whole for its replay, which names the same culprit."""
+    from ttrace_megatron.cli import main
+
+    reports = {}
+    for mode in ("memory", "stream"):
+        out, path = tmp_path / mode, tmp_path / f"{mode}.json"
+        rc = main(["run", os.path.join(RECIPES, "gpt_tp2_sp.yaml"), "--out", str(out), "--json", str(path), "--quiet",
+                   "--cpu", "--reference-in", mode] + (["--inject", inject] if inject else []))
+        assert rc == (1 if inject else 0)
+        reports[mode] = json.loads(path.read_text())
+    assert _judged(reports["stream"]) == _judged(reports["memory"])
+    assert len(reports["stream"]["tensors"]) > 100
+    assert ("reference again" in reports["stream"]["timings_s"]) == bool(inject)
+    if inject:
+        assert reports["stream"]["culprits"][0]["module"] == "decoder.layers.1.mlp.linear_fc2"
+
+
+@pytest.mark.parametrize("flags,why", [
+    (["--no-lockstep"], "lock-step"),
+    (["--perturb"], "perturbation"),
+    (["--keep-traces"], "--keep-traces keeps"),
+])
+def test_a_streamed_reference_is_refused_where_it_cannot_be(tmp_path, capsys, flags, why):
+    from ttrace_megatron.cli import main
+
+    rc = main(["run", os.path.join(RECIPES, "gpt_tp2.yaml"), "--out", str(tmp_path / "out"), "--cpu",
+               "--reference-in", "stream"] + flags)
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--reference-in stream" in err and why in err
+    assert not (tmp_path / "out" / "candidate").exists()  # refused before anything ran
+
+
+def test_a_candidate_that_fails_beside_a_streamed_reference_stops_it(tmp_path):
+    """Started beside its reference, a candidate rank that fails stops the reference (which would
+    otherwise wait for it to let iteration 1 go until its timeout); the error is the candidate's."""
+    import time
+
+    from ttrace_megatron.adapter.run.launch import launch_beside
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.errors import RunFailed
+
+    recipe, seed = load("gpt_tp2").to_json(), str(tmp_path / "seed.safetensors")
+    ref_dir, cand_dir = str(tmp_path / "reference"), str(tmp_path / "candidate")
+    reference = RunSpec(recipe=recipe, role=REFERENCE, cpu=True, trace=trace_options(
+        ref_dir, seed, page_cache=True, stream_readers=2))
+    candidate = RunSpec(recipe=recipe, role=CANDIDATE, cpu=True, inject=["no_such_bug"], await_reference=ref_dir,
+                        trace=trace_options(cand_dir, seed, reference=ref_dir, keep_tensors=False, lockstep=ref_dir,
+                                            streamed_reference=True))
+    start = time.monotonic()
+    with pytest.raises(RunFailed) as e:
+        launch_beside(reference, candidate, timeout_s=300)
+    assert time.monotonic() - start < 120
+    assert "candidate rank" in str(e.value) and "no_such_bug" in str(e.value)
+    assert "the reference run, started beside it, was stopped" in str(e.value)

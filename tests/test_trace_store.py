@@ -542,3 +542,91 @@ def test_a_check_maps_only_its_own_reference_in_memory(tmp_path, monkeypatch, in
     assert sides["candidate"]["map_reference"] is in_memory
     assert sides["reference-perturbed"]["map_reference"] is in_memory
     assert "map_reference" not in sides["reference"]
+
+
+def _streamed_reference(tmp, readers=1, iterations=3):
+    """A reference written one iteration at a time (Turns): each iteration a matrix's per-microbatch
+    grad (overwritable) and a bias's (kept), each reader's mark written ahead so the writer never
+    waits. Returns the values written, by key."""
+    from ttrace_megatron.online import overwritable
+    from ttrace_megatron.trace_store import Turns, release_iteration
+
+    write_run_info(str(tmp), {"role": "reference", "world_size": 1, "num_layers": 2})
+    for r in range(readers):
+        release_iteration(str(tmp), r, iterations)
+    w = TraceWriter(str(tmp), 0, {"tp": (0, 1)}, page_cache=True, turns=Turns(readers, overwritable))
+    written = {}
+    for it in range(1, iterations + 1):
+        for name, value in (("weight.grad", torch.full((64, 64), float(it))), ("bias.grad", torch.full((64,), -it))):
+            key = TensorKey(it, 0, "decoder.layers.0.mlp.linear_fc1", "backward", name)
+            w.add(key, value, Layout((), tuple(value.shape)), depth=1)
+            written[key] = value
+        w.flush(it)
+        assert w.whole_through == it
+    w.close()
+    return written
+
+
+def test_a_streamed_reference_overwrites_only_what_its_comparison_never_reads(tmp_path):
+    written = _streamed_reference(tmp_path)
+    manifest = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
+    assert manifest["complete"] and manifest["whole_through"] == 3
+    # iteration 1's matrix file became iteration 2's, then iteration 3's: one file holds the matrices
+    assert sorted(manifest["released"].values()) == [2, 3]
+    on_disk = sorted(f for f in os.listdir(tmp_path / "rank-00000") if f.endswith(".safetensors"))
+    assert len(on_disk) == 3 + 1  # a kept file per iteration, and the last iteration's overwritten one
+    reader = TraceReader(str(tmp_path))
+    loaded = 0
+    for rt, rec in reader.records():
+        if rec.key.tensor == "bias.grad" or rec.key.iteration == 3:
+            assert torch.equal(reader.load(rt, rec), written[rec.key])
+            loaded += 1
+        else:
+            with pytest.raises(TraceError, match="overwritten by iteration") as e:
+                reader.load(rt, rec)
+            assert "weight.grad" in str(e.value) and "rank: 0" in str(e.value)
+    assert loaded == 4
+
+
+def test_a_streamed_reference_waits_for_every_reader_before_it_overwrites(tmp_path):
+    import threading
+    import time
+
+    from ttrace_megatron.online import overwritable
+    from ttrace_megatron.trace_store import Turns, release_iteration, wait_for_iteration
+
+    write_run_info(str(tmp_path), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)}, page_cache=True, turns=Turns(2, overwritable, poll_s=0.005))
+    grad = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", "backward", "weight.grad")
+    w.add(grad, torch.ones(8, 8), Layout((), (8, 8)), depth=1)
+    w.flush(1)
+    wait_for_iteration(str(tmp_path), 1)  # published whole
+    order = []
+
+    def readers():
+        reader = TraceReader(str(tmp_path), allow_incomplete=True)
+        rt, rec = next(reader.records())
+        order.append(("read", float(reader.load(rt, rec)[0, 0])))
+        release_iteration(str(tmp_path), 0, 1)
+        time.sleep(0.2)  # the writer must still wait for the second reader
+        order.append(("released", 1))
+        release_iteration(str(tmp_path), 1, 1)
+
+    thread = threading.Thread(target=readers)
+    thread.start()
+    w.add(TensorKey(2, 0, grad.module, grad.phase, grad.tensor), torch.full((8, 8), 2.0), Layout((), (8, 8)), depth=1)
+    order.append(("wrote", 2))
+    thread.join()
+    w.flush(2)
+    w.close()
+    assert order == [("read", 1.0), ("released", 1), ("wrote", 2)]
+
+
+def test_waiting_for_an_iteration_names_a_trace_that_stopped(tmp_path):
+    from ttrace_megatron.trace_store import wait_for_iteration
+
+    write_run_info(str(tmp_path), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)})
+    w.abandon("the rank was stopped")
+    with pytest.raises(TraceError, match="stopped being recorded: the rank was stopped"):
+        wait_for_iteration(str(tmp_path), 1, poll_s=0.001)

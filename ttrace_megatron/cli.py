@@ -6,6 +6,7 @@ Exit status: 0 equivalent, 1 mismatch found, 2 bad input or usage.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -125,6 +126,10 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         core.check_reference_in(getattr(args, "reference_in", "auto"), args.online)
     except ValueError as e:
         raise RecipeError(str(e)) from None
+    if getattr(args, "reference_in", "auto") == "stream":
+        why = _stream_refusal([recipe] + ([twin] if twin else []), args)
+        if why:
+            raise RecipeError(f"{recipe.source}: --reference-in stream: {why}")
     run_side = _side_runner(recipe, out, args, console)
     twin_out = os.path.join(out, FP32_TWIN)
     # refused before anything runs, like the recipe itself; the twin starts from the recipe's seed checkpoint
@@ -197,13 +202,32 @@ PAIR_TRACES = ("reference", "candidate", "reference-perturbed", "replay")  # a p
 REMOVAL_THREADS = 4  # at most, unlinking an in-memory reference's files (``plan.remove_tree``)
 
 
+def _stream_refusal(recipes, args) -> str:
+    """Why these recipes' check cannot stream its reference (``--reference-in stream``), or ""."""
+    from .adapter.run.launch import cpu_ranks
+
+    if args.no_lockstep:
+        return "the candidate must run in lock-step (it reads each iteration's weights from the reference)"
+    if args.perturb or any(r.tolerance.perturbation for r in recipes):
+        return "a perturbation run reads the whole reference after the candidate"
+    if getattr(args, "megatron_lm", None) or getattr(args, "reference_megatron", None) or \
+            getattr(args, "candidate_megatron", None):
+        return "both sides must run on the installed megatron-core (not --megatron-lm, --*-megatron)"
+    if getattr(args, "reference_model", "same") != "same":
+        return "--reference-model gpt is not streamed yet"
+    if not cpu_ranks(args.cpu):
+        return "CPU ranks only (--cpu, or no GPU here): on GPUs the candidate's rank 0 would share its device"
+    return ""
+
+
 def _memory_scratch(planned: Optional[dict], args) -> Optional[str]:
     """The directory in memory that this check's references go to, or None (under ``--out``, on
     the disk): where the plan put them (``--reference-in``); without a plan (``--no-disk-check``,
     or none could be made) only where ``--reference-in memory`` asks."""
     from . import plan as core
 
-    in_memory = bool(planned["in_memory"]) if planned is not None else getattr(args, "reference_in", "auto") == "memory"
+    in_memory = bool(planned["in_memory"]) if planned is not None else \
+        getattr(args, "reference_in", "auto") in ("memory", "stream")
     if not in_memory:
         return None
     if not os.path.isdir(core.MEMORY_ROOT):
@@ -286,13 +310,23 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
                                                             "writes it under --out)" if in_memory else ""))
     # in lock-step the candidate takes the reference's weights after every step: record all of it;
     # read right after by the candidate (lock-step, online), it is written through the page cache
-    timed("reference", run_side, REFERENCE, ref_dir, page_cache=bool(online or lockstep or in_memory), **(
+    ref_trace = dict(page_cache=bool(online or lockstep or in_memory), **(
         {} if args.no_lockstep else dict(iterations=None, modules=("*",), microbatches=None)))
-    console.print(f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
-                  + (f", injected bugs: {args.inject}" if args.inject else "")
-                  + (", comparing online" if args.online else "")
-                  + ("" if args.no_lockstep else ", in lock-step with the reference"))
-    timed("candidate", run_side, CANDIDATE, cand_dir, args.inject, **online, **lockstep)
+    candidate_line = (f"candidate run ({recipe.world_size} ranks, {recipe.parallel}) → {cand_dir}"
+                      + (f", injected bugs: {args.inject}" if args.inject else "")
+                      + (", comparing online" if args.online else "")
+                      + ("" if args.no_lockstep else ", in lock-step with the reference"))
+    streamed = getattr(args, "reference_in", "auto") == "stream"
+    if not streamed:
+        timed("reference", run_side, REFERENCE, ref_dir, **ref_trace)
+        console.print(candidate_line)
+        timed("candidate", run_side, CANDIDATE, cand_dir, args.inject, **online, **lockstep)
+    else:
+        console.print(candidate_line + "; the reference streamed: one iteration at a time, each judged as it comes")
+        ended = run_side.streamed(ref_dir, ref_trace, cand_dir, args.inject, dict(online, **lockstep))
+        # the parts add up to the wall time: the reference's run, and what the candidate took after it
+        timings["reference"] = round(ended[REFERENCE], 2)
+        timings["candidate"] = round(max(0.0, ended[CANDIDATE] - ended[REFERENCE]), 2)
     perturbed_dir = None
     if recipe.tolerance.perturbation or args.perturb:
         perturbed_dir = os.path.join(out, "reference-perturbed")
@@ -310,6 +344,11 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
     first = report.get("first_mismatch")
     # online too: the replay judges its modules against the reference's trace, not the candidate's
     if report["verdict"] == "fail" and first and not args.no_localize:
+        if streamed:  # its overwritten tensors are gone: the reference again, whole (it is deterministic)
+            shutil.rmtree(ref_dir, ignore_errors=True)
+            console.print(f"the reference again, whole, for the replay (streamed, it kept only what the verdict "
+                          f"reads) → {ref_dir}")
+            timed("reference again", run_side, REFERENCE, ref_dir, **ref_trace)
         replay_dir = os.path.join(out, "replay")
         shutil.rmtree(replay_dir, ignore_errors=True)
         console.print(f"localizing: the candidate again, every module on the reference's inputs "
@@ -332,7 +371,7 @@ def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] =
     ``out`` are removed, and the seed checkpoint too unless ``seed`` names another check's (the fp32
     twin starts from its recipe's)."""
     from .adapter.recipe.config import validate_recipe
-    from .adapter.run.launch import launch
+    from .adapter.run.launch import launch, launch_beside
     from .adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from .adapter.run.side import check_tree
 
@@ -366,7 +405,19 @@ def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] =
     if getattr(args, "megatron_lm_data", None) and not checkout:
         raise RecipeError("--megatron-lm-data needs --megatron-lm")
     if not checkout:
-        return lambda role, trace_dir, inject=(), **trace: launch(spec(role, trace_dir, inject, **trace))
+        def run_side(role, trace_dir, inject=(), **trace):
+            return launch(spec(role, trace_dir, inject, **trace))
+
+        def run_streamed(ref_dir, ref_trace, cand_dir, inject, cand_trace):
+            """The reference written one iteration at a time for the candidate's ranks, which judge
+            each as it comes (``--reference-in stream``): seconds from the start to each side's end."""
+            first = spec(REFERENCE, ref_dir, **dict(ref_trace, stream_readers=recipe.world_size))
+            second = dataclasses.replace(spec(CANDIDATE, cand_dir, inject, **dict(cand_trace, streamed_reference=True)),
+                                         await_reference=ref_dir)
+            return launch_beside(first, second)
+
+        run_side.streamed = run_streamed
+        return run_side
     # both sides through the checkout's own pretrain_gpt.py
     from .adapter.megatron_lm import checkout as megatron_lm
 
@@ -603,8 +654,6 @@ def _plan_recipe(args):
 
 def cmd_plan(args, console: Console) -> int:
     """What ``ttrace run`` of a recipe with these flags will write, before anything runs."""
-    import dataclasses
-
     from . import plan as core
     from .adapter.recipe.config import validate_recipe
     from .adapter.run.plan import model_shape
@@ -823,17 +872,22 @@ def _add_online_arguments(parser: argparse.ArgumentParser, plan: bool = False) -
     how.add_argument("--keep-traces", dest="online", action="store_false",
                      help=("as run --keep-traces: " if plan else "") + KEEP_TRACES_HELP)
     parser.set_defaults(online=True)
-    parser.add_argument("--reference-in", choices=("auto", "memory", "disk"), default="auto",
+    parser.add_argument("--reference-in", choices=REFERENCE_IN_CHOICES, default="auto",
                         help=("as run --reference-in: " if plan else "") + REFERENCE_IN_HELP)
 
 
 ONLINE_HELP = ("each candidate rank judges its shards against the reference's trace while it runs and writes "
                "verdict sums, not tensors (so does the perturbation run); only the reference's trace, and on a "
                "mismatch the replay of its iteration, take disk")
+REFERENCE_IN_CHOICES = ("auto", "memory", "disk", "stream")  # plan.REFERENCE_IN (not imported: it loads torch)
 REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a directory in /dev/shm, never written to the "
                      "disk, removed once its pair is judged; a failing "
-                     "check's moved under --out), disk (under --out), or auto (the default: memory where the plan's "
-                     "reference bytes fit half the memory available and the check keeps no traces, else disk)")
+                     "check's moved under --out), disk (under --out), stream (in memory, one iteration at a time: "
+                     "the candidate judges each iteration as the reference finishes it, and the next overwrites what "
+                     "the verdict does not read again; CPU ranks, online and in lock-step, no perturbation run; a "
+                     "failing check runs the reference again whole for its replay), or auto (the default: memory "
+                     "where the plan's reference bytes fit half the memory available and the check keeps no traces, "
+                     "else disk)")
 KEEP_TRACES_HELP = ("record the candidate's (and the perturbation run's) tensors too and compare the two traces "
                     "after the run: about twice the disk, for `ttrace compare` to read again later; what only this "
                     "judges: per-microbatch partial sums (an SP replica's weight grad, an expert-TP layer's partial "

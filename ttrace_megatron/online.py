@@ -50,7 +50,8 @@ from .tolerance import ToleranceConfig
 from . import coverage, keys, selection
 from .keys import TensorKey, TensorKind
 from .update_rules import AdamRule
-from .trace_store import RUN_FILE, TraceReader, atomic_write_text, read_json
+from .trace_store import (RUN_FILE, TraceReader, atomic_write_text, read_json, release_iteration,
+                          wait_for_iteration)
 
 ONLINE_FILE = "online.json"
 _RANK_DIR = "rank-{:05d}"
@@ -64,15 +65,26 @@ class OnlineComparer:
     (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
 
     def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False,
-                 world_size: int = 1, mapped: bool = False):
+                 world_size: int = 1, mapped: bool = False, streamed: bool = False):
         keep_freed_memory()  # this rank judges chunk by chunk as it trains (allocator's docstring)
+        # streamed: the reference is written one iteration at a time beside this run (trace_store.Turns):
+        # each iteration is read once whole, and let go at this rank's flush of it
+        self.streamed = streamed
+        self.rank, self.world_size = rank, world_size
+        if streamed:
+            wait_for_iteration(reference_dir, 1)
         # mapped: the reference is read through memory maps of its files (TraceReader), where no one
         # writes it while this rank reads it
-        self.reference = TraceReader(reference_dir, mapped=mapped)
-        self.reference.prefetch()  # read while this rank builds its model and runs its first layers
+        self.reference = TraceReader(reference_dir, mapped=mapped, allow_incomplete=streamed)
+        if not streamed:
+            self.reference.prefetch()  # read while this rank builds its model and runs its first layers
         # the reference's checksums are checked once a check, not once a rank: each rank checks its
-        # share of the files (at close, those it did not open before) and trusts the others' ranks
-        self._verify_share = self.reference.share_verification(rank, world_size)
+        # share of the files (at close, those it did not open before; streamed, an iteration's at its
+        # flush) and trusts the others' ranks
+        self._verify_share = self.reference.share_verification(
+            rank, world_size, self.reference.iteration_files(1) if streamed else None)
+        self._verified: List[Tuple[str, int, int]] = []  # streamed: what this rank verified, iteration by iteration
+        self._ready = 1 if streamed else math.inf  # the last iteration of the reference indexed here
         self._reference_groups = group_records(self.reference)
         # in lock-step under Adam an updated value is judged element by element against both sides'
         # moments (compare.UpdateCheck): on each rank, over the elements it holds the moments of
@@ -90,18 +102,13 @@ class OnlineComparer:
         # then, not at the iteration's flush (held until then, both sides' moments of every parameter
         # were 4× the rank's parameters in host memory; now the pool keeps about four buffers of each
         # size of piece, one layer's read into again by the next)
-        self._values_of: Dict[Tuple[int, str, str], int] = {}
-        for k in self._reference_groups:
-            if keys.is_updated_value(k):
-                slot = (k.iteration, k.module, keys.param_name_of(k.tensor))
-                self._values_of[slot] = self._values_of.get(slot, 0) + 1
+        self._values_of = self._count_values()
         # a top-k choice's scores (this rank's piece, the reference's slice of it) until the choice comes
         self._scores: Dict[TensorKey, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._reclip = Reclip(self.reference, self._reference_groups)
         self._pool = BufferPool()  # what a step holds until judged, in memory held before (streaming.BufferPool)
         self._grad: tuple = (None, None, None, None)  # (main grad key, layout, shape, this rank's piece)
         self._clips: Dict[int, float] = {}
-        self.rank = rank
         self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
         self.entries: List[ShardSums] = []
@@ -117,9 +124,52 @@ class OnlineComparer:
     def active(self) -> bool:
         return self.failed is None
 
+    def _count_values(self) -> Dict[Tuple[int, str, str], int]:
+        values: Dict[Tuple[int, str, str], int] = {}
+        for k in self._reference_groups:
+            if keys.is_updated_value(k):
+                slot = (k.iteration, k.module, keys.param_name_of(k.tensor))
+                values[slot] = values.get(slot, 0) + 1
+        return values
+
+    def ensure(self, iteration: int) -> None:
+        """Streamed: wait until the reference holds ``iteration`` whole, then index it (the groups
+        are updated in place: the update check, the re-clip and lock-step read the same dict)."""
+        if iteration <= self._ready:
+            return
+        wait_for_iteration(self.reference.dir, iteration)
+        self.reference.reload()
+        groups = group_records(self.reference)
+        self._reference_groups.clear()
+        self._reference_groups.update(groups)
+        self._values_of = self._count_values()
+        self._order = reference_order(self._reference_groups)
+        self._verify_share = self.reference.share_verification(self.rank, self.world_size,
+                                                               self.reference.iteration_files(iteration))
+        self._ready = iteration
+
+    def _let_go(self, iteration: int) -> None:
+        """Streamed, at this rank's flush of ``iteration``: its share of the iteration's files checked
+        against their checksums (a later iteration overwrites some), what it opened of them let go,
+        and the iteration released to the reference's writer (also where the check failed: the
+        writer must not wait for a rank that will never judge again; the results say why)."""
+        files = self.reference.iteration_files(iteration)
+        try:
+            self.reference.verify(self._verify_share)
+            self._verified += self.reference.fingerprints(self._verify_share)
+        except TraceError as e:
+            if self.failed is None:
+                self.failed = f"the reference is damaged: {e}"
+                self._write(complete=False)
+        self._verify_share = []
+        self.reference.forget(files)
+        release_iteration(self.reference.dir, self.rank, iteration)
+
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
             compute_dtype=None, reduction: int = 0, arrival: bool = False, statistic_of: str = "",
             roundoff: float = 0.0) -> None:
+        if self.streamed and key.iteration > self._ready:
+            self.ensure(key.iteration)
         if not self.active:
             return
         if key.module == keys.OPTIMIZER_MODULE and key.tensor == keys.CLIP_COEFFICIENT:
@@ -304,6 +354,8 @@ class OnlineComparer:
             self._give_step(held)
         self._write(complete=False)
         self._warn_live(iteration)
+        if self.streamed and iteration >= 1:
+            self._let_go(iteration)
 
     def _warn_live(self, iteration: int) -> None:
         """A heads-up while training runs: this rank's shards that exceed their tolerance (printed),
@@ -340,6 +392,10 @@ class OnlineComparer:
                   f"this rank's shard (the verdict: ttrace report <trace dir>)", flush=True)
 
     def close(self) -> None:
+        if self.streamed:  # each iteration's share was verified at its flush
+            if self.failed is None:
+                self._write(complete=True, verified=self._verified)
+            return
         try:
             self.reference.verify(self._verify_share)
         except TraceError as e:  # the combination names it: the results are not complete
@@ -375,6 +431,18 @@ class OnlineComparer:
             if self.failed is None:
                 self.failed = f"{type(e).__name__}: {e}"
                 print(f"[ttrace] rank {self.rank}: online compare stopped: {self.failed}", flush=True)
+
+
+def overwritable(key: TensorKey, tensor: torch.Tensor) -> bool:
+    """Whether :func:`combine_online` never reads this record of the reference once the run is
+    over, so that a reference written one iteration at a time (``trace_store.Turns``) may write the
+    next iteration's bytes over it: a matrix's per-microbatch grads, optimizer states and updated
+    values (at the 50M rung 1.05 GB of an iteration's 1.35). It reads scalars (each parameter's
+    grad-norm term, ``step_skipped``, the clip coefficient, lr and step count), main grads (their
+    norms: ``Cancellation``), output-grads and a bias's grads (``BiasTerms``), top-k choices and
+    their scores: all kept, as are a vector's grads and states (a bias's, a norm's)."""
+    return tensor.dim() >= 2 and (key.kind in (TensorKind.PARAM_GRAD, TensorKind.OPTIMIZER_STATE)
+                                  or keys.is_updated_value(key))
 
 
 def has_online_results(trace_dir: str) -> bool:

@@ -202,7 +202,8 @@ MEMORY_ROOT = "/dev/shm"
 # the share of the memory available as a check starts that its in-memory reference may take: the
 # rest is the runs' own (the candidate's ranks on a CPU; on a GPU machine the host's is mostly free)
 MEMORY_SHARE = 0.5
-REFERENCE_IN = ("auto", "memory", "disk")  # ``--reference-in``: where a pair's reference is written
+# ``--reference-in``: where a pair's reference is written (stream: in memory, one iteration at a time)
+REFERENCE_IN = ("auto", "memory", "disk", "stream")
 
 
 def memory_available() -> Optional[int]:
@@ -229,12 +230,12 @@ def memory_room(root: str = MEMORY_ROOT) -> Optional[int]:
 
 
 def check_reference_in(mode: str, online: bool) -> None:
-    """``--reference-in``'s value, and its one contradiction: ``memory`` removes the reference once
-    judged, ``--keep-traces`` (not ``online``) keeps every trace (ValueError, before anything runs)."""
+    """``--reference-in``'s value, and its one contradiction: ``memory`` (and ``stream``) removes the
+    reference once judged, ``--keep-traces`` (not ``online``) keeps every trace (ValueError, before anything runs)."""
     if mode not in REFERENCE_IN:
         raise ValueError(f"--reference-in {mode!r}: one of {', '.join(REFERENCE_IN)}")
-    if mode == "memory" and not online:
-        raise ValueError("--reference-in memory removes the reference once its pair is judged, and --keep-traces keeps "
+    if mode in ("memory", "stream") and not online:
+        raise ValueError(f"--reference-in {mode} removes the reference once its pair is judged, and --keep-traces keeps "
                          "both sides' traces under --out for `ttrace compare` to read again: give one of them")
 
 
@@ -243,8 +244,8 @@ def reference_in_memory(mode: str, need: int, room: Optional[int], online: bool)
     does not fit), ``disk`` never, ``auto`` where it fits and the check keeps no traces (``online``:
     with ``--keep-traces`` both sides stay on the disk, for ``ttrace compare`` to read again)."""
     check_reference_in(mode, online)
-    if mode != "auto":
-        return mode == "memory"
+    if mode != "auto":  # (a streamed reference is planned as if held whole: at most that much)
+        return mode in ("memory", "stream")
     return online and room is not None and need <= room
 
 

@@ -119,7 +119,10 @@ class StreamingFile:
     """One safetensors file being written. Its methods run on the recording thread; the writes
     they queue run on the :class:`BackgroundWriter`'s thread."""
 
-    def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool, sync: bool = True, lane: int = 0):
+    def __init__(self, writer: "BackgroundWriter", path: str, direct_io: bool, sync: bool = True, lane: int = 0,
+                 overwrite: bool = False):
+        """``overwrite``: ``path`` holds an earlier file whose pages this one is written into, in
+        place (not truncated first: cut to this file's size once whole, as every file is)."""
         self.writer = writer
         self.lane = lane  # the writer thread that writes this file, in order
         self.sync = sync  # fsync the file once whole (else its checksum alone vouches for it after a crash)
@@ -132,7 +135,7 @@ class StreamingFile:
         self._staged: Optional[_Staging] = None
         self._fill = 0
         self._written = 0  # data bytes handed to the writer thread
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | (0 if overwrite else os.O_TRUNC), 0o644)
         self.direct_fd = -1
         if direct_io and hasattr(os, "O_DIRECT"):
             try:

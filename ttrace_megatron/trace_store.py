@@ -24,8 +24,9 @@ import os
 import re
 import struct
 import threading
+import time
 import zlib
-from typing import Dict, Iterator, List, Optional, Sequence, Set, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Set, Tuple
 
 import torch
 import xxhash
@@ -59,6 +60,32 @@ WRITE_LANES = 2
 LANE_OPENS_AT = 32 << 20
 _DATA_FILE_RE = re.compile(r"^iter-\d{6}(-\d{3})?\.safetensors$")
 _RANK_DIR = "rank-{:05d}"
+# a trace read one iteration at a time (:class:`Turns`): each reader's mark of the last iteration it
+# let go, in this directory of the trace
+TURNS_DIR = "turns"
+_READER_MARK = "reader-{:05d}"
+WAIT_POLL_S = 0.02  # how often a side waiting for the other looks; a manifest is parsed only when it changed
+
+
+@dataclasses.dataclass
+class Turns:
+    """A trace written one iteration at a time for ``readers`` processes that read each iteration
+    as it is whole (``ttrace run --reference-in stream``: the reference, for its candidate's ranks).
+
+    Why. Held whole in memory, a check's reference writes every byte into pages the machine has not
+    given it yet: on the 2-core development VM that was 1.4-1.5 s of the 50M rung's 2.3 s of
+    recording, against 0.4-0.6 s for the same bytes written into pages already held
+    (BENCHMARKS.md, issue #35). Here the writer publishes each iteration once its files are listed
+    (the manifest's ``whole_through``), and at the next iteration's first record waits for every
+    reader to let it go (:func:`release_iteration`); the files of the records ``overwritable``
+    picks are then renamed to the new iteration's names and written over in place. Their records
+    stay in the manifest (their keys and layouts: what a comparison orders and groups by), their
+    files in its ``released``: reading one is a TraceError that says so. The records kept are the
+    ones a comparison of the readers' results still reads once the run is over."""
+
+    readers: int
+    overwritable: Callable[[TensorKey, torch.Tensor], bool]
+    poll_s: float = WAIT_POLL_S
 
 
 @dataclasses.dataclass
@@ -151,9 +178,17 @@ class TraceWriter:
     """
 
     def __init__(self, trace_dir: str, rank: int, coords: Dict[str, Tuple[int, int]], *, direct_io: bool = True,
-                 page_cache: bool = False):
+                 page_cache: bool = False, turns: Optional[Turns] = None):
         self.rank = rank
+        self.trace_dir = trace_dir
         self.dir = os.path.join(trace_dir, _RANK_DIR.format(rank))
+        # ``turns``: written one iteration at a time for readers beside it (:class:`Turns`)
+        self.turns = turns
+        self.whole_through = 0  # with turns: the last iteration whose files are all listed
+        self.released: Dict[str, int] = {}  # with turns: file name -> the iteration whose files overwrote it
+        self._overwritable_files: Dict[int, List[str]] = {}  # iteration -> its overwritable files, in order
+        self._overwrite_next: List[str] = []  # the last iteration's, for this iteration's files to overwrite
+        self._pending = 0  # files finished, not yet listed (or failed); guarded by _lock
         self.coords = {k: [int(v[0]), int(v[1])] for k, v in coords.items()}
         # ``page_cache``: a trace read right after on this machine (a check's reference, which the
         # candidate reads while it runs): written through the page cache and not fsync'd, so that
@@ -167,6 +202,7 @@ class TraceWriter:
         self._record_texts: List[str] = []  # each record's manifest JSON, made once (the manifest is rewritten often)
         self.files: Dict[str, dict] = {}
         self._lock = threading.RLock()  # the writer threads list files and may fail too
+        self._settled = threading.Condition(self._lock)  # notified as each finished file is listed or fails
         self._writer: Optional[BackgroundWriter] = None  # started by the first tensor recorded
         self._open: List[Optional[_OpenFile]] = [None] * WRITE_LANES  # the file each lane writes now
         self._lane_bytes = [0] * WRITE_LANES  # bytes handed to each lane this iteration
@@ -197,8 +233,10 @@ class TraceWriter:
                 if open_file is not None and open_file.iteration != key.iteration:
                     self._finish_file(k)
             if key.iteration != self._lanes_iteration:
+                if self.turns is not None and self._lanes_iteration > 0:
+                    self._take_turn(self._lanes_iteration)
                 self._lanes_iteration, self._lane_bytes = key.iteration, [0] * WRITE_LANES
-            lane = self._lane()
+            lane = self._lane() if self.turns is None else int(self.turns.overwritable(key, tensor))
             if self._open[lane] is None:
                 self._open_file(key.iteration, lane)
             if not self._open[lane].file.append(name, tensor):  # its header region or its part is full: a new part
@@ -215,13 +253,39 @@ class TraceWriter:
         self._seq += 1
 
     def flush(self, iteration: int) -> None:
-        """The iteration is over: its files are finished in the background (not waited for)."""
+        """The iteration is over: its files are finished in the background (not waited for; with
+        turns, waited for, and the iteration published whole)."""
         if not self.active:
             self._drop_files()
             return
         for lane, open_file in enumerate(self._open):
             if open_file is not None:
                 self._finish_file(lane)
+        if self.turns is not None and iteration > self.whole_through:
+            self._publish(iteration)
+
+    def _publish(self, iteration: int) -> None:
+        """With turns: once every file finished so far is listed, the manifest says ``iteration`` is
+        whole (its readers start on it then)."""
+        with self._lock:
+            while self._pending and self.active:
+                self._settled.wait()
+            if self.active:
+                self.whole_through = iteration
+                try:
+                    self._write_manifest(complete=False)
+                except OSError as e:
+                    self._fail(e)
+
+    def _take_turn(self, last: int) -> None:
+        """With turns, at this iteration's first record: wait for every reader to let ``last`` go
+        (its manifest's files are then this iteration's to overwrite)."""
+        if last > self.whole_through:
+            self._publish(last)
+        marks = [os.path.join(self.trace_dir, TURNS_DIR, _READER_MARK.format(i)) for i in range(self.turns.readers)]
+        while not all(_released_through(m) >= last for m in marks):
+            time.sleep(self.turns.poll_s)
+        self._overwrite_next = self._overwritable_files.pop(last, [])
 
     def close(self) -> None:
         """Wait for every write, then mark the trace complete (if nothing failed)."""
@@ -261,15 +325,27 @@ class TraceWriter:
         fname = f"iter-{iteration:06d}.safetensors" if part == 0 else f"iter-{iteration:06d}-{part:03d}.safetensors"
         if self._writer is None:
             self._writer = BackgroundWriter(f"ttrace-writer-rank{self.rank}", lanes=WRITE_LANES)
+        overwrite = False
+        if self.turns is not None and lane == 1:
+            self._overwritable_files.setdefault(iteration, []).append(fname)
+            if self._overwrite_next:  # the last iteration's file of this place, its readers done with it
+                last = self._overwrite_next.pop(0)
+                os.rename(os.path.join(self.dir, last), os.path.join(self.dir, fname))
+                with self._lock:
+                    del self.files[last]
+                    self.released[last] = iteration
+                overwrite = True
         self._open[lane] = _OpenFile(StreamingFile(self._writer, os.path.join(self.dir, fname), self.direct_io,
-                                                   self.sync, lane=lane), fname, iteration)
+                                                   self.sync, lane=lane, overwrite=overwrite), fname, iteration)
         self._file_index[iteration] = part + 1
 
     def _finish_file(self, lane: int) -> None:
         open_file, self._open[lane] = self._open[lane], None
         fname, records = open_file.name, open_file.records
+        with self._lock:
+            self._pending += 1
         open_file.file.finish(lambda _, size, checksum: self._listed(fname, records, size, checksum),
-                              lambda _, error: self._fail(error))
+                              lambda _, error: self._fail(error, settled=True))
 
     def _drop_files(self) -> None:
         for lane, open_file in enumerate(self._open):
@@ -285,13 +361,18 @@ class TraceWriter:
             self.records.extend(records)
             self._record_texts.extend(json.dumps(r.to_json(), separators=(",", ":")) for r in records)
             self.files[fname] = {"bytes": size, CHECKSUM: checksum}
+            self._pending -= 1
+            self._settled.notify_all()
             try:
                 self._write_manifest(complete=False)
             except OSError as e:
                 self._fail(e)
 
-    def _fail(self, error: OSError) -> None:
+    def _fail(self, error: OSError, settled: bool = False) -> None:
         with self._lock:
+            if settled:  # a finished file's write failed: it will not be listed
+                self._pending -= 1
+                self._settled.notify_all()
             if self.failed is None:
                 self.failed = f"{type(error).__name__}: {error}"
                 print(f"[ttrace] rank {self.rank}: recording stopped, the trace will be marked incomplete: "
@@ -305,9 +386,11 @@ class TraceWriter:
         """The manifest anew, after every data file: compact JSON whose records' texts were made once
         each: made anew each time, every part of an iteration cut in 256 MiB parts cost the writer
         thread, and through the GIL the recording one, the serialization of every record so far."""
-        head = json.dumps({"format_version": FORMAT_VERSION, "rank": self.rank, "coords": self.coords,
-                           "complete": complete, "failure": self.failed, "files": self.files},
-                          separators=(",", ":"))
+        fields = {"format_version": FORMAT_VERSION, "rank": self.rank, "coords": self.coords,
+                  "complete": complete, "failure": self.failed, "files": self.files}
+        if self.turns is not None:
+            fields.update(whole_through=self.whole_through, released=self.released)
+        head = json.dumps(fields, separators=(",", ":"))
         atomic_write_text(os.path.join(self.dir, MANIFEST_FILE),
                           head[:-1] + ',"records":[' + ",".join(self._record_texts) + "]}")
 
@@ -329,6 +412,9 @@ class RankTrace:
     records: List[Record]
     files: Dict[str, dict]
     dir: str
+    # files of a trace written one iteration at a time (:class:`Turns`) that a later iteration
+    # overwrote: name -> that iteration. Their records are listed, their bytes gone
+    released: Dict[str, int] = dataclasses.field(default_factory=dict)
 
 
 class TraceReader:
@@ -394,15 +480,17 @@ class TraceReader:
 
         threading.Thread(target=advise, name="ttrace-prefetch", daemon=True).start()
 
-    def share_verification(self, index: int, count: int) -> List[Tuple[RankTrace, str]]:
+    def share_verification(self, index: int, count: int, files: Optional[Sequence[Tuple[RankTrace, str]]] = None
+                           ) -> List[Tuple[RankTrace, str]]:
         """Split the checking of this trace's data files against their checksums over ``count``
         readers of it that run together (the ranks of a candidate judging it online), so that each
         byte is hashed once, not once a reader: files are dealt largest first to the least loaded
         reader, the same way in every one. Marks the others' files as verified here (a file
         changed since is checked again where it is opened) and returns this reader's (``index``),
         which it must verify with :meth:`verify` even where it reads none of them: a damaged file
-        then fails the check on the reader that owns it, as a reader that opened it would have."""
-        files = sorted(((rt, f) for rt in self.ranks for f in rt.files),
+        then fails the check on the reader that owns it, as a reader that opened it would have.
+        ``files``: those to split (default: every listed file)."""
+        files = sorted(((rt, f) for rt in self.ranks for f in rt.files) if files is None else files,
                        key=lambda item: (-int(item[0].files[item[1]]["bytes"]), item[0].rank, item[1]))
         loads, mine = [0] * max(1, count), []
         for rt, fname in files:
@@ -458,6 +546,7 @@ class TraceReader:
                     raise TraceError(f"data file name {fname!r} is not allowed", path=path, rank=rank)
                 if not isinstance(info.get("bytes"), int) or not _checksum_listed(info):
                     raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
+            released = {str(f): int(i) for f, i in (m.get("released") or {}).items()}
             # in recording order: a writer's lanes list their files as each is whole, not in order
             records = sorted((Record.from_json(r) for r in m["records"]), key=lambda r: r.seq)
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
@@ -473,10 +562,33 @@ class TraceReader:
                 raise TraceError(f"rank coordinates {axis}={position} of {size} do not fit a world of {world}",
                                  path=path, rank=rank)
         for rec in records:
-            if rec.file not in files:
+            if rec.file not in files and rec.file not in released:
                 raise TraceError(f"record points at unlisted file {rec.file!r}", path=path, rank=rank,
                                  tensor=str(rec.key))
-        return RankTrace(rank, coords, records, files, rank_dir)
+        return RankTrace(rank, coords, records, files, rank_dir, released)
+
+    def reload(self) -> None:
+        """Read every rank's manifest again (a trace written one iteration at a time, read while it
+        is written: :class:`Turns`), each :class:`RankTrace` updated in place (groups of records
+        made before stay valid). What was opened of files no longer listed is let go."""
+        for rt in self.ranks:
+            new = self._read_rank(rt.rank, allow_incomplete=True)
+            rt.records, rt.files, rt.released = new.records, new.files, new.released
+        self.forget([(rt, f) for rt in self.ranks for (rank, f) in list(self._cache) + list(self._maps)
+                     if rank == rt.rank and f not in rt.files])
+
+    def iteration_files(self, iteration: int) -> List[Tuple[RankTrace, str]]:
+        """The data files that hold records of ``iteration``, as listed now."""
+        return sorted({(rt.rank, rec.file): (rt, rec.file) for rt, rec in self.records()
+                       if rec.key.iteration == iteration and rec.file in rt.files}.values(),
+                      key=lambda item: (item[0].rank, item[1]))
+
+    def forget(self, files: Sequence[Tuple[RankTrace, str]]) -> None:
+        """Let go of what this reader opened of ``files``: their indexes and maps (a map stays
+        mapped while a tensor read from it is alive; no read here goes through it again)."""
+        for rt, fname in files:
+            self._cache.pop((rt.rank, fname), None)
+            self._maps.pop((rt.rank, fname), None)
 
     def records(self) -> Iterator[Tuple[RankTrace, Record]]:
         for rt in self.ranks:
@@ -592,6 +704,11 @@ class TraceReader:
     def _locate(self, rank_trace: RankTrace, rec: Record) -> Tuple[str, torch.dtype, Tuple[int, ...], int, int]:
         """Where one record's bytes are: its file (verified and indexed on first use), dtype,
         shape, absolute offset and byte count, checked against the manifest."""
+        if rec.file in rank_trace.released:
+            raise TraceError(f"its file {rec.file} was overwritten by iteration {rank_trace.released[rec.file]}'s (a "
+                             f"trace written one iteration at a time keeps only what its comparison reads after "
+                             f"the run: run it with --reference-in memory or disk to keep every tensor)",
+                             path=os.path.join(rank_trace.dir, rec.file), rank=rank_trace.rank, tensor=str(rec.key))
         cache_key = (rank_trace.rank, rec.file)
         index = self._cache.get(cache_key)
         if index is None:
@@ -775,3 +892,60 @@ def read_json(path: str, rank: Optional[int]):
         raise TraceError("file not found", path=path, rank=rank) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TraceError(f"not readable JSON ({e})", path=path, rank=rank) from None
+
+
+def _released_through(mark: str) -> int:
+    """The last iteration a reader's mark (:func:`release_iteration`) lets go; 0 before its first."""
+    try:
+        with open(mark) as f:
+            return int(f.read().strip() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
+def release_iteration(trace_dir: str, reader: int, iteration: int) -> None:
+    """Reader ``reader`` of a trace written one iteration at a time (:class:`Turns`) is done with
+    ``iteration`` and every one before: the writer may overwrite their files."""
+    os.makedirs(os.path.join(trace_dir, TURNS_DIR), exist_ok=True)
+    atomic_write_text(os.path.join(trace_dir, TURNS_DIR, _READER_MARK.format(reader)), str(iteration))
+
+
+def wait_for_iteration(trace_dir: str, iteration: Optional[int] = None, poll_s: float = WAIT_POLL_S) -> None:
+    """Return once every rank of the trace being written at ``trace_dir`` has it whole through
+    ``iteration`` (its manifest's ``whole_through``, :class:`Turns`) or, where ``iteration`` is None
+    or a rank writes no turns, closed it complete. Raises TraceError, naming the rank and why, where
+    a rank stopped recording (its manifest's ``failure``): that iteration will never be whole.
+    Whoever started both runs stops this one where the writing run dies without a word (the
+    waiting has no deadline of its own); it sleeps between looks."""
+    run_path = os.path.join(trace_dir, RUN_FILE)
+    seen: Dict[int, Tuple[int, int]] = {}  # rank -> (inode, mtime in ns) of the manifest last parsed
+    done: Set[int] = set()
+    world = None
+    while True:
+        if world is None and os.path.exists(run_path):
+            run = read_json(run_path, rank=None)
+            world = run.get("world_size") if isinstance(run, dict) else None
+            if not isinstance(world, int) or world < 1:
+                raise TraceError("run description lacks 'world_size'", path=run_path)
+        for rank in range(world or 0):
+            if rank in done:
+                continue
+            path = os.path.join(trace_dir, _RANK_DIR.format(rank), MANIFEST_FILE)
+            try:
+                st = os.stat(path)
+            except FileNotFoundError:
+                continue
+            if seen.get(rank) == (st.st_ino, st.st_mtime_ns):
+                continue
+            seen[rank] = (st.st_ino, st.st_mtime_ns)
+            manifest = read_json(path, rank)  # written by an atomic rename: whole, old or new
+            if not isinstance(manifest, dict):
+                raise TraceError("malformed manifest", path=path, rank=rank)
+            if manifest.get("failure"):
+                raise TraceError(f"the trace stopped being recorded: {manifest['failure']}", path=path, rank=rank)
+            whole = manifest.get("whole_through")
+            if manifest.get("complete") or (iteration is not None and isinstance(whole, int) and whole >= iteration):
+                done.add(rank)
+        if world is not None and len(done) == world:
+            return
+        time.sleep(poll_s)

@@ -18,7 +18,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Optional
+from typing import Dict, List, Optional
 
 import torch
 import torch.multiprocessing as mp
@@ -28,7 +28,7 @@ from ...fork_server import forkserver_context
 from .runner import Probes, RunSpec, run_rank
 from .server import PRELOAD
 
-__all__ = ["RunFailed", "free_port", "launch"]
+__all__ = ["RunFailed", "free_port", "launch", "launch_beside"]
 
 
 def free_port() -> int:
@@ -158,34 +158,97 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
         from .side import launch_on_tree
 
         return launch_on_tree(spec, timeout_s, probes)
-    spec.cpu = spec.cpu or not torch.cuda.is_available()
+    _prepare(spec)
+    with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as error_dir:
+        _wait([_Ranks(spec, probes, error_dir)], timeout_s)
+
+
+def launch_beside(first: RunSpec, second: RunSpec, timeout_s: Optional[float] = 1800.0,
+                  probes: Probes = Probes()) -> Dict[str, float]:
+    """Both sides' ranks started at once: ``second`` (a candidate whose ``await_reference`` is set)
+    waits for ``first`` (its reference, written one iteration at a time: ``trace_store.Turns``)
+    to hold its first iteration whole before it starts, then judges each iteration as the
+    reference lets it have it. A rank that fails on either side stops both; the error is that
+    side's. Returns the seconds from the start to each side's end, by role. (CPU ranks only: on
+    GPUs the candidate's rank 0 would run on the device the reference trains on.)
+
+    Started beside the reference, the candidate's start-up took the cores from the reference's
+    training and cost the check 0.3-1.8 s on the 2-core development VM (BENCHMARKS.md, issue #35):
+    it waits instead, and the two sides never run at once."""
+    for spec in (first, second):
+        if spec.megatron:
+            raise ValueError("launch_beside runs the installed megatron-core's ranks only")
+    _prepare(first)
+    _prepare(second)
+    while second.master_port == first.master_port:  # two groups, two rendezvous
+        second.master_port = free_port()
+    if not (first.cpu and second.cpu):
+        raise ValueError("launch_beside runs CPU ranks only")
+    with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as first_dir, \
+            tempfile.TemporaryDirectory(prefix="ttrace-errors-") as second_dir:
+        sides = [_Ranks(first, probes, first_dir), _Ranks(second, probes, second_dir)]
+        _wait(sides, timeout_s)
+        return {side.spec.role: side.ended - side.started for side in sides}
+
+
+def cpu_ranks(cpu: bool) -> bool:
+    """Whether a run's ranks are CPU processes: asked for (``--cpu``), or no GPU here."""
+    return cpu or not torch.cuda.is_available()
+
+
+def _prepare(spec: RunSpec) -> None:
+    spec.cpu = cpu_ranks(spec.cpu)
     if not spec.cpu and torch.cuda.device_count() < spec.world_size:
         raise RunFailed(f"{spec.world_size} ranks need {spec.world_size} GPUs, {torch.cuda.device_count()} visible")
     spec.master_port = spec.master_port or free_port()
-    ctx = _context(spec.cpu)
-    with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as error_dir:
-        procs = [ctx.Process(target=_worker, args=(r, spec, probes, error_dir), daemon=False) for r in range(spec.world_size)]
-        for p in procs:
+
+
+class _Ranks:
+    """One side's rank processes, started; :func:`_wait` polls them and raises what they left."""
+
+    def __init__(self, spec: RunSpec, probes: Probes, error_dir: str):
+        self.spec, self.error_dir = spec, error_dir
+        ctx = _context(spec.cpu)
+        self.started = time.monotonic()
+        self.ended: Optional[float] = None
+        self.procs = [ctx.Process(target=_worker, args=(r, spec, probes, error_dir), daemon=False)
+                      for r in range(spec.world_size)]
+        for p in self.procs:
             p.start()
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        failed = None
-        while any(p.is_alive() for p in procs):
-            for r, p in enumerate(procs):
-                if not p.is_alive() and p.exitcode not in (0, None) and failed is None:
-                    failed = r
-            if failed is not None or (deadline is not None and time.monotonic() > deadline):
-                break
-            time.sleep(0.05)
-        hung = [r for r, p in enumerate(procs) if p.is_alive()] if failed is None else []
-        stopped = [r for r, p in enumerate(procs) if p.is_alive()]  # ended by this function, not by a fault
+        self.failed: Optional[int] = None  # the first rank seen to exit with an error
+        self.stopped: List[int] = []  # ranks this launcher ended, not a fault of their own
+
+    def poll(self) -> bool:
+        """Whether a rank is still running (noting the first that failed, and when the side ended)."""
+        alive = False
+        for r, p in enumerate(self.procs):
+            if p.is_alive():
+                alive = True
+            elif p.exitcode not in (0, None) and self.failed is None:
+                self.failed = r
+        if not alive and self.ended is None:
+            self.ended = time.monotonic()
+        return alive
+
+    def stop(self, dump: bool) -> List[int]:
+        """End every rank still running (``dump``: their stacks first, through SIGUSR1); the hung ones."""
+        hung = [r for r, p in enumerate(self.procs) if p.is_alive()] if dump else []
+        self.stopped = [r for r, p in enumerate(self.procs) if p.is_alive()]
         for r in hung:
-            os.kill(procs[r].pid, signal.SIGUSR1)
+            os.kill(self.procs[r].pid, signal.SIGUSR1)
         if hung:
             time.sleep(1.0)  # the dumps are written by each rank's own signal handler
-        for p in procs:
+        for p in self.procs:
             if p.is_alive():
                 p.kill()
             p.join()
+        if self.ended is None:
+            self.ended = time.monotonic()
+        return hung
+
+    def raise_outcome(self, hung: List[int], timeout_s: Optional[float], timed_out: bool, beside: str = "") -> None:
+        """The side's refusal, finding or failure as launch raises it; nothing where every rank ended well."""
+        spec, procs, error_dir = self.spec, self.procs, self.error_dir
         refusals = []
         for r in range(len(procs)):
             path = os.path.join(error_dir, f"rank{r}.refused")
@@ -200,17 +263,40 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
                 with open(path) as f:
                     raise BuiltOtherwise(json.load(f), side=spec.role, rank=r)
         errors = []
-        for r in sorted(range(len(procs)), key=lambda r: r != failed):  # the rank that failed first
+        for r in sorted(range(len(procs)), key=lambda r: r != self.failed):  # the rank that failed first
             path = os.path.join(error_dir, f"rank{r}.txt")
             if os.path.exists(path):
                 with open(path) as f:
                     errors.append(f"--- {spec.role} rank {r} ---\n{f.read()}")
-            elif procs[r].exitcode not in (0, None) and r not in stopped:
+            elif procs[r].exitcode not in (0, None) and r not in self.stopped:
                 errors.append(rank_ended(spec.role, r, procs[r].exitcode, getattr(spec.trace, "dir", None)))
-        if errors and stopped:
-            errors.append(f"(ranks {', '.join(map(str, stopped))} were stopped by ttrace once rank {failed} had failed)")
-        if failed is None and deadline is not None and time.monotonic() > deadline:
+        if errors and self.stopped:
+            errors.append(f"(ranks {', '.join(map(str, self.stopped))} were stopped by ttrace once rank {self.failed} "
+                          f"had failed)")
+        if errors and beside:
+            errors.append(beside)
+        if timed_out and hung:
             raise RunFailed(f"the {spec.role} run did not finish within {timeout_s:.0f} s; where its ranks were:\n"
                             + "\n".join(_stack_tail(error_dir, r, spec.role) for r in hung))
         if errors:
             raise RunFailed(f"the {spec.role} run failed:\n" + "\n".join(errors))
+
+
+def _wait(sides: List[_Ranks], timeout_s: Optional[float]) -> None:
+    """Until every side's ranks ended; a rank that fails stops every side (its error is raised), and
+    so does the deadline (where each side's hung ranks were is raised)."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    while True:
+        running = [side.poll() for side in sides]
+        failing = next((side for side in sides if side.failed is not None), None)
+        timed_out = deadline is not None and time.monotonic() > deadline
+        if failing is not None or timed_out or not any(running):
+            break
+        time.sleep(0.05)
+    hung = {id(side): side.stop(dump=failing is None and timed_out) for side in sides}
+    if failing is not None:
+        others = [s.spec.role for s in sides if s is not failing and s.stopped]
+        failing.raise_outcome([], timeout_s, False, beside=f"(the {others[0]} run, started beside it, was stopped)"
+                              if others else "")
+    for side in sides:
+        side.raise_outcome(hung[id(side)], timeout_s, timed_out)

@@ -23,7 +23,7 @@ training is the run without it.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -38,8 +38,12 @@ from .replay import ReferenceValues
 
 
 class LockStep:
-    def __init__(self, reference_dir: str, recorder: Recorder, reader: Optional[TraceReader] = None):
-        self.reference = ReferenceValues(reference_dir, recorder.coords, reader)
+    def __init__(self, reference_dir: str, recorder: Recorder, reader: Optional[TraceReader] = None, groups=None,
+                 ensure: Optional[Callable[[int], None]] = None):
+        # ``ensure``: a streamed reference's wait for an iteration (the online comparer's), before
+        # its parameters and states are read
+        self.reference = ReferenceValues(reference_dir, recorder.coords, reader, groups)
+        self.ensure = ensure
         self.recorder = recorder
         self.layouts = recorder.layouts
         recorder.after_step.append(self.align)
@@ -53,6 +57,8 @@ class LockStep:
         if not clock.in_iteration:
             return
         absent = self.reference.absent
+        if self.ensure is not None:
+            self.ensure(clock.iteration)
         with cuda_shim.suspended():  # reading and copying on the host: no device named
             self._put_step(clock)
         followed = sum(tap.followed_tokens for tap in self.recorder.routing_taps)

@@ -59,14 +59,15 @@ class ReferenceValues:
     """The reference trace's values, sliced to this rank as it stores them: what the replay and the
     lock-step put into the candidate."""
 
-    def __init__(self, reference_dir: str, coords: Coords, reader: Optional[TraceReader] = None):
+    def __init__(self, reference_dir: str, coords: Coords, reader: Optional[TraceReader] = None, groups=None):
         # ``reader``: one already open on the same trace (the online comparer's), whose files are
-        # then verified once for both
+        # then verified once for both; ``groups``: its records grouped by key, where the comparer
+        # keeps them (a streamed reference's, updated in place as each iteration comes)
         if reader is None:
             reader = TraceReader(reference_dir)
             reader.prefetch()
         self.reader = reader
-        self._groups = group_records(self.reader)
+        self._groups = group_records(self.reader) if groups is None else groups
         self.coords = coords
         self.substituted = 0
         self.absent = 0

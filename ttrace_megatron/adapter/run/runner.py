@@ -45,6 +45,9 @@ class RunSpec:
     # a line per iteration on global rank 0 (``ttrace run``, unless --quiet): a check at a realistic
     # size runs for minutes between the side's first line and its verdict
     progress: bool = False
+    # started beside its reference (``launch.launch_beside``): the reference's trace directory, written
+    # one iteration at a time; the ranks wait for its first iteration before anything else
+    await_reference: Optional[str] = None
 
     @property
     def last_iteration(self) -> Optional[int]:
@@ -91,6 +94,10 @@ def trace_options(dir: str, seed_checkpoint: str, **kwargs) -> TraceOptions:
 
 def run_rank(rank: int, spec: RunSpec, probes: Probes = Probes()) -> None:
     """Entry point of a worker process: run one rank of ``spec`` and write its trace."""
+    if spec.await_reference:
+        from ...trace_store import wait_for_iteration
+
+        wait_for_iteration(spec.await_reference, 1)  # its seed checkpoint is written by then too
     if spec.cpu:
         from ..cpu import cuda_shim
 

@@ -54,6 +54,12 @@ class TraceOptions:
     # SummaryWriter in this directory, and/or through Megatron-LM's TensorBoard and W&B writers
     tensorboard: Optional[str] = None
     megatron_writers: bool = False
+    # a reference written one iteration at a time for this many online candidate ranks beside it,
+    # each iteration overwriting what they never read again (trace_store.Turns; ``ttrace run
+    # --reference-in stream``); 0: written whole
+    stream_readers: int = 0
+    # with ``reference``: it is streamed so (read an iteration at a time, each let go at its flush)
+    streamed_reference: bool = False
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -345,13 +351,20 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
 
     sinks: List[Any] = []
     if options.write_tensors:
-        sinks.append(TraceWriter(options.dir, rank, coords, page_cache=options.page_cache))
+        turns = None
+        if options.stream_readers:
+            from ...online import overwritable
+            from ...trace_store import Turns
+
+            turns = Turns(options.stream_readers, overwritable)
+        sinks.append(TraceWriter(options.dir, rank, coords, page_cache=options.page_cache, turns=turns))
     online = None
     if options.reference:
         from ...online import OnlineComparer
 
         online = OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep),
-                                world_size=torch.distributed.get_world_size(), mapped=options.map_reference)
+                                world_size=torch.distributed.get_world_size(), mapped=options.map_reference,
+                                streamed=options.streamed_reference)
         sinks.append(online)
     clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
     dispatcher = Dispatcher(chunks, clock)
@@ -372,7 +385,10 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
 
         # on the online comparer's trace: its reader (each file verified once in this process)
         same = online is not None and os.path.samefile(options.lockstep, options.reference)
-        LockStep(options.lockstep, recorder, online.reference if same else None)
+        if options.streamed_reference and not same:
+            raise RecipeError("a streamed reference (--reference-in stream) is lock-stepped with itself only")
+        LockStep(options.lockstep, recorder, online.reference if same else None,
+                 online._reference_groups if same else None, online.ensure if same and online.streamed else None)
     return dispatcher, recorder
 
 

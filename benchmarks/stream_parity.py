@@ -1,0 +1,123 @@
+"""A streamed reference (``--reference-in stream``) against one held whole, on every shipped recipe.
+
+Each recipe is checked twice the default way (online, in lock-step, the reference in memory):
+once with its reference written whole before the candidate starts, once streamed (the candidate
+judges each iteration as the reference finishes it, and the next iteration overwrites what the
+verdict never reads again: ``trace_store.Turns``). The two verdicts are set side by side: the
+keys each judges, skips and lists as missing, and every judged key's verdict, error and tolerance,
+which must be the same to the last bit (the same tensors judged by the same code; only when the
+reference's bytes are read and where they live differ). A recipe whose two verdicts differ in
+anything is a finding. One JSON line per recipe and dtype.
+
+    python benchmarks/stream_parity.py --dtypes fp32 --out results/stream_parity_COMMIT_MACHINE.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import glob
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+MEMORY = "/dev/shm"  # where ``ttrace run`` holds its reference (plan.MEMORY_ROOT)
+
+
+def _checks(recipe, tmp: str):
+    """The recipe's check with its reference held whole, then streamed: (combination, seconds) each."""
+    from ttrace_megatron.adapter.run.launch import launch, launch_beside
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.online import combine_online
+
+    out = {}
+    seed = os.path.join(tmp, "seed.safetensors")
+    for mode in ("held", "streamed"):
+        ref = tempfile.mkdtemp(dir=MEMORY, prefix="stream-parity-")
+        cand = os.path.join(tmp, mode, "candidate")
+        whole = dict(page_cache=True, iterations=None, modules=("*",), microbatches=None)
+        online = dict(reference=ref, keep_tensors=False, map_reference=True, lockstep=ref)
+        try:
+            start = time.monotonic()
+            if mode == "held":
+                launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ref, seed, **whole)),
+                       timeout_s=900)
+                launch(RunSpec(recipe=recipe.to_json(), role=CANDIDATE, trace=trace_options(cand, seed, **online)),
+                       timeout_s=900)
+            else:
+                launch_beside(
+                    RunSpec(recipe=recipe.to_json(), role=REFERENCE, cpu=True,
+                            trace=trace_options(ref, seed, stream_readers=recipe.world_size, **whole)),
+                    RunSpec(recipe=recipe.to_json(), role=CANDIDATE, cpu=True, await_reference=ref,
+                            trace=trace_options(cand, seed, streamed_reference=True, **online)), timeout_s=900)
+            seconds = time.monotonic() - start
+            out[mode] = (combine_online(cand, ref), round(seconds, 2))
+        finally:
+            shutil.rmtree(ref, ignore_errors=True)
+    return out["held"], out["streamed"]
+
+
+def parity(path: str, dtype: str, tmp: str) -> dict:
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from ttrace_megatron.errors import RecipeError, RunFailed, TraceError
+    from ttrace_megatron.recipe import load_recipe
+
+    recipe = load_recipe(path)
+    recipe.dtype = dtype
+    row = {"recipe": recipe.name, "dtype": dtype}
+    try:
+        validate_recipe(recipe)
+    except RecipeError as e:
+        return dict(row, refused=str(e)[:200])
+    try:
+        (held, held_s), (streamed, streamed_s) = _checks(recipe, tmp)
+    except (RecipeError, RunFailed, TraceError, ValueError) as e:
+        return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
+    a = {r.key: r for r in held.results}
+    b = {r.key: r for r in streamed.results}
+    fields = lambda r: repr(dataclasses.astuple(r))  # noqa: E731  (every field, a NaN norm equal to itself)
+    differ = sorted(str(k) for k in set(a) & set(b) if fields(a[k]) != fields(b[k]))
+    listed = lambda c: (sorted(map(str, c.skipped)), sorted(map(str, c.missing_in_candidate)),  # noqa: E731
+                        sorted(map(str, c.missing_in_reference)), sorted(map(str, c.unjudged)),
+                        sorted(map(str, c.diverged)))
+    worst = lambda c: max((r.ratio for r in c.results), default=0.0)  # noqa: E731
+    return dict(row, held=held.verdict, streamed=streamed.verdict, judged_held=len(a), judged_streamed=len(b),
+                judged_only_held=len(set(a) - set(b)), judged_only_streamed=len(set(b) - set(a)),
+                results_differ=differ[:10], lists_same=listed(held) == listed(streamed),
+                identical=not differ and set(a) == set(b) and listed(held) == listed(streamed),
+                worst_held=worst(held), worst_streamed=worst(streamed), held_s=held_s, streamed_s=streamed_s)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--recipes", nargs="*", help="recipe files (default: recipes/*.yaml)")
+    parser.add_argument("--dtypes", nargs="+", default=["fp32"])
+    parser.add_argument("--out", required=True, help="JSON lines are appended here")
+    args = parser.parse_args()
+    import megatron.core
+
+    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
+                            text=True).stdout.strip()
+    for path in args.recipes or sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml"))):
+        for dtype in args.dtypes:
+            tmp = tempfile.mkdtemp(prefix="stream-parity-")
+            try:
+                row = parity(path, dtype, tmp)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            row.update(commit=commit, megatron_core=megatron.core.__version__,
+                       machine=f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo")
+            with open(args.out, "a") as f:
+                f.write(json.dumps(row) + "\n")
+            print(json.dumps(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
