@@ -72,8 +72,9 @@ def _cpu_model() -> str:
 
 
 def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dict:
-    """(1) and (2): plain training, then the default check and the check with its reference on the
-    disk, the three alternated ``repeats`` times: each check is divided by the plain training right
+    """(1) and (2): plain training, then the default check, the check with its reference on the
+    disk and the check with its reference streamed (``--reference-in stream``), the four alternated
+    ``repeats`` times: each check is divided by the plain training right
     before it (this VM's timings move by 10-20 % from one check to the next, and by 1.4× between its
     phases: a table at 8dd6c98 divided both repeats by one plain training of 5.9 s, where the others
     took 5.0-5.2). Right before each check, the reference's bytes are written alone where that check
@@ -81,13 +82,13 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
     that check."""
     from ttrace_megatron import plan as core
 
-    out = {"trained_s": None, "auto": [], "disk": []}
+    out = {"trained_s": None, "auto": [], "disk": [], "stream": []}
     for k in range(repeats):
         os.makedirs(os.path.join(tmp, f"plain-{k}"))
         trained_run = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, f"plain-{k}"), cpu)
         trained = trained_run["seconds"]
         out["trained_s"] = out["trained_s"] or trained
-        for where in ("auto", "disk"):
+        for where in ("auto", "disk", "stream"):
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
             # where ``ttrace run`` will put this reference (plan.reference_in_memory, as the run decides it)
@@ -250,8 +251,8 @@ def each(xs, f: str = ".1f") -> str:
     return " / ".join(format(x, f) for x in xs)
 
 
-def cores_row(runs: list) -> tuple:
-    """Where the machine's cores went during each default check, against the plain training right
+def cores_row(runs: list, check: str = "the default check") -> tuple:
+    """Where the machine's cores went during each ``check``, against the plain training right
     before it (both sides' launches summed): work in user space, work in the kernel (a fresh page's
     fault and zeroing, a tmpfs write), and idle (a rank waiting for another, or for its writes).
     From ``/proc/stat``, the whole machine: what else ran then is in it too."""
@@ -265,7 +266,7 @@ def cores_row(runs: list) -> tuple:
     def share(c: dict) -> float:
         return c["idle"] / max(c["user"] + c["kernel"] + c["idle"], 1e-9)
     checks, plains = [r["core_seconds"] for r in runs], [summed(r) for r in runs]
-    return ("where the cores went during the default check (core-seconds of the whole machine, /proc/stat), "
+    return (f"where the cores went during {check} (core-seconds of the whole machine, /proc/stat), "
             "against the two layouts' plain training right before it",
             " / ".join(parts(c) for c in checks) + " core-s; trained: " + " / ".join(parts(c) for c in plains),
             f"idle {each([100 * share(c) for c in checks], '.0f')} % of the check's core-seconds, "
@@ -371,6 +372,21 @@ def table(m: dict) -> list:
         rows.append(recording_row(went, extra, [r["write_at_size_bps"] for r in runs], fl))
         if went == "memory" and fl.get("staging_copy"):
             rows.append(recording_passes_row(m))
+    streamed = m["whole"].get("stream") or []
+    if streamed:
+        parts = [r["timings_s"] for r in streamed]
+        sides = [p["reference"] + p["candidate"] for p in parts]
+        rows.append((f"the whole check, online, the reference streamed (--reference-in stream: in memory, one "
+                     f"iteration at a time, the two sides taking turns) ({', '.join(r['verdict'] for r in streamed)}; "
+                     f"{streamed[0]['bytes_total'] / 1e9:.2f} GB written to the disk)",
+                     f"{each([r['wall_s'] for r in streamed])} s: the two sides {each(sides)} (trained alone "
+                     f"{each([sum(trained(r).values()) for r in streamed])}), compare "
+                     f"{each([p['compare'] for p in parts])}, the rest "
+                     f"{each([r['wall_s'] - sum(p.values()) for r, p in zip(streamed, parts)])}",
+                     f"{each([r['wall_s'] / sum(trained(r).values()) for r in streamed], '.2f')}× the two layouts "
+                     f"trained right before it ({each([sum(trained(r).values()) for r in streamed])} s)", "≤ 2×"))
+        if all(r.get("core_seconds") and r.get("trained_core_seconds") for r in streamed):
+            rows.append(cores_row(streamed, "the streamed check"))
     auto = m["whole"]["auto"]
     judged = [r["timings_s"]["candidate"] - trained(r)["candidate"] for r in auto]
     floor = fl["judging_floor_online"]["candidate"]

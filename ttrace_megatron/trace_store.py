@@ -910,13 +910,15 @@ def release_iteration(trace_dir: str, reader: int, iteration: int) -> None:
     atomic_write_text(os.path.join(trace_dir, TURNS_DIR, _READER_MARK.format(reader)), str(iteration))
 
 
-def wait_for_iteration(trace_dir: str, iteration: Optional[int] = None, poll_s: float = WAIT_POLL_S) -> None:
-    """Return once every rank of the trace being written at ``trace_dir`` has it whole through
+def wait_for_iteration(trace_dir: str, iteration: Optional[int] = None, poll_s: float = WAIT_POLL_S,
+                       give_up: Optional[Callable[[], bool]] = None) -> bool:
+    """Return True once every rank of the trace being written at ``trace_dir`` has it whole through
     ``iteration`` (its manifest's ``whole_through``, :class:`Turns`) or, where ``iteration`` is None
-    or a rank writes no turns, closed it complete. Raises TraceError, naming the rank and why, where
-    a rank stopped recording (its manifest's ``failure``): that iteration will never be whole.
-    Whoever started both runs stops this one where the writing run dies without a word (the
-    waiting has no deadline of its own); it sleeps between looks."""
+    or a rank writes no turns, closed it complete; False once ``give_up()`` says so (asked between
+    looks). Raises TraceError, naming the rank and why, where a rank stopped recording (its
+    manifest's ``failure``): that iteration will never be whole. Without ``give_up``, whoever started
+    both runs stops this one where the writing run dies without a word (the waiting has no deadline
+    of its own); it sleeps between looks."""
     run_path = os.path.join(trace_dir, RUN_FILE)
     seen: Dict[int, Tuple[int, int]] = {}  # rank -> (inode, mtime in ns) of the manifest last parsed
     done: Set[int] = set()
@@ -947,5 +949,7 @@ def wait_for_iteration(trace_dir: str, iteration: Optional[int] = None, poll_s: 
             if manifest.get("complete") or (iteration is not None and isinstance(whole, int) and whole >= iteration):
                 done.add(rank)
         if world is not None and len(done) == world:
-            return
+            return True
+        if give_up is not None and give_up():
+            return False
         time.sleep(poll_s)

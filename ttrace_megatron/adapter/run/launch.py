@@ -165,30 +165,53 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
 
 def launch_beside(first: RunSpec, second: RunSpec, timeout_s: Optional[float] = 1800.0,
                   probes: Probes = Probes()) -> Dict[str, float]:
-    """Both sides' ranks started at once: ``second`` (a candidate whose ``await_reference`` is set)
-    waits for ``first`` (its reference, written one iteration at a time: ``trace_store.Turns``)
-    to hold its first iteration whole before it starts, then judges each iteration as the
-    reference lets it have it. A rank that fails on either side stops both; the error is that
-    side's. Returns the seconds from the start to each side's end, by role. (CPU ranks only: on
-    GPUs the candidate's rank 0 would run on the device the reference trains on.)
+    """A reference written one iteration at a time (``first``: ``trace_store.Turns``) and its
+    candidate (``second``, whose ``await_reference`` names the reference's trace), taking turns: the
+    candidate's ranks start once the reference holds its first iteration whole, then judge each
+    iteration as the reference lets them have it, while it waits for them to let it go. A rank that
+    fails on either side stops both; the error is that side's. Returns the seconds from the start
+    to each side's end, by role. (CPU ranks only: on GPUs the candidate's rank 0 would run on the
+    device the reference trains on.)
 
-    Started beside the reference, the candidate's start-up took the cores from the reference's
-    training and cost the check 0.3-1.8 s on the 2-core development VM (BENCHMARKS.md, issue #35):
-    it waits instead, and the two sides never run at once."""
+    The two sides never run at once. Started beside the reference, the candidate's start-up took
+    the cores from the reference's training and cost the check 0.3-1.8 s at the 50M rung on the
+    2-core development VM (BENCHMARKS.md, issue #35), and its processes' start alone ~0.3 s of a toy
+    check."""
     for spec in (first, second):
         if spec.megatron:
             raise ValueError("launch_beside runs the installed megatron-core's ranks only")
     _prepare(first)
     _prepare(second)
-    while second.master_port == first.master_port:  # two groups, two rendezvous
-        second.master_port = free_port()
     if not (first.cpu and second.cpu):
         raise ValueError("launch_beside runs CPU ranks only")
+    from ...errors import TraceError
+    from ...trace_store import wait_for_iteration
+
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
     with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as first_dir, \
             tempfile.TemporaryDirectory(prefix="ttrace-errors-") as second_dir:
-        sides = [_Ranks(first, probes, first_dir), _Ranks(second, probes, second_dir)]
-        _wait(sides, timeout_s)
-        return {side.spec.role: side.ended - side.started for side in sides}
+        sides = [_Ranks(first, probes, first_dir)]
+        reference = sides[0]
+
+        def gone() -> bool:  # the reference ended (or failed) before its first iteration was whole
+            return not reference.poll() or reference.failed is not None or (
+                deadline is not None and time.monotonic() > deadline)
+        try:
+            whole = wait_for_iteration(second.await_reference, 1, give_up=gone)
+        except TraceError as e:  # its trace stopped being recorded: the candidate would wait forever
+            reference.stop(dump=False)
+            raise RunFailed(f"the {first.role} run's trace cannot be streamed: {e}") from None
+        if whole:
+            # its rendezvous port taken now, not at the start: a port free then may since have become
+            # one end of the reference's own connections
+            second.master_port = free_port()
+            while second.master_port == first.master_port:
+                second.master_port = free_port()
+            sides.append(_Ranks(second, probes, second_dir))
+        _wait(sides, None if deadline is None else max(0.0, deadline - time.monotonic()))
+        if not whole:  # (a reference that ended well has its trace whole: never here)
+            raise RunFailed(f"the {first.role} run ended before its first iteration was whole")
+        return {side.spec.role: side.ended - reference.started for side in sides}
 
 
 def cpu_ranks(cpu: bool) -> bool:
