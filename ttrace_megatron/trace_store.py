@@ -189,6 +189,8 @@ class TraceWriter:
         self._overwritable_files: Dict[int, List[str]] = {}  # iteration -> its overwritable files, in order
         self._overwrite_next: List[str] = []  # the last iteration's, for this iteration's files to overwrite
         self._pending = 0  # files finished, not yet listed (or failed); guarded by _lock
+        self._to_publish = 0  # with turns: the last iteration flushed, published once its files are listed
+        self._overwriting = 0  # with turns: the iteration whose overwritable records are being written
         self.coords = {k: [int(v[0]), int(v[1])] for k, v in coords.items()}
         # ``page_cache``: a trace read right after on this machine (a check's reference, which the
         # candidate reads while it runs): written through the page cache and not fsync'd, so that
@@ -233,10 +235,12 @@ class TraceWriter:
                 if open_file is not None and open_file.iteration != key.iteration:
                     self._finish_file(k)
             if key.iteration != self._lanes_iteration:
-                if self.turns is not None and self._lanes_iteration > 0:
-                    self._take_turn(self._lanes_iteration)
                 self._lanes_iteration, self._lane_bytes = key.iteration, [0] * WRITE_LANES
             lane = self._lane() if self.turns is None else int(self.turns.overwritable(key, tensor))
+            if self.turns is not None and lane == 1 and key.iteration != self._overwriting:
+                if self._overwriting:
+                    self._take_turn(self._overwriting)
+                self._overwriting = key.iteration
             if self._open[lane] is None:
                 self._open_file(key.iteration, lane)
             if not self._open[lane].file.append(name, tensor):  # its header region or its part is full: a new part
@@ -254,7 +258,7 @@ class TraceWriter:
 
     def flush(self, iteration: int) -> None:
         """The iteration is over: its files are finished in the background (not waited for; with
-        turns, waited for, and the iteration published whole)."""
+        turns, the iteration is published whole once they are listed: :meth:`_publish`)."""
         if not self.active:
             self._drop_files()
             return
@@ -262,26 +266,34 @@ class TraceWriter:
             if open_file is not None:
                 self._finish_file(lane)
         if self.turns is not None and iteration > self.whole_through:
-            self._publish(iteration)
+            with self._lock:
+                self._to_publish = iteration
+                if self._publish():
+                    try:
+                        self._write_manifest(complete=False)
+                    except OSError as e:
+                        self._fail(e)
 
-    def _publish(self, iteration: int) -> None:
-        """With turns: once every file finished so far is listed, the manifest says ``iteration`` is
-        whole (its readers start on it then)."""
-        with self._lock:
-            while self._pending and self.active:
-                self._settled.wait()
-            if self.active:
-                self.whole_through = iteration
-                try:
-                    self._write_manifest(complete=False)
-                except OSError as e:
-                    self._fail(e)
+    def _publish(self) -> bool:
+        """With turns, under the lock (the recording thread's flush, or a writer thread listing a
+        file): once every file finished so far is listed, the manifest says the iteration flushed
+        last is whole, and its readers start on it. The recording goes on meanwhile: what the next
+        iteration records that no reader reads again is written into new files, and the rest waits
+        for the readers (:meth:`_take_turn`). True where it did (the caller writes the manifest)."""
+        if self._to_publish > self.whole_through and not self._pending and self.active:
+            self.whole_through = self._to_publish
+            return True
+        return False
 
     def _take_turn(self, last: int) -> None:
-        """With turns, at this iteration's first record: wait for every reader to let ``last`` go
-        (its manifest's files are then this iteration's to overwrite)."""
-        if last > self.whole_through:
-            self._publish(last)
+        """With turns, at this iteration's first overwritable record: wait for every reader to let
+        ``last`` go (its overwritable files are then this iteration's to write over), once it is
+        published (its files listed: a reader lets go only what it read, but its mark may be ahead)."""
+        with self._lock:
+            while self.whole_through < last and self.active:
+                self._settled.wait()
+            if not self.active:
+                return
         marks = [os.path.join(self.trace_dir, TURNS_DIR, _READER_MARK.format(i)) for i in range(self.turns.readers)]
         while not all(_released_through(m) >= last for m in marks):
             time.sleep(self.turns.poll_s)
@@ -362,6 +374,7 @@ class TraceWriter:
             self._record_texts.extend(json.dumps(r.to_json(), separators=(",", ":")) for r in records)
             self.files[fname] = {"bytes": size, CHECKSUM: checksum}
             self._pending -= 1
+            self._publish()
             self._settled.notify_all()
             try:
                 self._write_manifest(complete=False)
@@ -372,7 +385,7 @@ class TraceWriter:
         with self._lock:
             if settled:  # a finished file's write failed: it will not be listed
                 self._pending -= 1
-                self._settled.notify_all()
+            self._settled.notify_all()  # (a turn waiting for a publication that will not come)
             if self.failed is None:
                 self.failed = f"{type(error).__name__}: {error}"
                 print(f"[ttrace] rank {self.rank}: recording stopped, the trace will be marked incomplete: "
