@@ -76,9 +76,10 @@ class Turns:
     given it yet: on the 2-core development VM that was 1.4-1.5 s of the 50M rung's 2.3 s of
     recording, against 0.4-0.6 s for the same bytes written into pages already held
     (BENCHMARKS.md, issue #35). Here the writer publishes each iteration once its files are listed
-    (the manifest's ``whole_through``), and at the next iteration's first record waits for every
-    reader to let it go (:func:`release_iteration`); the files of the records ``overwritable``
-    picks are then renamed to the new iteration's names and written over in place. Their records
+    (the manifest's ``whole_through``), and at the next iteration's first record that
+    ``overwritable`` picks waits for every reader to let it go (:func:`release_iteration`); those
+    records go to files of their own, which are then renamed to the new iteration's names and
+    written over in place (the records before it, kept, go to new files meanwhile). Their records
     stay in the manifest (their keys and layouts: what a comparison orders and groups by), their
     files in its ``released``: reading one is a TraceError that says so. The records kept are the
     ones a comparison of the readers' results still reads once the run is over."""
