@@ -25,13 +25,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 
-def parity(path: str, dtype: str, tmp: str) -> dict:
+def runnable(path: str, dtype: str):
+    """(the recipe at ``path`` in ``dtype`` or None, its row): the row says why where it is refused."""
     from ttrace_megatron.adapter.recipe.config import validate_recipe
-    from ttrace_megatron.adapter.run.launch import launch
-    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
-    from ttrace_megatron.compare import compare_traces
-    from ttrace_megatron.errors import RecipeError, RunFailed, TraceError
-    from ttrace_megatron.online import combine_online
+    from ttrace_megatron.errors import RecipeError
     from ttrace_megatron.recipe import load_recipe
 
     recipe = load_recipe(path)
@@ -40,7 +37,20 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
     try:
         validate_recipe(recipe)
     except RecipeError as e:
-        return dict(row, refused=str(e)[:200])
+        return None, dict(row, refused=str(e)[:200])
+    return recipe, row
+
+
+def parity(path: str, dtype: str, tmp: str) -> dict:
+    from ttrace_megatron.adapter.run.launch import launch
+    from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
+    from ttrace_megatron.compare import compare_traces
+    from ttrace_megatron.errors import RecipeError, RunFailed, TraceError
+    from ttrace_megatron.online import combine_online
+
+    recipe, row = runnable(path, dtype)
+    if recipe is None:
+        return row
     ref, cand, seed = (os.path.join(tmp, d) for d in ("reference", "candidate", "seed.safetensors"))
     try:
         launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ref, seed)), timeout_s=900)
@@ -60,8 +70,11 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
                 verdicts_differ=differ[:10], worst_offline=worst(offline), worst_online=worst(online))
 
 
-def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def each_recipe(parity_of, description: str) -> None:
+    """``parity_of(recipe path, dtype, scratch directory)`` of every shipped recipe (or ``--recipes``)
+    and ``--dtypes``: one JSON line each, with the commit, megatron-core and machine, appended to
+    ``--out`` (stream_parity.py runs its own this way)."""
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--recipes", nargs="*", help="recipe files (default: recipes/*.yaml)")
     parser.add_argument("--dtypes", nargs="+", default=["fp32"])
     parser.add_argument("--out", required=True, help="JSON lines are appended here")
@@ -74,7 +87,7 @@ def main():
         for dtype in args.dtypes:
             tmp = tempfile.mkdtemp(prefix="online-parity-")
             try:
-                row = parity(path, dtype, tmp)
+                row = parity_of(path, dtype, tmp)
             finally:
                 shutil.rmtree(tmp, ignore_errors=True)
             row.update(commit=commit, megatron_core=megatron.core.__version__,
@@ -82,6 +95,10 @@ def main():
             with open(args.out, "a") as f:
                 f.write(json.dumps(row) + "\n")
             print(json.dumps(row), flush=True)
+
+
+def main():
+    each_recipe(parity, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -14,20 +14,16 @@ anything is a finding. One JSON line per recipe and dtype.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import glob
-import json
 import os
-import platform
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 MEMORY = "/dev/shm"  # where ``ttrace run`` holds its reference (plan.MEMORY_ROOT)
 
 
@@ -65,17 +61,12 @@ def _checks(recipe, tmp: str):
 
 
 def parity(path: str, dtype: str, tmp: str) -> dict:
-    from ttrace_megatron.adapter.recipe.config import validate_recipe
+    from online_parity import runnable
     from ttrace_megatron.errors import RecipeError, RunFailed, TraceError
-    from ttrace_megatron.recipe import load_recipe
 
-    recipe = load_recipe(path)
-    recipe.dtype = dtype
-    row = {"recipe": recipe.name, "dtype": dtype}
-    try:
-        validate_recipe(recipe)
-    except RecipeError as e:
-        return dict(row, refused=str(e)[:200])
+    recipe, row = runnable(path, dtype)
+    if recipe is None:
+        return row
     try:
         (held, held_s), (streamed, streamed_s) = _checks(recipe, tmp)
     except (RecipeError, RunFailed, TraceError, ValueError) as e:
@@ -96,27 +87,9 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--recipes", nargs="*", help="recipe files (default: recipes/*.yaml)")
-    parser.add_argument("--dtypes", nargs="+", default=["fp32"])
-    parser.add_argument("--out", required=True, help="JSON lines are appended here")
-    args = parser.parse_args()
-    import megatron.core
+    from online_parity import each_recipe
 
-    commit = subprocess.run(["git", "rev-parse", "--short=7", "HEAD"], cwd=REPO, capture_output=True,
-                            text=True).stdout.strip()
-    for path in args.recipes or sorted(glob.glob(os.path.join(REPO, "recipes", "*.yaml"))):
-        for dtype in args.dtypes:
-            tmp = tempfile.mkdtemp(prefix="stream-parity-")
-            try:
-                row = parity(path, dtype, tmp)
-            finally:
-                shutil.rmtree(tmp, ignore_errors=True)
-            row.update(commit=commit, megatron_core=megatron.core.__version__,
-                       machine=f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo")
-            with open(args.out, "a") as f:
-                f.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+    each_recipe(parity, __doc__.splitlines()[0])
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ WORKERS = "workers"      # compare_workers.py rows (jsonl)
 PLAN = "plan"            # plan_check.py rows (jsonl): ttrace plan's bytes against a real check's
 SWEEP = "sweep"          # sweep.py --jsonl rows: each configuration and its outcome (--twin: the twin's too)
 PARITY = "parity"        # online_parity.py rows: each recipe judged online and offline from one candidate run
+STREAM = "stream"        # stream_parity.py rows: each recipe checked with its reference held whole and streamed
 CHECK_COST = "check_cost"  # online_bytes.py --plain rows: a whole check, online and --keep-traces, against training
 COMPARE_SCALE = "compare_scale"  # compare_at_scale.py rows: compare's throughput and peak at the 50M rung
 COMPARE_PARTS = "compare_parts"  # compare_parts.py rows: each part of compare on one core, against memory bandwidth
@@ -150,6 +151,10 @@ CURRENT: Tuple[Source, ...] = (
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
            ("online_parity_1da0cb4_zen5.jsonl", "online_parity_bf16_d077861_zen5.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
+    Source("shipped recipes checked with the reference streamed (--reference-in stream), against the same check with "
+           "it held whole", STREAM,
+           ("stream_parity_fp32_4a8c9dd_zen5.jsonl", "stream_parity_bf16_4a8c9dd_zen5.jsonl"),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
@@ -158,8 +163,14 @@ CURRENT: Tuple[Source, ...] = (
            "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
            "training right before it, and the reference's recording by the time to write its bytes as the tracer "
            "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976); what the "
-           "reference's bytes cost written into memory the check already holds, and freed after, against fresh "
-           "memory (1da0cb4: what a reference streamed through a held buffer would save; not built); three repeats",
+           "reference's bytes cost written into memory the check already holds (1da0cb4); the check with its "
+           "reference streamed (--reference-in stream, 661418a: it holds 1.95 GB of the 4.04, and is not faster in "
+           "this phase); three repeats",
+           COSTS_TABLE, ("cost_table_661418a_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 1da0cb4, the session before (the default check's code the same but for 5879a99, which "
+           "reads fewer reference tensors after the run, and the branches of 59ecf8e-661418a that only a streamed "
+           "reference takes), where the rows of the reference's bytes written into memory already held were added "
+           "(what a streamed reference would save); three repeats",
            COSTS_TABLE, ("cost_table_1da0cb4_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at b77972b (the code of bfcf8c2), the session before, in a faster phase of the same VM "
            "(the candidate 2.5-2.8 s over its training, against 3.1-4.1 s at 1da0cb4), three repeats",
@@ -414,6 +425,26 @@ def parity_rows(source: Source) -> List[CleanRow]:
     return out
 
 
+def stream_rows(source: Source) -> List[CleanRow]:
+    """The streamed check's verdict of each clean recipe (``--reference-in stream``), with how often
+    it is the check's with the reference held whole, to the last bit of every tensor
+    (``stream_parity.py``); a known megatron bug's failure is a true one."""
+    out = []
+    for name in source.files:
+        rows = [r for r in jsonl(_path(name)) if "streamed" in r]
+        for dtype in sorted({r["dtype"] for r in rows}):
+            group = [r for r in rows if r["dtype"] == dtype]
+            fails = [r for r in group if r["streamed"] != "pass"]
+            true = {r["recipe"]: 1 for r in fails if r["recipe"] in KNOWN_MEGATRON_BUGS}
+            worst = max((r for r in group if r["recipe"] not in true), key=lambda r: r["worst_streamed"])
+            same = sum(bool(r["identical"]) for r in group)
+            out.append(CleanRow(f"{source.population} (the held reference's verdict on every tensor, to the last "
+                                f"bit: {same} of {len(group)})", dtype, len(group), len(fails) - len(true), true,
+                                None, worst["worst_streamed"], worst["recipe"], commit_of(name), machine_of(name),
+                                source.detail))
+    return out
+
+
 def sweep_rows(source: Source) -> List[CleanRow]:
     """The configurations a sweep ran to a verdict: the pair's and (``--twin``) the fp32 twin's false
     positives and worst clean ratio; the known megatron bugs it hit are true positives."""
@@ -628,6 +659,8 @@ def summary() -> str:
             clean += sweep_rows(s)
         elif s.kind == PARITY:
             clean += parity_rows(s)
+        elif s.kind == STREAM:
+            clean += stream_rows(s)
         elif s.kind == BUGS:
             bugs += bug_rows(s)
         elif s.kind == UPSTREAM:
