@@ -164,8 +164,13 @@ CURRENT: Tuple[Source, ...] = (
            "training right before it, and the reference's recording by the time to write its bytes as the tracer "
            "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976); what the "
            "reference's bytes cost written into memory the check already holds (1da0cb4); the check with its "
-           "reference streamed (--reference-in stream, 661418a: it holds 1.95 GB of the 4.04, and is not faster in "
-           "this phase); three repeats",
+           "reference streamed (--reference-in stream, 661418a; 47ab9f0: its waiting candidate reads a few bytes, "
+           "not the manifest: it holds 1.95 GB of the 4.04, and is as fast as the default in this phase); three "
+           "repeats",
+           COSTS_TABLE, ("cost_table_47ab9f0_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 661418a, half an hour before, the streamed candidate parsing the reference's manifest "
+           "at each of its rewrites while it waited (its ranks 0.35-0.5 user core-s more each than the default's): "
+           "the streamed check 2.18 / 2.34 / 2.20×, the default 2.11 / 2.29 / 2.06×; three repeats",
            COSTS_TABLE, ("cost_table_661418a_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 1da0cb4, the session before (the default check's code the same but for 5879a99, which "
            "reads fewer reference tensors after the run, and the branches of 59ecf8e-661418a that only a streamed "
