@@ -411,43 +411,38 @@ def free_rows(source: Source) -> List[CleanRow]:
     return out
 
 
-def parity_rows(source: Source) -> List[CleanRow]:
-    """The default (online) verdict of each clean recipe, with how often it is the recorded check's
-    of the same candidate run (``online_parity.py``); a known megatron bug's failure is a true one."""
+def _two_ways_rows(source: Source, verdict: str, worst_key: str, alike, alike_to: str) -> List[CleanRow]:
+    """Each clean recipe's verdict (``verdict``, its worst ratio ``worst_key``) from rows that checked
+    it two ways, with how many were ``alike`` the other way (``alike_to`` says which); a known
+    megatron bug's failure is a true one."""
     out = []
     for name in source.files:
-        rows = [r for r in jsonl(_path(name)) if "online" in r]
+        rows = [r for r in jsonl(_path(name)) if verdict in r]
         for dtype in sorted({r["dtype"] for r in rows}):
             group = [r for r in rows if r["dtype"] == dtype]
-            fails = [r for r in group if r["online"] != "pass"]
+            fails = [r for r in group if r[verdict] != "pass"]
             true = {r["recipe"]: 1 for r in fails if r["recipe"] in KNOWN_MEGATRON_BUGS}
-            worst = max((r for r in group if r["recipe"] not in true), key=lambda r: r["worst_online"])
-            same = sum(r["same"] and not r["verdicts_differ"] for r in group)
-            out.append(CleanRow(f"{source.population} (the recorded check's verdict on every tensor: {same} of "
-                                f"{len(group)})", dtype, len(group), len(fails) - len(true), true, None,
-                                worst["worst_online"], worst["recipe"], commit_of(name), machine_of(name),
-                                source.detail))
+            worst = max((r for r in group if r["recipe"] not in true), key=lambda r: r[worst_key])
+            same = sum(bool(alike(r)) for r in group)
+            out.append(CleanRow(f"{source.population} ({alike_to}: {same} of {len(group)})", dtype, len(group),
+                                len(fails) - len(true), true, None, worst[worst_key], worst["recipe"],
+                                commit_of(name), machine_of(name), source.detail))
     return out
+
+
+def parity_rows(source: Source) -> List[CleanRow]:
+    """The default (online) verdict of each clean recipe, with how often it is the recorded check's
+    of the same candidate run (``online_parity.py``)."""
+    return _two_ways_rows(source, "online", "worst_online", lambda r: r["same"] and not r["verdicts_differ"],
+                          "the recorded check's verdict on every tensor")
 
 
 def stream_rows(source: Source) -> List[CleanRow]:
     """The streamed check's verdict of each clean recipe (``--reference-in stream``), with how often
     it is the check's with the reference held whole, to the last bit of every tensor
-    (``stream_parity.py``); a known megatron bug's failure is a true one."""
-    out = []
-    for name in source.files:
-        rows = [r for r in jsonl(_path(name)) if "streamed" in r]
-        for dtype in sorted({r["dtype"] for r in rows}):
-            group = [r for r in rows if r["dtype"] == dtype]
-            fails = [r for r in group if r["streamed"] != "pass"]
-            true = {r["recipe"]: 1 for r in fails if r["recipe"] in KNOWN_MEGATRON_BUGS}
-            worst = max((r for r in group if r["recipe"] not in true), key=lambda r: r["worst_streamed"])
-            same = sum(bool(r["identical"]) for r in group)
-            out.append(CleanRow(f"{source.population} (the held reference's verdict on every tensor, to the last "
-                                f"bit: {same} of {len(group)})", dtype, len(group), len(fails) - len(true), true,
-                                None, worst["worst_streamed"], worst["recipe"], commit_of(name), machine_of(name),
-                                source.detail))
-    return out
+    (``stream_parity.py``)."""
+    return _two_ways_rows(source, "streamed", "worst_streamed", lambda r: r["identical"],
+                          "the held reference's verdict on every tensor, to the last bit")
 
 
 def sweep_rows(source: Source) -> List[CleanRow]:

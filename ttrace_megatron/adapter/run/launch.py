@@ -173,10 +173,11 @@ def launch_beside(first: RunSpec, second: RunSpec, timeout_s: Optional[float] = 
     to each side's end, by role. (CPU ranks only: on GPUs the candidate's rank 0 would run on the
     device the reference trains on.)
 
-    The two sides never run at once. Started beside the reference, the candidate's start-up took
-    the cores from the reference's training and cost the check 0.3-1.8 s at the 50M rung on the
-    2-core development VM (BENCHMARKS.md, issue #35), and its processes' start alone ~0.3 s of a toy
-    check."""
+    The candidate's start-up never runs beside the reference's training: started with it, it took
+    the cores from that training and cost the check 0.3-1.8 s at the 50M rung on the 2-core
+    development VM (BENCHMARKS.md, issue #35), and its processes' start alone ~0.3 s of a toy check.
+    (Afterwards the sides overlap only where the reference records its next iteration's kept
+    tensors while the candidate judges the one before.)"""
     for spec in (first, second):
         if spec.megatron:
             raise ValueError("launch_beside runs the installed megatron-core's ranks only")
