@@ -210,7 +210,7 @@ def floors(tmp: str, workers) -> dict:
 
     recipe = shipped_recipe(RECIPE, "fp32", 1, True)
     rates = core.measure_compare_rates(tmp)
-    held = check_plan(recipe, online=True, twin=False, reference_in_memory=True)  # the default check's
+    held = check_plan(recipe, online=True, twin=False, reference_in=core.MEMORY)  # the default check's
     recorded = check_plan(recipe, online=False, twin=False)
     cores = available_cores()
     def best(where):  # (of three: a single 256 MiB write here has measured 0.5 and 2.6 GB/s minutes apart)

@@ -2,6 +2,8 @@
 
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -803,6 +805,31 @@ def test_a_streamed_reference_gives_the_verdict_of_one_held_whole(tmp_path, inje
     assert ("reference again" in reports["stream"]["timings_s"]) == bool(inject)
     if inject:
         assert reports["stream"]["culprits"][0]["module"] == "decoder.layers.1.mlp.linear_fc2"
+
+
+def test_auto_streams_a_reference_that_held_whole_would_not_fit(tmp_path):
+    """``--reference-in auto`` under a ``--reference-memory`` that the reference held whole exceeds
+    and its streamed peak fits (the plan's figures): streamed, with the verdict of one held whole."""
+    from ttrace_megatron.cli import main
+
+    recipe = os.path.join(RECIPES, "gpt_tp2_sp.yaml")
+    planned = {}
+    for mode in ("memory", "stream"):
+        proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe, "--json", "-",
+                               "--no-fp32-twin", "--reference-in", mode], capture_output=True, text=True,
+                              cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        planned[mode] = json.loads(proc.stdout)["memory_needed"]
+    assert planned["stream"] < planned["memory"]
+    reports = {}
+    for mode, flags in (("memory", ["--reference-in", "memory"]),
+                        ("auto", ["--reference-memory", str((planned["stream"] + planned["memory"]) // 2)])):
+        path = tmp_path / f"{mode}.json"
+        assert main(["run", recipe, "--out", str(tmp_path / mode), "--json", str(path), "--quiet", "--cpu",
+                     "--no-fp32-twin"] + flags) == 0
+        reports[mode] = json.loads(path.read_text())
+    assert reports["memory"]["reference_in"] == "memory" and reports["auto"]["reference_in"] == "stream"
+    assert _judged(reports["auto"]) == _judged(reports["memory"])
 
 
 @pytest.mark.parametrize("flags,why", [

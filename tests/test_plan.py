@@ -68,18 +68,48 @@ def test_a_reference_held_in_memory_takes_no_disk_and_is_planned_as_memory():
     assert "host memory beside the training: 67.1 MB of staging" in "\n".join(core.format_plan(held))
     assert "NOT ENOUGH (ttrace run refuses it)" in "\n".join(core.format_plan(held, memory_room=5 * per - 1))
     assert "NOT ENOUGH" not in "\n".join(core.format_plan(held, free=10 ** 9, memory_room=5 * per))
-    # where the reference goes: auto takes memory where it fits and the check keeps no traces
-    assert core.reference_in_memory("auto", 10, 10, online=True)
-    assert not core.reference_in_memory("auto", 11, 10, online=True)
-    assert not core.reference_in_memory("auto", 1, None, online=True)  # no tmpfs here
-    assert not core.reference_in_memory("auto", 1, 10, online=False)  # --keep-traces: both sides on the disk
-    assert core.reference_in_memory("memory", 11, None, online=True)  # asked: refused at the run if it does not fit
+    # where the reference goes: auto holds it in memory where it fits and the check keeps no traces,
+    # else streams it where its peak fits and nothing refuses it, else writes it to the disk
+    place = core.reference_placement
+    assert place("auto", 10, 4, 10, online=True) == core.MEMORY
+    assert place("auto", 11, 4, 10, online=True) == core.STREAM
+    assert place("auto", 11, 4, 10, online=True, stream_refused="perturbation") == core.DISK
+    assert place("auto", 11, 11, 10, online=True) == core.DISK
+    assert place("auto", 1, 1, None, online=True) == core.DISK  # no tmpfs here
+    assert place("auto", 1, 1, 10, online=False) == core.DISK  # --keep-traces: both sides on the disk
+    assert place("memory", 11, 4, None, online=True) == core.MEMORY  # asked: refused at the run if it does not fit
+    assert place("stream", 11, 11, None, online=True) == core.STREAM
     with pytest.raises(ValueError, match="give one of them"):  # nothing kept, and every trace kept
-        core.reference_in_memory("memory", 1, 10, online=False)
-    assert not core.reference_in_memory("disk", 1, 10, online=True)
+        place("memory", 1, 1, 10, online=False)
+    assert place("disk", 1, 1, 10, online=True) == core.DISK
     with pytest.raises(ValueError, match="one of auto, memory, disk"):
-        core.reference_in_memory("ram", 1, 10, online=True)
+        place("ram", 1, 1, 10, online=True)
     assert "takes about 5.0 GB and only 1.0 GB may be taken there" in core.memory_refusal_text("r", 5 * 10 ** 9, 10 ** 9)
+
+
+def test_a_streamed_reference_holds_what_it_keeps_and_one_iteration_of_the_rest():
+    kept = core.TensorGroup(core.ACTIVATIONS, 1000, 4, 2)
+    again = core.TensorGroup(core.OPTIMIZER, 5000, 4, 3, overwritable=True)
+    ref = _side("reference", 1, {}, [kept, again], iterations=4)
+    per_kept, per_again = 8000 + 2 * core.HEADER_BYTES_PER_RECORD, 60000 + 3 * core.HEADER_BYTES_PER_RECORD
+    assert ref.total() == 4 * (per_kept + per_again)
+    # each iteration's overwritable bytes written over the one before's; every record's entry kept
+    assert ref.streamed_peak() == 4 * per_kept + 4 * 3 * core.HEADER_BYTES_PER_RECORD + 60000
+    assert _side("reference", 1, {}, [kept, again], iterations=1).streamed_peak() == per_kept + per_again
+    online = dataclasses.replace(ref, online=True)
+    assert online.streamed_peak() == online.total()  # (verdict sums: nothing is written over)
+    cand = _side("candidate", 2, {}, [kept])
+    plan = core.Plan("r", [ref, cand], 0, (("reference", "candidate"),), in_memory=("reference",),
+                     streamed=("reference",))
+    assert plan.memory_needed() == ref.streamed_peak() == plan.host_memory()["reference_in_memory"]
+    assert plan.memory_written() == ref.total()  # (every iteration's bytes are written)
+    assert plan.to_json()["streamed"] == ["reference"]
+    text = "\n".join(core.format_plan(plan, memory_room=ref.streamed_peak()))
+    assert "streamed to its candidate one iteration at a time" in text and "NOT ENOUGH" not in text
+    assert "held whole: 290.0 kB" in text
+    assert "the reference, streamed, holds at its peak about 5.0 GB" in core.memory_refusal_text(
+        "r", 5 * 10 ** 9, 10 ** 9, core.STREAM)
+    assert "as --reference-memory allows" in core.memory_refusal_text("r", 5, 1, limited=True)
 
 
 def test_memory_room_is_a_share_of_the_memory_available_within_the_tmpfs(tmp_path, monkeypatch):
@@ -90,6 +120,9 @@ def test_memory_room_is_a_share_of_the_memory_available_within_the_tmpfs(tmp_pat
     free = core.free_bytes(str(tmp_path))
     assert core.memory_room(str(tmp_path)) == int(min(core.MEMORY_SHARE * 10 ** 9, core.DISK_HEADROOM * free))
     assert core.memory_room(str(tmp_path / "absent")) is None
+    # --reference-memory: what the user allows, within all the memory available and the tmpfs
+    assert core.memory_room(str(tmp_path), limit=10 ** 6) == min(10 ** 6, int(core.DISK_HEADROOM * free))
+    assert core.memory_room(str(tmp_path), limit=10 ** 12) == int(min(10 ** 9, core.DISK_HEADROOM * free))
     monkeypatch.setattr(core, "memory_available", lambda: None)
     assert core.memory_room(str(tmp_path)) is None
 
@@ -125,7 +158,7 @@ def test_the_default_check_holds_its_reference_in_memory_and_writes_none_of_it(t
     disk holds the candidates' verdict sums. ``--reference-in disk`` writes it under --out, as before."""
     import yaml
 
-    if not core.reference_in_memory("auto", 10 ** 8, core.memory_room(), online=True):
+    if core.reference_placement("auto", 10 ** 8, 10 ** 8, core.memory_room(), online=True) != core.MEMORY:
         pytest.skip(f"no room in {core.MEMORY_ROOT} for 100 MB here")
     raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
     raw.update(dtype="bf16", name="gpt_tp2_sp")
@@ -224,8 +257,32 @@ def test_the_plan_holds_within_5_percent_of_what_a_check_writes(tmp_path, recipe
         measured = core.measured_bytes(str(out / side["name"]))
         within = ONLINE_SPREAD if side["online"] else 0.05
         assert abs(side["total"] / measured - 1) <= within, (side["name"], side["total"], measured)
+        if not side["online"] and side["name"].endswith("reference"):
+            # streamed, its writer would write each iteration's records that it picks over the one before's
+            streamed = _streamed_peak_of(str(out / side["name"]))
+            assert abs(side["streamed_peak"] / streamed - 1) <= 0.05, (side["name"], side["streamed_peak"], streamed)
     seed = os.path.getsize(out / "seed_checkpoint.safetensors")
     assert abs(planned["seed_checkpoint_bytes"] / seed - 1) <= 0.05
+
+
+def _streamed_peak_of(trace_dir: str) -> int:
+    """What a reference's trace, measured, would hold written one iteration at a time: its bytes,
+    less its records that the streamed writer's rule (``online.overwritable``) writes over,
+    but for the iteration that has most of them."""
+    import collections
+    import math
+
+    import torch
+
+    from ttrace_megatron.online import overwritable
+    from ttrace_megatron.trace_store import TraceReader
+
+    again = collections.Counter()
+    for _, rec in TraceReader(trace_dir).records():
+        if overwritable(rec.key, rec.layout):
+            again[rec.key.iteration] += math.prod(rec.shape) * getattr(torch, rec.dtype).itemsize
+    assert again, f"{trace_dir}: nothing a streamed writer writes over"
+    return core.measured_bytes(trace_dir) - sum(again.values()) + max(again.values())
 
 
 @pytest.mark.multiprocess
@@ -334,6 +391,40 @@ def test_the_disk_check_plans_with_the_flags_that_change_what_a_check_writes():
     assert cli.main(["run", "--online", "--keep-traces"]) == cli.EXIT_ERROR
     # and the plan command takes every one of them
     cli.build_parser().parse_args(cmd[cmd.index("plan"):])
+    # where the reference may go: --reference-memory, and why this run may not stream it (which the
+    # plan's process cannot tell from the flags it takes: --megatron-lm, a GPU without --cpu)
+    capped = cli.build_parser().parse_args(["run", "r.yaml", "--reference-memory", "40GB"])
+    cmd = cli._plan_command("r.json", "p.json", "o", capped, stream_refused="on GPUs")
+    assert cmd[cmd.index("--reference-memory"):] == ["--reference-memory", "40GB", "--stream-refused", "on GPUs"]
+    assert cli.build_parser().parse_args(cmd[cmd.index("plan"):]).stream_refused == "on GPUs"
+    assert cli.main(["run", "--reference-memory", "lots"]) == cli.EXIT_ERROR  # refused before anything runs
+
+
+@pytest.mark.multiprocess
+def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it_may_take(tmp_path):
+    """Held whole where it fits; else streamed, each pair's reference (a twin's too), where its peak
+    fits and nothing refuses it (a low-precision recipe's perturbation run does by default); else
+    the disk."""
+    import yaml
+
+    raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
+    raw.update(dtype="bf16", name="gpt_tp2_sp")
+    (tmp_path / "perturbed.yaml").write_text(yaml.safe_dump(raw))
+    raw["tolerance"] = {"perturbation": False}
+    recipe = str(tmp_path / "r.yaml")
+    (tmp_path / "r.yaml").write_text(yaml.safe_dump(raw))
+    held = _plan_json(recipe, "--reference-in", "memory")
+    streamed = _plan_json(recipe, "--reference-in", "stream")
+    assert streamed["streamed"] == streamed["in_memory"] == ["reference", "fp32_twin/reference"]
+    assert streamed["memory_needed"] < held["memory_needed"]
+    between = str((streamed["memory_needed"] + held["memory_needed"]) // 2)
+    assert _plan_json(recipe)["streamed"] == []
+    assert _plan_json(recipe, "--reference-memory", between)["streamed"] == streamed["streamed"]
+    for path, flags in ((recipe, ["--perturb"]), (str(tmp_path / "perturbed.yaml"), []),
+                        (recipe, ["--stream-refused", "not here"])):  # (a perturbation run reads it all after)
+        planned = _plan_json(path, "--reference-memory", between, *flags)
+        assert planned["in_memory"] == [] and planned["streamed"] == []
+    assert _plan_json(recipe, "--reference-memory", "1kB")["in_memory"] == []
 
 
 def test_judging_time_is_planned_per_side_from_the_measured_rates():

@@ -566,6 +566,24 @@ def _streamed_reference(tmp, readers=1, iterations=3):
     return written
 
 
+def test_a_streamed_writer_tells_a_matrix_by_its_logical_shape():
+    """A distributed optimizer records a matrix's state as a flat range: written over like the
+    matrix's own; a bias's state, and any activation, kept."""
+    from ttrace_megatron import keys
+    from ttrace_megatron.online import overwritable
+    from ttrace_megatron.placement import RangeShard
+
+    def state(param):
+        return TensorKey(1, -1, "decoder.layers.0.mlp.linear_fc1", keys.OPTIMIZER,
+                         keys.optimizer_state(param, keys.EXP_AVG))
+
+    assert overwritable(state("weight"), Layout((RangeShard("dp", (0, 16), (4, 4)),), (4, 4)))
+    assert overwritable(state("weight"), Layout((), (4, 4)))
+    assert not overwritable(state("bias"), Layout((RangeShard("dp", (0, 4), (4,)),), (4,)))
+    assert not overwritable(TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", keys.FORWARD, keys.OUTPUT),
+                            Layout((), (4, 4)))
+
+
 def test_a_streamed_reference_overwrites_only_what_its_comparison_never_reads(tmp_path):
     written = _streamed_reference(tmp_path)
     manifest = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())

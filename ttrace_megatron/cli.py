@@ -121,11 +121,14 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
 
     from . import plan as core
 
+    # this check's own flags: where auto streams its reference, they say so (the next recipe decides its own)
+    args = argparse.Namespace(**vars(args))
     twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
     try:  # (a contradiction of flags: refused before anything runs)
         core.check_reference_in(getattr(args, "reference_in", "auto"), args.online)
     except ValueError as e:
         raise RecipeError(str(e)) from None
+    _reference_memory(args)  # (a size that does not parse: refused here, not by the plan's process)
     if getattr(args, "reference_in", "auto") == "stream":
         why = _stream_refusal([recipe] + ([twin] if twin else []), args)
         if why:
@@ -138,7 +141,14 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     except RecipeError as e:
         raise RecipeError(f"the fp32 twin of this recipe cannot run: {e} (--no-fp32-twin leaves the twin out)") \
             from None
-    scratch = _memory_scratch(_check_disk(recipe, out, args, console), args)
+    planned = _check_disk(recipe, out, args, console)
+    if planned and planned.get("streamed") and getattr(args, "reference_in", core.AUTO) == core.AUTO:
+        args.reference_in = core.STREAM
+        whole = max(s["total"] for s in planned["sides"] if s["name"] in planned["streamed"])
+        console.print(f"the reference streamed (--reference-in auto): held whole it would take about {core.human(whole)}, "
+                      f"more than the {core.human(planned['memory_room'])} it may take here; one iteration at a time, "
+                      f"at most {core.human(planned['memory_needed'])}", highlight=False)
+    scratch = _memory_scratch(planned, args)
     removals: List[threading.Thread] = []  # in-memory references being removed while the check goes on
     try:
         return _run_pairs(recipe, twin, out, args, console, json_path, run_side, run_twin, scratch, removals)
@@ -206,16 +216,16 @@ def _stream_refusal(recipes, args) -> str:
     """Why these recipes' check cannot stream its reference (``--reference-in stream``), or ""."""
     from .adapter.run.launch import cpu_ranks
 
-    if args.no_lockstep:
+    if getattr(args, "no_lockstep", False):
         return "the candidate must run in lock-step (it reads each iteration's weights from the reference)"
-    if args.perturb or any(r.tolerance.perturbation for r in recipes):
+    if getattr(args, "perturb", False) or any(r.tolerance.perturbation for r in recipes):
         return "a perturbation run reads the whole reference after the candidate"
     if getattr(args, "megatron_lm", None) or getattr(args, "reference_megatron", None) or \
             getattr(args, "candidate_megatron", None):
         return "both sides must run on the installed megatron-core (not --megatron-lm, --*-megatron)"
     if getattr(args, "reference_model", "same") != "same":
         return "--reference-model gpt is not streamed yet"
-    if not cpu_ranks(args.cpu):
+    if not cpu_ranks(getattr(args, "cpu", False)):
         return "CPU ranks only (--cpu, or no GPU here): on GPUs the candidate's rank 0 would share its device"
     return ""
 
@@ -357,6 +367,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
               **lockstep)
         report["culprits"] = timed("localize", _localize, ref_dir, replay_dir, console, quiet=quiet)
     report["timings_s"] = timings
+    report["reference_in"] = "stream" if streamed else "memory" if in_memory else "disk"
     if not quiet:
         from .report import timings_line
 
@@ -608,14 +619,24 @@ def _plan_of(recipe, args, keep: bool, shape=None, room: Optional[int] = None):
     lockstep = not getattr(args, "no_lockstep", False)
     selection = Selection(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
 
-    def plan(in_memory: bool):
+    def plan(reference_in: str):
         return check_plan(recipe, online=args.online, perturb=True if args.perturb else None,
                           twin=not args.no_fp32_twin, keep=keep, selection=selection, reference_everything=lockstep,
-                          shape=shape, reference_in_memory=in_memory)
+                          shape=shape, reference_in=reference_in)
 
-    held = plan(True)
-    in_memory = core.reference_in_memory(getattr(args, "reference_in", "auto"), held.memory_needed(), room, args.online)
-    return held if in_memory else plan(False)
+    held, streamed = plan(core.MEMORY), plan(core.STREAM)
+    refused = getattr(args, "stream_refused", "") or _stream_refusal(_with_twin(recipe, args), args)
+    where = core.reference_placement(getattr(args, "reference_in", core.AUTO), held.memory_needed(),
+                                     streamed.memory_needed(), room, args.online, refused)
+    return {core.MEMORY: held, core.STREAM: streamed}.get(where) or plan(core.DISK)
+
+
+def _with_twin(recipe, args) -> list:
+    """The recipe, and its fp32 twin where the check runs one."""
+    from .recipe import fp32_twin
+
+    twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
+    return [recipe] + ([twin] if twin else [])
 
 
 # the selections `ttrace plan --budget` offers, each as run's flags: fewer iterations, one microbatch,
@@ -662,7 +683,7 @@ def cmd_plan(args, console: Console) -> int:
     recipe, notes = _plan_recipe(args)
     validate_recipe(recipe)  # what run refuses, plan refuses alike
     shape = model_shape(recipe)
-    room = core.memory_room()
+    room = core.memory_room(limit=_reference_memory(args))
     plan = _plan_of(recipe, args, keep=bool(args.out), shape=shape, room=room)
     plan.notes += notes
     where = args.out or tempfile.gettempdir()
@@ -699,15 +720,34 @@ def cmd_plan(args, console: Console) -> int:
     return EXIT_PASS
 
 
+def _reference_memory(args) -> Optional[int]:
+    """``--reference-memory`` in bytes, or None (not given)."""
+    from . import plan as core
+
+    text = getattr(args, "reference_memory", None)
+    if not text:
+        return None
+    try:
+        return core.parse_bytes(text)
+    except ValueError as e:
+        raise RecipeError(f"--reference-memory: {e}") from None
+
+
 PLAN_TIMEOUT_S = 300  # the disk check's plan: a build on the meta device takes seconds; never wait on a hang
 
 
-def _plan_command(recipe_path: str, plan_path: str, out: str, args) -> List[str]:
-    """``ttrace plan`` with the flags of ``ttrace run`` that change what a check writes."""
+def _plan_command(recipe_path: str, plan_path: str, out: str, args, stream_refused: str = "") -> List[str]:
+    """``ttrace plan`` with the flags of ``ttrace run`` that change what a check writes, and where
+    the reference goes (``stream_refused``: why this run may not stream it, which the plan's
+    process cannot tell from those flags)."""
     cmd = [sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe_path, "--json", plan_path]
     cmd += [f"--{flag.replace('_', '-')}" for flag in PLAN_FLAGS if getattr(args, flag, False)]
     cmd += [] if getattr(args, "online", True) else ["--keep-traces"]
     cmd += ["--reference-in", getattr(args, "reference_in", "auto")]
+    if getattr(args, "reference_memory", None):
+        cmd += ["--reference-memory", args.reference_memory]
+    if stream_refused:
+        cmd += ["--stream-refused", stream_refused]
     for flag in ("iters", "microbatches"):
         if getattr(args, flag, None):
             cmd += [f"--{flag}", ",".join(map(str, getattr(args, flag)))]
@@ -754,7 +794,9 @@ def _check_disk(recipe, out: str, args, console: Console) -> Optional[dict]:
         recipe_path, plan_path = os.path.join(tmp, "recipe.yaml"), os.path.join(tmp, "plan.json")
         with open(recipe_path, "w") as f:
             json.dump(dict(recipe.to_json(), name=recipe.name), f)  # JSON is YAML
-        command, error_path = _plan_command(recipe_path, plan_path, out, args), os.path.join(tmp, "error.txt")
+        refused = _stream_refusal(_with_twin(recipe, args), args)
+        command = _plan_command(recipe_path, plan_path, out, args, refused)
+        error_path = os.path.join(tmp, "error.txt")
         rc = run_function(_plan_in_process, (command[command.index("plan"):], error_path), PLAN_TIMEOUT_S,
                           cpu=bool(getattr(args, "cpu", False)))
         failed = None
@@ -776,7 +818,9 @@ def _check_disk(recipe, out: str, args, console: Console) -> Optional[dict]:
         raise RecipeError(core.disk_refusal_text(recipe.name, need, free, out))
     room = planned.get("memory_room")
     if planned.get("in_memory") and (room is None or planned["memory_needed"] > room):
-        raise RecipeError(core.memory_refusal_text(recipe.name, planned["memory_needed"], room))
+        raise RecipeError(core.memory_refusal_text(recipe.name, planned["memory_needed"], room,
+                                                   core.STREAM if planned.get("streamed") else core.MEMORY,
+                                                   limited=bool(getattr(args, "reference_memory", None))))
     return planned
 
 
@@ -874,6 +918,10 @@ def _add_online_arguments(parser: argparse.ArgumentParser, plan: bool = False) -
     parser.set_defaults(online=True)
     parser.add_argument("--reference-in", choices=REFERENCE_IN_CHOICES, default="auto",
                         help=("as run --reference-in: " if plan else "") + REFERENCE_IN_HELP)
+    parser.add_argument("--reference-memory", metavar="SIZE",
+                        help=("as run --reference-memory: " if plan else "") + REFERENCE_MEMORY_HELP)
+    if plan:  # run's reason its reference may not stream, for auto to decide as run will (the disk check's plan)
+        parser.add_argument("--stream-refused", default="", help=argparse.SUPPRESS)
 
 
 ONLINE_HELP = ("each candidate rank judges its shards against the reference's trace while it runs and writes "
@@ -886,8 +934,11 @@ REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a director
                      "the candidate judges each iteration as the reference finishes it, and the next overwrites what "
                      "the verdict does not read again; CPU ranks, online and in lock-step, no perturbation run; a "
                      "failing check runs the reference again whole for its replay), or auto (the default: memory "
-                     "where the plan's reference bytes fit half the memory available and the check keeps no traces, "
-                     "else disk)")
+                     "where the plan's reference bytes fit half the memory available (--reference-memory) and the "
+                     "check keeps no traces; else stream where its peak fits and nothing refuses it; else disk)")
+REFERENCE_MEMORY_HELP = ("the most a reference held in memory may take, e.g. 40GB (default: half the memory available "
+                         "as the check starts), within /dev/shm's free space: auto holds it whole, streams it or writes "
+                         "it to the disk by it, and memory and stream are refused above it")
 KEEP_TRACES_HELP = ("record the candidate's (and the perturbation run's) tensors too and compare the two traces "
                     "after the run: about twice the disk, for `ttrace compare` to read again later; what only this "
                     "judges: per-microbatch partial sums (an SP replica's weight grad, an expert-TP layer's partial "

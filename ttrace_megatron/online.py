@@ -433,16 +433,17 @@ class OnlineComparer:
                 print(f"[ttrace] rank {self.rank}: online compare stopped: {self.failed}", flush=True)
 
 
-def overwritable(key: TensorKey, tensor: torch.Tensor) -> bool:
+def overwritable(key: TensorKey, layout: Layout) -> bool:
     """Whether :func:`combine_online` never reads this record of the reference once the run is
     over, so that a reference written one iteration at a time (``trace_store.Turns``) may write the
     next iteration's bytes over it: a matrix's per-microbatch grads, optimizer states and updated
     values (at the 50M rung 1.05 GB of an iteration's 1.35). It reads scalars (each parameter's
     grad-norm term, ``step_skipped``, the clip coefficient, lr and step count), main grads (their
     norms: ``Cancellation``), output-grads and a bias's grads (``BiasTerms``), top-k choices and
-    their scores: all kept, as are a vector's grads and states (a bias's, a norm's)."""
-    return tensor.dim() >= 2 and (key.kind in (TensorKind.PARAM_GRAD, TensorKind.OPTIMIZER_STATE)
-                                  or keys.is_updated_value(key))
+    their scores: all kept, as are a vector's grads and states (a bias's, a norm's). A matrix is
+    told by its logical shape: a distributed optimizer records its state as a flat range."""
+    return len(layout.logical_shape) >= 2 and (key.kind in (TensorKind.PARAM_GRAD, TensorKind.OPTIMIZER_STATE)
+                                               or keys.is_updated_value(key))
 
 
 def has_online_results(trace_dir: str) -> bool:

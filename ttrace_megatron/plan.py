@@ -53,6 +53,10 @@ class TensorGroup:
     itemsize: int
     records: int
     placements: Tuple[Placement, ...] = ()
+    # a reference streamed one iteration at a time (``--reference-in stream``) writes the next
+    # iteration's records of this group over this one's: a matrix's per-microbatch grads, optimizer
+    # states and updated value (``online.overwritable``, the rule its writer follows)
+    overwritable: bool = False
 
     def bytes(self, sizes: Mapping[str, int]) -> int:
         """Bytes over every rank of the side, one iteration."""
@@ -85,6 +89,16 @@ class SidePlan:
     def total(self) -> int:
         return sum(self.bytes_per_iteration().values()) * self.iterations
 
+    def streamed_peak(self) -> int:
+        """The most this side holds written one iteration at a time (``--reference-in stream``): what
+        it keeps of every iteration, and one iteration of its overwritable records, which each next
+        iteration writes over. (Each record's entry in the header and manifest is counted kept: the
+        manifest keeps every record listed.)"""
+        if self.online:
+            return self.total()
+        again = sum(g.bytes(self.sizes) for g in self.groups if g.overwritable)
+        return self.total() - max(self.iterations - 1, 0) * again
+
 
 # compare's peak over its baseline where tensors are small: 70-77 MiB measured on a toy trace whose
 # largest tensor is 8 MiB (the records of both traces, the results, the allocator's heap); with
@@ -102,6 +116,8 @@ class Plan:
     # sides written to memory (:data:`MEMORY_ROOT`), not the disk: each pair's reference where it fits
     # (``--reference-in``); each is removed once its pair is judged, so they are never held together
     in_memory: Tuple[str, ...] = ()
+    # of those, the ones streamed to their candidate one iteration at a time (``--reference-in stream``)
+    streamed: Tuple[str, ...] = ()
 
     def side(self, name: str) -> SidePlan:
         return next(s for s in self.sides if s.name == name)
@@ -112,8 +128,14 @@ class Plan:
                                                 for names in self.peak_sides)
 
     def memory_needed(self) -> int:
-        """The most the sides written to memory hold at once: the largest of them (one at a time)."""
-        return max((self.side(n).total() for n in self.in_memory), default=0)
+        """The most the sides written to memory hold at once: the largest of them (one at a time), a
+        streamed one at its peak."""
+        return max((self.held(n) for n in self.in_memory), default=0)
+
+    def held(self, name: str) -> int:
+        """The most side ``name`` holds at once: all it writes, or streamed its peak."""
+        side = self.side(name)
+        return side.streamed_peak() if name in self.streamed else side.total()
 
     def memory_written(self) -> int:
         """What the check writes to memory in all: each side held there (a pair's reference, and a
@@ -140,12 +162,13 @@ class Plan:
 
     def to_json(self) -> dict:
         return {"recipe": self.recipe, "disk_needed": self.disk_needed(), "all_bytes": self.all_bytes(),
-                "in_memory": list(self.in_memory), "memory_needed": self.memory_needed(),
+                "in_memory": list(self.in_memory), "streamed": list(self.streamed),
+                "memory_needed": self.memory_needed(),
                 "memory_written": self.memory_written(),
                 "host_memory": self.host_memory(),
                 "seed_checkpoint_bytes": self.seed_checkpoint_bytes, "notes": self.notes,
                 "sides": [{"name": s.name, "ranks": s.ranks, "iterations": s.iterations, "online": s.online,
-                           "total": s.total(),
+                           "total": s.total(), "streamed_peak": s.streamed_peak(),
                            "per_iteration": s.bytes_per_iteration(),
                            "per_rank_per_iteration": sum(s.bytes_per_iteration().values()) // s.ranks}
                           for s in self.sides]}
@@ -203,7 +226,8 @@ MEMORY_ROOT = "/dev/shm"
 # rest is the runs' own (the candidate's ranks on a CPU; on a GPU machine the host's is mostly free)
 MEMORY_SHARE = 0.5
 # ``--reference-in``: where a pair's reference is written (stream: in memory, one iteration at a time)
-REFERENCE_IN = ("auto", "memory", "disk", "stream")
+AUTO, MEMORY, DISK, STREAM = "auto", "memory", "disk", "stream"
+REFERENCE_IN = (AUTO, MEMORY, DISK, STREAM)
 
 
 def memory_available() -> Optional[int]:
@@ -219,14 +243,16 @@ def memory_available() -> Optional[int]:
     return None
 
 
-def memory_room(root: str = MEMORY_ROOT) -> Optional[int]:
-    """What an in-memory reference may take now: :data:`MEMORY_SHARE` of the available memory,
-    within what the tmpfs at ``root`` has free (a container's /dev/shm is often 64 MB); None where
-    there is no writable tmpfs or no memory figure (then a reference goes to the disk)."""
+def memory_room(root: str = MEMORY_ROOT, limit: Optional[int] = None) -> Optional[int]:
+    """What an in-memory reference may take now: :data:`MEMORY_SHARE` of the available memory (or
+    ``limit``, ``--reference-memory``, within all of it), within what the tmpfs at ``root`` has free
+    (a container's /dev/shm is often 64 MB); None where there is no writable tmpfs or no memory
+    figure (then a reference goes to the disk)."""
     available = memory_available()
     if available is None or not os.path.isdir(root) or not os.access(root, os.W_OK):
         return None
-    return int(min(MEMORY_SHARE * available, DISK_HEADROOM * shutil.disk_usage(root).free))
+    share = MEMORY_SHARE * available if limit is None else min(limit, available)
+    return int(min(share, DISK_HEADROOM * shutil.disk_usage(root).free))
 
 
 def check_reference_in(mode: str, online: bool) -> None:
@@ -234,27 +260,43 @@ def check_reference_in(mode: str, online: bool) -> None:
     reference once judged, ``--keep-traces`` (not ``online``) keeps every trace (ValueError, before anything runs)."""
     if mode not in REFERENCE_IN:
         raise ValueError(f"--reference-in {mode!r}: one of {', '.join(REFERENCE_IN)}")
-    if mode in ("memory", "stream") and not online:
+    if mode in (MEMORY, STREAM) and not online:
         raise ValueError(f"--reference-in {mode} removes the reference once its pair is judged, and --keep-traces keeps "
                          "both sides' traces under --out for `ttrace compare` to read again: give one of them")
 
 
-def reference_in_memory(mode: str, need: int, room: Optional[int], online: bool) -> bool:
-    """Whether a check writes its reference to memory: ``memory`` always (refused at the run if it
-    does not fit), ``disk`` never, ``auto`` where it fits and the check keeps no traces (``online``:
-    with ``--keep-traces`` both sides stay on the disk, for ``ttrace compare`` to read again)."""
+def reference_placement(mode: str, held: int, streamed: int, room: Optional[int], online: bool,
+                        stream_refused: str = "") -> str:
+    """Where a check writes its reference (:data:`MEMORY`, :data:`STREAM` or :data:`DISK`): as asked
+    (``memory`` and ``stream`` are refused at the run where they do not fit); ``auto``: held whole in
+    memory where it fits (``held`` bytes within ``room``), else streamed to the candidate one
+    iteration at a time where that fits (``streamed``: its peak) and nothing refuses it
+    (``stream_refused``: why not), else the disk; always the disk where the check keeps its traces
+    (not ``online``: with ``--keep-traces`` both sides stay there, for ``ttrace compare`` to read
+    again).
+
+    Why stream only where holding does not fit: streamed, the two sides take turns an iteration at a
+    time and the check took as long as held (50M rung, BENCHMARKS.md, issue #35), but a failing
+    check runs its reference again, whole, for the replay."""
     check_reference_in(mode, online)
-    if mode != "auto":  # (a streamed reference is planned as if held whole: at most that much)
-        return mode in ("memory", "stream")
-    return online and room is not None and need <= room
+    if mode != AUTO:
+        return mode
+    if not online or room is None:
+        return DISK
+    if held <= room:
+        return MEMORY
+    return STREAM if not stream_refused and streamed <= room else DISK
 
 
-def memory_refusal_text(name: str, need: int, room: Optional[int]) -> str:
-    """Why ``ttrace run --reference-in memory`` refuses, with the numbers."""
-    where = (f"only {human(room)} may be taken there ({MEMORY_SHARE:.0%} of the memory available, within "
-             f"{MEMORY_ROOT}'s free space)" if room is not None else
-             f"there is no writable {MEMORY_ROOT} with a memory figure on this machine")
-    return (f"{name}: --reference-in memory: the reference's trace takes about {human(need)} and {where}. "
+def memory_refusal_text(name: str, need: int, room: Optional[int], mode: str = MEMORY,
+                        limited: bool = False) -> str:
+    """Why ``ttrace run --reference-in memory`` (or ``stream``) refuses, with the numbers.
+    ``limited``: ``room`` is what ``--reference-memory`` allows."""
+    share = "as --reference-memory allows" if limited else f"{MEMORY_SHARE:.0%} of the memory available"
+    where = (f"only {human(room)} may be taken there ({share}, within {MEMORY_ROOT}'s free space)"
+             if room is not None else f"there is no writable {MEMORY_ROOT} with a memory figure on this machine")
+    what = "the reference's trace takes" if mode == MEMORY else "the reference, streamed, holds at its peak"
+    return (f"{name}: --reference-in {mode}: {what} about {human(need)} and {where}. "
             f"Record fewer iterations or modules, or write it to the disk (--reference-in disk or auto)")
 
 
@@ -369,6 +411,11 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
                      f"under --out where it fits): {', '.join(plan.in_memory)}, at most {human(plan.memory_needed())}"
                      + ("" if memory_room is None else f" of the {human(memory_room)} it may take here"
                         + ("" if plan.memory_needed() <= memory_room else " — NOT ENOUGH (ttrace run refuses it)")))
+    if plan.streamed:
+        whole = max(plan.side(n).total() for n in plan.streamed)
+        lines.append(f"streamed to its candidate one iteration at a time (--reference-in stream): "
+                     f"{', '.join(plan.streamed)}, each iteration's per-microbatch weight grads, optimizer states and "
+                     f"updated values written over the one before's (held whole: {human(whole)})")
     host = plan.host_memory()
     lines.append(f"host memory beside the training: {human(host['staging_per_rank'])} of staging buffers a recording "
                  f"rank, compare at most about {human(host['compare_per_process'])} a process (twice the largest tensor, "

@@ -89,7 +89,7 @@ class Turns:
     ones a comparison of the readers' results still reads once the run is over."""
 
     readers: int
-    overwritable: Callable[[TensorKey, torch.Tensor], bool]
+    overwritable: Callable[[TensorKey, Layout], bool]
     poll_s: float = WAIT_POLL_S
 
 
@@ -241,7 +241,7 @@ class TraceWriter:
                     self._finish_file(k)
             if key.iteration != self._lanes_iteration:
                 self._lanes_iteration, self._lane_bytes = key.iteration, [0] * WRITE_LANES
-            lane = self._lane() if self.turns is None else int(self.turns.overwritable(key, tensor))
+            lane = self._lane() if self.turns is None else int(self.turns.overwritable(key, layout))
             if self.turns is not None and lane == 1 and key.iteration != self._overwriting:
                 if self._overwriting:
                     self._take_turn(self._overwriting)

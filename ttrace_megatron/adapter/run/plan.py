@@ -51,6 +51,7 @@ class ParamShape:
     tp_sharded: bool
     expert: bool
     trainable: bool
+    matrix: bool = True  # two dims or more (not a bias's or a norm's vector): streamed, its records are written over
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,7 +103,7 @@ def model_shape(recipe: Recipe) -> ModelShape:
         chunks, _ = gpt_chunks(recipe, {}, cpu=True)
     params = tuple(ParamShape(module=mname, name=full_param_name(mname, pname), numel=p.numel(),
                               tp_sharded=bool(getattr(p, "tensor_model_parallel", False)),
-                              expert=is_expert(module), trainable=p.requires_grad)
+                              expert=is_expert(module), trainable=p.requires_grad, matrix=p.dim() >= 2)
                    for mname, pname, module, p in all_parameters(chunks))
     sites, tied = [], False
     for site in hooked_modules(chunks):
@@ -212,9 +213,9 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
     calls = _calls(model, keys.LOSS_MODULE)  # each MTP depth has a loss of its own
     out: List[core.TensorGroup] = []
 
-    def add(kind, elements, itemsize, records, placements):
+    def add(kind, elements, itemsize, records, placements, overwritable=False):
         if elements and records:
-            out.append(core.TensorGroup(kind, int(elements), itemsize, int(records), tuple(placements)))
+            out.append(core.TensorGroup(kind, int(elements), itemsize, int(records), tuple(placements), overwritable))
 
     seq_split = (Shard(0, TP),) if sp else (Replicate(TP),)
     # the recorder's rule: where an expert's tokens on a rank are no placement of the reference's,
@@ -279,15 +280,15 @@ def _param_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], sele
         if _copied_across_stages(p.name, shape, model):  # with PP, the last stage's copy too
             split += (Replicate(TIED_COPIES),)
         if not (p.expert and experts_unrecorded):
-            add(core.WEIGHT_GRADS, p.numel, act, micro, split)
+            add(core.WEIGHT_GRADS, p.numel, act, micro, split, p.matrix)
         owned = (_even_ranges(dp_axis, p.numel, sizes[dp_axis]),) if distopt else (Replicate(dp_axis),)
         add(core.MAIN_GRADS, p.numel, main_grad, 1, split + owned)
         # its term of the grad norm, a scalar on every rank holding a piece of its main grad
         add(core.MAIN_GRADS, 1, FP64, 1, tuple(Replicate(q.axis) for q in split + owned))
         # the updated parameter: whole on every replica, or its owned range under overlap_param_gather
         updated = split + owned if distopt and ddp.overlap_param_gather else (Replicate(dp_axis),) + split
-        add(core.OPTIMIZER, p.numel, act, 1, updated)
-        add(core.OPTIMIZER, p.numel, FP32, states, split + owned)
+        add(core.OPTIMIZER, p.numel, act, 1, updated, p.matrix)
+        add(core.OPTIMIZER, p.numel, FP32, states, split + owned, p.matrix)
 
 
 STEP_SCALARS = 8  # the optimizer scalars recorded on each rank in an iteration (side_groups)
@@ -301,14 +302,14 @@ def _even_ranges(axis: str, numel: int, n: int) -> RangeShard:
 
 def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] = None, twin: bool = True,
                keep: bool = True, selection: Selection = Selection(), reference_everything: bool = True,
-               shape: Optional[ModelShape] = None, reference_in_memory: bool = False) -> core.Plan:
+               shape: Optional[ModelShape] = None, reference_in: str = core.DISK) -> core.Plan:
     """What ``ttrace run`` of ``recipe`` writes with these options. ``online``: the candidate and the
     perturbation run judge their tensors as they run and write verdict sums (run's default; False:
     ``--keep-traces``). ``keep``: ``--out`` keeps every
     side's traces (else a pair's traces go before its twin runs). ``reference_everything``: in
     lock-step the reference records every iteration, module and microbatch whatever the selection
-    (the candidate takes its weights after each step). ``reference_in_memory``: each pair's reference
-    is written to memory, not the disk (``--reference-in``)."""
+    (the candidate takes its weights after each step). ``reference_in``: where each pair's reference
+    is written (``--reference-in``, decided: memory, the disk, or memory streamed one iteration at a time)."""
     shape = shape or model_shape(recipe)
     iterations = len(selection.iterations) if selection.iterations else recipe.train.iterations
     ref_selection = Selection() if reference_everything else selection
@@ -340,5 +341,6 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
                      "upper bound: the first steps of a dynamic scaler usually skip)")
     notes.append("a failing check also writes a replay of the candidate's failing iteration (at most one "
                  "iteration of what the candidate records with --keep-traces)")
-    in_memory = tuple(s.name for s in sides if s.name.endswith(REFERENCE)) if reference_in_memory else ()
-    return core.Plan(recipe.name, sides, seed, peak, notes, in_memory)
+    in_memory = tuple(s.name for s in sides if s.name.endswith(REFERENCE)) if reference_in != core.DISK else ()
+    return core.Plan(recipe.name, sides, seed, peak, notes, in_memory,
+                     streamed=in_memory if reference_in == core.STREAM else ())
