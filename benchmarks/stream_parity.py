@@ -7,7 +7,8 @@ verdict never reads again: ``trace_store.Turns``). The two verdicts are set side
 keys each judges, skips and lists as missing, and every judged key's verdict, error and tolerance,
 which must be the same to the last bit (the same tensors judged by the same code; only when the
 reference's bytes are read and where they live differ). A recipe whose two verdicts differ in
-anything is a finding. One JSON line per recipe and dtype.
+anything is a finding. Beside them, what each reference held at its end (streamed: its most),
+against ``ttrace plan``'s figures. One JSON line per recipe and dtype.
 
     python benchmarks/stream_parity.py --dtypes fp32 --out results/stream_parity_COMMIT_MACHINE.jsonl
 """
@@ -32,6 +33,7 @@ def _checks(recipe, tmp: str):
     from ttrace_megatron.adapter.run.launch import launch, launch_beside
     from ttrace_megatron.adapter.run.runner import CANDIDATE, REFERENCE, RunSpec, trace_options
     from ttrace_megatron.online import combine_online
+    from ttrace_megatron.plan import measured_bytes
 
     out = {}
     seed = os.path.join(tmp, "seed.safetensors")
@@ -54,7 +56,9 @@ def _checks(recipe, tmp: str):
                     RunSpec(recipe=recipe.to_json(), role=CANDIDATE, cpu=True, await_reference=ref,
                             trace=trace_options(cand, seed, streamed_reference=True, **online)), timeout_s=900)
             seconds = time.monotonic() - start
-            out[mode] = (combine_online(cand, ref), round(seconds, 2))
+            # what the reference holds at its end: held, all of it; streamed, its most (what it keeps
+            # grows, and each iteration writes over the one before's, of the same size)
+            out[mode] = (combine_online(cand, ref), round(seconds, 2), measured_bytes(ref))
         finally:
             shutil.rmtree(ref, ignore_errors=True)
     return out["held"], out["streamed"]
@@ -68,9 +72,10 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
     if recipe is None:
         return row
     try:
-        (held, held_s), (streamed, streamed_s) = _checks(recipe, tmp)
+        (held, held_s, held_bytes), (streamed, streamed_s, streamed_bytes) = _checks(recipe, tmp)
     except (RecipeError, RunFailed, TraceError, ValueError) as e:
         return dict(row, error=f"{type(e).__name__}: {str(e)[:300]}")
+    planned = _planned(recipe)
     a = {r.key: r for r in held.results}
     b = {r.key: r for r in streamed.results}
     fields = lambda r: repr(dataclasses.astuple(r))  # noqa: E731  (every field, a NaN norm equal to itself)
@@ -83,7 +88,19 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
                 judged_only_held=len(set(a) - set(b)), judged_only_streamed=len(set(b) - set(a)),
                 results_differ=differ[:10], lists_same=listed(held) == listed(streamed),
                 identical=not differ and set(a) == set(b) and listed(held) == listed(streamed),
-                worst_held=worst(held), worst_streamed=worst(streamed), held_s=held_s, streamed_s=streamed_s)
+                worst_held=worst(held), worst_streamed=worst(streamed), held_s=held_s, streamed_s=streamed_s,
+                held_bytes=held_bytes, streamed_bytes=streamed_bytes, **planned,
+                streamed_planned_ratio=round(planned["streamed_planned"] / streamed_bytes, 4) if streamed_bytes else None)
+
+
+def _planned(recipe) -> dict:
+    """``ttrace plan``'s reference of this check (online, in lock-step, no twin): held whole, and
+    streamed at its peak, in bytes."""
+    from ttrace_megatron import plan as core
+    from ttrace_megatron.adapter.run.plan import check_plan
+
+    side = check_plan(recipe, online=True, twin=False, reference_in=core.STREAM).side("reference")
+    return {"held_planned": side.total(), "streamed_planned": side.streamed_peak()}
 
 
 def main():
