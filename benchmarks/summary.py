@@ -153,7 +153,7 @@ CURRENT: Tuple[Source, ...] = (
            "benchmarks/results/history/issue35_costs.md"),
     Source("shipped recipes checked with the reference streamed (--reference-in stream), against the same check with "
            "it held whole", STREAM,
-           ("stream_parity_fp32_4a8c9dd_zen5.jsonl", "stream_parity_bf16_4a8c9dd_zen5.jsonl"),
+           ("stream_parity_33ffb96_zen5.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
@@ -411,10 +411,11 @@ def free_rows(source: Source) -> List[CleanRow]:
     return out
 
 
-def _two_ways_rows(source: Source, verdict: str, worst_key: str, alike, alike_to: str) -> List[CleanRow]:
+def _two_ways_rows(source: Source, verdict: str, worst_key: str, alike, alike_to: str,
+                   more=lambda group: "") -> List[CleanRow]:
     """Each clean recipe's verdict (``verdict``, its worst ratio ``worst_key``) from rows that checked
-    it two ways, with how many were ``alike`` the other way (``alike_to`` says which); a known
-    megatron bug's failure is a true one."""
+    it two ways, with how many were ``alike`` the other way (``alike_to`` says which; ``more``: what
+    else the rows of one dtype say); a known megatron bug's failure is a true one."""
     out = []
     for name in source.files:
         rows = [r for r in jsonl(_path(name)) if verdict in r]
@@ -424,8 +425,8 @@ def _two_ways_rows(source: Source, verdict: str, worst_key: str, alike, alike_to
             true = {r["recipe"]: 1 for r in fails if r["recipe"] in KNOWN_MEGATRON_BUGS}
             worst = max((r for r in group if r["recipe"] not in true), key=lambda r: r[worst_key])
             same = sum(bool(alike(r)) for r in group)
-            out.append(CleanRow(f"{source.population} ({alike_to}: {same} of {len(group)})", dtype, len(group),
-                                len(fails) - len(true), true, None, worst[worst_key], worst["recipe"],
+            out.append(CleanRow(f"{source.population} ({alike_to}: {same} of {len(group)}{more(group)})", dtype,
+                                len(group), len(fails) - len(true), true, None, worst[worst_key], worst["recipe"],
                                 commit_of(name), machine_of(name), source.detail))
     return out
 
@@ -441,8 +442,17 @@ def stream_rows(source: Source) -> List[CleanRow]:
     """The streamed check's verdict of each clean recipe (``--reference-in stream``), with how often
     it is the check's with the reference held whole, to the last bit of every tensor
     (``stream_parity.py``)."""
+    def held(group):  # (what each reference held at its end, against the plan, where the rows say)
+        ratios = [r["streamed_planned_ratio"] for r in group if r.get("streamed_planned_ratio")]
+        if not ratios:
+            return ""
+        least = min(r["streamed_bytes"] / r["held_bytes"] for r in group if r.get("streamed_planned_ratio"))
+        most = max(r["streamed_bytes"] / r["held_bytes"] for r in group if r.get("streamed_planned_ratio"))
+        return (f"; streamed, the reference held {least:.2f}-{most:.2f}× its bytes held whole, and the plan's peak "
+                f"was {min(ratios):.3f}-{max(ratios):.3f}× what it held")
+
     return _two_ways_rows(source, "streamed", "worst_streamed", lambda r: r["identical"],
-                          "the held reference's verdict on every tensor, to the last bit")
+                          "the held reference's verdict on every tensor, to the last bit", held)
 
 
 def sweep_rows(source: Source) -> List[CleanRow]:
