@@ -126,7 +126,7 @@ CURRENT: Tuple[Source, ...] = (
     Source("bug zoo, fp32, toy size", BUGS, ("zoo_fp32_a08cc57_epyc.md",),
            "benchmarks/results/history/issue38_traces_that_travel.md",
            reruns=("zoo_fp32_6a4c5f9_epyc.md", "zoo_fp32_ff30424_epyc.md", "zoo_fp32_ac5c878_zen5.md",
-                   "zoo_fp32_1da0cb4_zen5.md")),
+                   "zoo_fp32_1da0cb4_zen5.md", "zoo_fp32_700ef46_zen5.md")),
     Source("bug zoo, fp32, at width (8 layers, h512, V32k)", BUGS, ("zoo_fp32_wide_0354fd3_zen5.md",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("bug zoo, FP8 at width (8 layers, h512, V32k), with the fp32 twin", BUGS, ("zoo_fp8_wide_bc42628.md",),
