@@ -807,6 +807,30 @@ def test_a_streamed_reference_gives_the_verdict_of_one_held_whole(tmp_path, inje
         assert reports["stream"]["culprits"][0]["module"] == "decoder.layers.1.mlp.linear_fc2"
 
 
+def test_a_streamed_reference_is_streamed_again_to_the_perturbation_run(tmp_path):
+    """A bf16 recipe's check runs a perturbation run (the reference again, with round-off-sized
+    noise, judged online against it). Streamed, the reference runs again, streamed to it as to the
+    candidate: every tensor's verdict, error and tolerance (the perturbation-observed ones too) are
+    those of the check with the reference held whole."""
+    import yaml
+
+    from ttrace_megatron.cli import main
+
+    raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
+    raw.update(dtype="bf16", name="gpt_tp2_sp")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    reports = {}
+    for mode in ("memory", "stream"):
+        path = tmp_path / f"{mode}.json"
+        assert main(["run", str(recipe), "--out", str(tmp_path / mode), "--json", str(path), "--quiet", "--cpu",
+                     "--no-fp32-twin", "--reference-in", mode]) == 0
+        reports[mode] = json.loads(path.read_text())
+    assert "perturbation" in reports["stream"]["timings_s"] and reports["stream"]["reference_in"] == "stream"
+    assert any("perturbation" in (t.get("tolerance_source") or "") for t in reports["stream"]["tensors"])
+    assert _judged(reports["stream"]) == _judged(reports["memory"])
+
+
 def test_auto_streams_a_reference_that_held_whole_would_not_fit(tmp_path):
     """``--reference-in auto`` under a ``--reference-memory`` that the reference held whole exceeds
     and its streamed peak fits (the plan's figures): streamed, with the verdict of one held whole."""
@@ -834,7 +858,6 @@ def test_auto_streams_a_reference_that_held_whole_would_not_fit(tmp_path):
 
 @pytest.mark.parametrize("flags,why", [
     (["--no-lockstep"], "lock-step"),
-    (["--perturb"], "perturbation"),
     (["--keep-traces"], "--keep-traces keeps"),
 ])
 def test_a_streamed_reference_is_refused_where_it_cannot_be(tmp_path, capsys, flags, why):

@@ -402,9 +402,8 @@ def test_the_disk_check_plans_with_the_flags_that_change_what_a_check_writes():
 
 @pytest.mark.multiprocess
 def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it_may_take(tmp_path):
-    """Held whole where it fits; else streamed, each pair's reference (a twin's too), where its peak
-    fits and nothing refuses it (a low-precision recipe's perturbation run does by default); else
-    the disk."""
+    """Held whole where it fits; else streamed, each pair's reference (a twin's too, and to a
+    perturbation run), where its peak fits and nothing refuses it; else the disk."""
     import yaml
 
     raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
@@ -420,10 +419,10 @@ def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it
     between = str((streamed["memory_needed"] + held["memory_needed"]) // 2)
     assert _plan_json(recipe)["streamed"] == []
     assert _plan_json(recipe, "--reference-memory", between)["streamed"] == streamed["streamed"]
-    for path, flags in ((recipe, ["--perturb"]), (str(tmp_path / "perturbed.yaml"), []),
-                        (recipe, ["--stream-refused", "not here"])):  # (a perturbation run reads it all after)
-        planned = _plan_json(path, "--reference-memory", between, *flags)
-        assert planned["in_memory"] == [] and planned["streamed"] == []
+    perturbed = _plan_json(str(tmp_path / "perturbed.yaml"), "--reference-memory", between)
+    assert perturbed["streamed"] == streamed["streamed"]  # (streamed to its perturbation run too)
+    planned = _plan_json(recipe, "--reference-memory", between, "--stream-refused", "not here")
+    assert planned["in_memory"] == [] and planned["streamed"] == []
     assert _plan_json(recipe, "--reference-memory", "1kB")["in_memory"] == []
 
 

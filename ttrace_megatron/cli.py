@@ -14,7 +14,7 @@ import sys
 import tempfile
 import threading
 import time
-from typing import List, Optional
+from typing import Dict, List, Optional, Tuple
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -130,7 +130,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         raise RecipeError(str(e)) from None
     _reference_memory(args)  # (a size that does not parse: refused here, not by the plan's process)
     if getattr(args, "reference_in", "auto") == "stream":
-        why = _stream_refusal([recipe] + ([twin] if twin else []), args)
+        why = _stream_refusal(args)
         if why:
             raise RecipeError(f"{recipe.source}: --reference-in stream: {why}")
     run_side = _side_runner(recipe, out, args, console)
@@ -212,14 +212,12 @@ PAIR_TRACES = ("reference", "candidate", "reference-perturbed", "replay")  # a p
 REMOVAL_THREADS = 4  # at most, unlinking an in-memory reference's files (``plan.remove_tree``)
 
 
-def _stream_refusal(recipes, args) -> str:
-    """Why these recipes' check cannot stream its reference (``--reference-in stream``), or ""."""
+def _stream_refusal(args) -> str:
+    """Why a check with these flags cannot stream its reference (``--reference-in stream``), or ""."""
     from .adapter.run.launch import cpu_ranks
 
     if getattr(args, "no_lockstep", False):
         return "the candidate must run in lock-step (it reads each iteration's weights from the reference)"
-    if getattr(args, "perturb", False) or any(r.tolerance.perturbation for r in recipes):
-        return "a perturbation run reads the whole reference after the candidate"
     if getattr(args, "megatron_lm", None) or getattr(args, "reference_megatron", None) or \
             getattr(args, "candidate_megatron", None):
         return "both sides must run on the installed megatron-core (not --megatron-lm, --*-megatron)"
@@ -327,28 +325,23 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
                       + (", comparing online" if args.online else "")
                       + ("" if args.no_lockstep else ", in lock-step with the reference"))
     streamed = getattr(args, "reference_in", "auto") == "stream"
+    perturbed_dir, perturbed = _perturbation_run(recipe, args, out, online, lockstep)
+    perturbation_line = (f"perturbation estimate: the reference again, round-off-sized noise in every module "
+                         f"→ {perturbed_dir}")
     if not streamed:
         timed("reference", run_side, REFERENCE, ref_dir, **ref_trace)
         console.print(candidate_line)
         timed("candidate", run_side, CANDIDATE, cand_dir, args.inject, **online, **lockstep)
+        if perturbed is not None:
+            console.print(perturbation_line)
+            timed("perturbation", run_side, REFERENCE, perturbed_dir, **perturbed)
     else:
         console.print(candidate_line + "; the reference streamed: one iteration at a time, each judged as it comes")
-        ended = run_side.streamed(ref_dir, ref_trace, cand_dir, args.inject, dict(online, **lockstep))
-        # the parts add up to the wall time: the reference's run, and what the candidate took after it
-        timings["reference"] = round(ended[REFERENCE], 2)
-        timings["candidate"] = round(max(0.0, ended[CANDIDATE] - ended[REFERENCE]), 2)
-    perturbed_dir = None
-    if recipe.tolerance.perturbation or args.perturb:
-        perturbed_dir = os.path.join(out, "reference-perturbed")
-        shutil.rmtree(perturbed_dir, ignore_errors=True)
-        console.print(f"perturbation estimate: the reference again, round-off-sized noise in every module "
-                      f"→ {perturbed_dir}")
-        # in lock-step too: the noise's effect on each iteration given the reference's weights and
-        # routing, as the candidate is judged (free-running, MoE routing flips and Adam's drift
-        # would be measured as round-off)
-        # online, it compares as it runs too: its movements are sums, like the candidate's verdicts
-        timed("perturbation", run_side, REFERENCE, perturbed_dir, perturb=1, **lockstep,
-              **({k: v for k, v in online.items() if k != "tensorboard"}))
+        readers = [(CANDIDATE, cand_dir, args.inject, dict(online, **lockstep))]
+        if perturbed is not None:  # beside the candidate, reading the same reference as it comes
+            console.print(perturbation_line + ", beside the candidate")
+            readers.append((REFERENCE, perturbed_dir, (), perturbed))
+        _streamed_timings(run_side.streamed(ref_dir, ref_trace, readers), timings)
     report = timed("compare", _compare, ref_dir, cand_dir, console, None, perturbed_dir, getattr(args, "workers", None),
                    quiet=quiet, show_progress=not getattr(args, "quiet", False))
     first = report.get("first_mismatch")
@@ -373,6 +366,31 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
 
         console.print("time: " + timings_line(timings), highlight=False)
     return report
+
+
+def _perturbation_run(recipe, args, out: str, online: dict, lockstep: dict) -> Tuple[Optional[str], Optional[dict]]:
+    """(trace directory, trace options) of the perturbation run the recipe or ``--perturb`` asks
+    for (None, None: none): in lock-step too, the noise's effect on each iteration given the
+    reference's weights and routing, as the candidate is judged (free-running, MoE routing flips
+    and Adam's drift would be measured as round-off); online, it compares as it runs too: its
+    movements are sums, like the candidate's verdicts."""
+    if not (recipe.tolerance.perturbation or args.perturb):
+        return None, None
+    perturbed_dir = os.path.join(out, "reference-perturbed")
+    shutil.rmtree(perturbed_dir, ignore_errors=True)
+    return perturbed_dir, dict(perturb=1, **lockstep, **({k: v for k, v in online.items() if k != "tensorboard"}))
+
+
+def _streamed_timings(ended: Dict[str, float], timings: dict) -> None:
+    """A streamed check's parts (``ended``: seconds from its start to each side's end), which add up
+    to its wall time: the reference's run, then what each reader took after it and the one before."""
+    from .adapter.run.runner import CANDIDATE, PERTURBATION, REFERENCE
+
+    last = 0.0
+    for side in (REFERENCE, CANDIDATE, PERTURBATION):
+        if side in ended:
+            timings[side] = round(max(0.0, ended[side] - last), 2)
+            last = max(last, ended[side])
 
 
 def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] = None):
@@ -419,13 +437,19 @@ def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] =
         def run_side(role, trace_dir, inject=(), **trace):
             return launch(spec(role, trace_dir, inject, **trace))
 
-        def run_streamed(ref_dir, ref_trace, cand_dir, inject, cand_trace):
-            """The reference written one iteration at a time for the candidate's ranks, which judge
-            each as it comes (``--reference-in stream``): seconds from the start to each side's end."""
-            first = spec(REFERENCE, ref_dir, **dict(ref_trace, stream_readers=recipe.world_size))
-            second = dataclasses.replace(spec(CANDIDATE, cand_dir, inject, **dict(cand_trace, streamed_reference=True)),
-                                         await_reference=ref_dir)
-            return launch_beside(first, second)
+        def run_streamed(ref_dir, ref_trace, readers):
+            """The reference written one iteration at a time for the ranks of the runs that judge
+            each iteration as it comes (``--reference-in stream``; ``readers``: (role, trace
+            directory, injected bugs, trace options) of the candidate, and of the perturbation run
+            where the check has one): seconds from the start to each side's end, by side."""
+            specs, first_reader = [], 0
+            for role, reader_dir, inject, reader_trace in readers:
+                specs.append(dataclasses.replace(
+                    spec(role, reader_dir, inject, **dict(reader_trace, streamed_reference=True,
+                                                          stream_reader=first_reader)), await_reference=ref_dir))
+                first_reader += specs[-1].world_size
+            first = spec(REFERENCE, ref_dir, **dict(ref_trace, stream_readers=first_reader))
+            return launch_beside(first, *specs)
 
         run_side.streamed = run_streamed
         return run_side
@@ -625,18 +649,10 @@ def _plan_of(recipe, args, keep: bool, shape=None, room: Optional[int] = None):
                           shape=shape, reference_in=reference_in)
 
     held, streamed = plan(core.MEMORY), plan(core.STREAM)
-    refused = getattr(args, "stream_refused", "") or _stream_refusal(_with_twin(recipe, args), args)
+    refused = getattr(args, "stream_refused", "") or _stream_refusal(args)
     where = core.reference_placement(getattr(args, "reference_in", core.AUTO), held.memory_needed(),
                                      streamed.memory_needed(), room, args.online, refused)
     return {core.MEMORY: held, core.STREAM: streamed}.get(where) or plan(core.DISK)
-
-
-def _with_twin(recipe, args) -> list:
-    """The recipe, and its fp32 twin where the check runs one."""
-    from .recipe import fp32_twin
-
-    twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
-    return [recipe] + ([twin] if twin else [])
 
 
 # the selections `ttrace plan --budget` offers, each as run's flags: fewer iterations, one microbatch,
@@ -794,7 +810,7 @@ def _check_disk(recipe, out: str, args, console: Console) -> Optional[dict]:
         recipe_path, plan_path = os.path.join(tmp, "recipe.yaml"), os.path.join(tmp, "plan.json")
         with open(recipe_path, "w") as f:
             json.dump(dict(recipe.to_json(), name=recipe.name), f)  # JSON is YAML
-        refused = _stream_refusal(_with_twin(recipe, args), args)
+        refused = _stream_refusal(args)
         command = _plan_command(recipe_path, plan_path, out, args, refused)
         error_path = os.path.join(tmp, "error.txt")
         rc = run_function(_plan_in_process, (command[command.index("plan"):], error_path), PLAN_TIMEOUT_S,
@@ -931,9 +947,9 @@ REFERENCE_IN_CHOICES = ("auto", "memory", "disk", "stream")  # plan.REFERENCE_IN
 REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a directory in /dev/shm, never written to the "
                      "disk, removed once its pair is judged; a failing "
                      "check's moved under --out), disk (under --out), stream (in memory, one iteration at a time: "
-                     "the candidate judges each iteration as the reference finishes it, and the next overwrites what "
-                     "the verdict does not read again; CPU ranks, online and in lock-step, no perturbation run; a "
-                     "failing check runs the reference again whole for its replay), or auto (the default: memory "
+                     "the candidate (and a perturbation run, beside it) judges each iteration as the reference "
+                     "finishes it, and the next overwrites what the verdict does not read again; CPU ranks, online "
+                     "and in lock-step; a failing check runs the reference again whole for its replay), or auto (the default: memory "
                      "where the plan's reference bytes fit half the memory available (--reference-memory) and the "
                      "check keeps no traces; else stream where its peak fits and nothing refuses it; else disk)")
 REFERENCE_MEMORY_HELP = ("the most a reference held in memory may take, e.g. 40GB (default: half the memory available "

@@ -65,12 +65,13 @@ class OnlineComparer:
     (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
 
     def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False,
-                 world_size: int = 1, mapped: bool = False, streamed: bool = False):
+                 world_size: int = 1, mapped: bool = False, streamed: bool = False, reader: Optional[int] = None):
         keep_freed_memory()  # this rank judges chunk by chunk as it trains (allocator's docstring)
         # streamed: the reference is written one iteration at a time beside this run (trace_store.Turns):
         # each iteration is read once whole, and let go at this rank's flush of it
         self.streamed = streamed
         self.rank, self.world_size = rank, world_size
+        self._reader = rank if reader is None else reader  # streamed: whose release mark this rank writes
         if streamed:
             wait_for_iteration(reference_dir, 1)
         # mapped: the reference is read through memory maps of its files (TraceReader), where no one
@@ -163,7 +164,7 @@ class OnlineComparer:
                 self._write(complete=False)
         self._verify_share = []
         self.reference.forget(files)
-        release_iteration(self.reference.dir, self.rank, iteration)
+        release_iteration(self.reference.dir, self._reader, iteration)
 
     def add(self, key: TensorKey, tensor: torch.Tensor, layout: Layout, *, depth: int = 0,
             compute_dtype=None, reduction: int = 0, arrival: bool = False, statistic_of: str = "",

@@ -10,6 +10,7 @@ its traceback is raised in the parent with the rank named.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -163,56 +164,60 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
         _wait([_Ranks(spec, probes, error_dir)], timeout_s)
 
 
-def launch_beside(first: RunSpec, second: RunSpec, timeout_s: Optional[float] = 1800.0,
+def launch_beside(first: RunSpec, *readers: RunSpec, timeout_s: Optional[float] = 1800.0,
                   probes: Probes = Probes()) -> Dict[str, float]:
-    """A reference written one iteration at a time (``first``: ``trace_store.Turns``) and its
-    candidate (``second``, whose ``await_reference`` names the reference's trace), taking turns: the
-    candidate's ranks start once the reference holds its first iteration whole, then judge each
-    iteration as the reference lets them have it, while it waits for them to let it go. A rank that
-    fails on either side stops both; the error is that side's. Returns the seconds from the start
-    to each side's end, by role. (CPU ranks only: on GPUs the candidate's rank 0 would run on the
-    device the reference trains on.)
+    """A reference written one iteration at a time (``first``: ``trace_store.Turns``) and the runs
+    that read it as it comes (``readers``: its candidate, and a perturbation run where the check
+    has one; each one's ``await_reference`` names the reference's trace), taking turns: their ranks
+    start once the reference holds its first iteration whole, then judge each iteration as the
+    reference lets them have it, while it waits for them all to let it go. A rank that fails on any
+    side stops every side; the error is that side's. Returns the seconds from the start to each
+    side's end, by side (``RunSpec.side``). (CPU ranks only: on GPUs a reader's rank 0 would run on
+    the device the reference trains on.)
 
-    The candidate's start-up never runs beside the reference's training: started with it, it took
-    the cores from that training and cost the check 0.3-1.8 s at the 50M rung on the 2-core
-    development VM (BENCHMARKS.md, issue #35), and its processes' start alone ~0.3 s of a toy check.
-    (Afterwards the sides overlap only where the reference records its next iteration's kept
-    tensors while the candidate judges the one before.)"""
-    for spec in (first, second):
+    The readers' start-up never runs beside the reference's training: started with it, the
+    candidate's took the cores from that training and cost the check 0.3-1.8 s at the 50M rung on
+    the 2-core development VM (BENCHMARKS.md, issue #35), and its processes' start alone ~0.3 s of
+    a toy check. (Afterwards the sides overlap only where the reference records its next
+    iteration's kept tensors while its readers judge the one before.)"""
+    specs = (first,) + readers
+    for spec in specs:
         if spec.megatron:
             raise ValueError("launch_beside runs the installed megatron-core's ranks only")
-    _prepare(first)
-    _prepare(second)
-    if not (first.cpu and second.cpu):
+        _prepare(spec)
+    if not all(spec.cpu for spec in specs):
         raise ValueError("launch_beside runs CPU ranks only")
     from ...errors import TraceError
     from ...trace_store import wait_for_iteration
 
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
-    with tempfile.TemporaryDirectory(prefix="ttrace-errors-") as first_dir, \
-            tempfile.TemporaryDirectory(prefix="ttrace-errors-") as second_dir:
-        sides = [_Ranks(first, probes, first_dir)]
+    with contextlib.ExitStack() as stack:
+        error_dirs = [stack.enter_context(tempfile.TemporaryDirectory(prefix="ttrace-errors-")) for _ in specs]
+        sides = [_Ranks(first, probes, error_dirs[0])]
         reference = sides[0]
 
         def gone() -> bool:  # the reference ended (or failed) before its first iteration was whole
             return not reference.poll() or reference.failed is not None or (
                 deadline is not None and time.monotonic() > deadline)
         try:
-            whole = wait_for_iteration(second.await_reference, 1, give_up=gone)
-        except TraceError as e:  # its trace stopped being recorded: the candidate would wait forever
+            whole = wait_for_iteration(first.trace.dir, 1, give_up=gone)
+        except TraceError as e:  # its trace stopped being recorded: the readers would wait forever
             reference.stop(dump=False)
-            raise RunFailed(f"the {first.role} run's trace cannot be streamed: {e}") from None
+            raise RunFailed(f"the {first.side} run's trace cannot be streamed: {e}") from None
         if whole:
-            # its rendezvous port taken now, not at the start: a port free then may since have become
-            # one end of the reference's own connections
-            second.master_port = free_port()
-            while second.master_port == first.master_port:
-                second.master_port = free_port()
-            sides.append(_Ranks(second, probes, second_dir))
+            taken = {first.master_port}
+            for spec, error_dir in zip(readers, error_dirs[1:]):
+                # its rendezvous port taken now, not at the start: a port free then may since have
+                # become one end of the reference's own connections
+                spec.master_port = free_port()
+                while spec.master_port in taken:
+                    spec.master_port = free_port()
+                taken.add(spec.master_port)
+                sides.append(_Ranks(spec, probes, error_dir))
         _wait(sides, None if deadline is None else max(0.0, deadline - time.monotonic()))
         if not whole:  # (a reference that ended well has its trace whole: never here)
-            raise RunFailed(f"the {first.role} run ended before its first iteration was whole")
-        return {side.spec.role: side.ended - reference.started for side in sides}
+            raise RunFailed(f"the {first.side} run ended before its first iteration was whole")
+        return {side.spec.side: side.ended - reference.started for side in sides}
 
 
 def cpu_ranks(cpu: bool) -> bool:
@@ -291,19 +296,19 @@ class _Ranks:
             path = os.path.join(error_dir, f"rank{r}.txt")
             if os.path.exists(path):
                 with open(path) as f:
-                    errors.append(f"--- {spec.role} rank {r} ---\n{f.read()}")
+                    errors.append(f"--- {spec.side} rank {r} ---\n{f.read()}")
             elif procs[r].exitcode not in (0, None) and r not in self.stopped:
-                errors.append(rank_ended(spec.role, r, procs[r].exitcode, getattr(spec.trace, "dir", None)))
+                errors.append(rank_ended(spec.side, r, procs[r].exitcode, getattr(spec.trace, "dir", None)))
         if errors and self.stopped:
             errors.append(f"(ranks {', '.join(map(str, self.stopped))} were stopped by ttrace once rank {self.failed} "
                           f"had failed)")
         if errors and beside:
             errors.append(beside)
         if timed_out and hung:
-            raise RunFailed(f"the {spec.role} run did not finish within {timeout_s:.0f} s; where its ranks were:\n"
-                            + "\n".join(_stack_tail(error_dir, r, spec.role) for r in hung))
+            raise RunFailed(f"the {spec.side} run did not finish within {timeout_s:.0f} s; where its ranks were:\n"
+                            + "\n".join(_stack_tail(error_dir, r, spec.side) for r in hung))
         if errors:
-            raise RunFailed(f"the {spec.role} run failed:\n" + "\n".join(errors))
+            raise RunFailed(f"the {spec.side} run failed:\n" + "\n".join(errors))
 
 
 def _wait(sides: List[_Ranks], timeout_s: Optional[float]) -> None:
@@ -319,7 +324,7 @@ def _wait(sides: List[_Ranks], timeout_s: Optional[float]) -> None:
         time.sleep(0.05)
     hung = {id(side): side.stop(dump=failing is None and timed_out) for side in sides}
     if failing is not None:
-        others = [s.spec.role for s in sides if s is not failing and s.stopped]
+        others = [s.spec.side for s in sides if s is not failing and s.stopped]
         failing.raise_outcome([], timeout_s, False, beside=f"(the {others[0]} run, started beside it, was stopped)"
                               if others else "")
     for side in sides:

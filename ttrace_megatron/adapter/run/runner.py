@@ -21,6 +21,9 @@ import torch.distributed as dist
 
 from ...recipe import Recipe, recipe_from_dict
 from ...trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
+
+# the runs a check makes again of its sides, as their lines and errors name them (``RunSpec.side``)
+REPLAY, PERTURBATION = "replay", "perturbation"
 from ..recipe import build
 from ..recipe import config as cfg
 from ..recipe import data, hybrid, model_fields
@@ -48,6 +51,12 @@ class RunSpec:
     # started beside its reference (``launch.launch_beside``): the reference's trace directory, written
     # one iteration at a time; the ranks wait for its first iteration before anything else
     await_reference: Optional[str] = None
+
+    @property
+    def side(self) -> str:
+        """What this run is, as its lines and errors name it: the localization replay and the
+        perturbation run are a candidate's and a reference's runs again."""
+        return REPLAY if self.trace.replay else PERTURBATION if self.trace.perturb else self.role
 
     @property
     def last_iteration(self) -> Optional[int]:
@@ -184,8 +193,7 @@ def _run(rank: int, spec: RunSpec, probes: Probes) -> None:
     samples = data.sampler(recipe)  # every rank alike (megatron's dataset builder synchronizes them)
     # each side's lines name what it is: the replay and the perturbation run are a candidate's and a
     # reference's runs again
-    side = "replay" if spec.trace.replay else "perturbation" if spec.trace.perturb else spec.role
-    progress = side if spec.progress and rank == 0 else None
+    progress = spec.side if spec.progress and rank == 0 else None
     losses, timings, close_s = _train(recipe, model, optimizer, scheduler, spec.cpu, dp_rank, dp_size, probes,
                                       attach_tracer, samples, progress, spec.last_iteration)
     if probes.dump_state:

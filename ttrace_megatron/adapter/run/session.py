@@ -60,6 +60,9 @@ class TraceOptions:
     stream_readers: int = 0
     # with ``reference``: it is streamed so (read an iteration at a time, each let go at its flush)
     streamed_reference: bool = False
+    # streamed: the reader number of this run's rank 0 among the reference's readers (a perturbation
+    # run streamed beside the candidate reads after the candidate's ranks)
+    stream_reader: int = 0
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -364,7 +367,7 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
 
         online = OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep),
                                 world_size=torch.distributed.get_world_size(), mapped=options.map_reference,
-                                streamed=options.streamed_reference)
+                                streamed=options.streamed_reference, reader=options.stream_reader + rank)
         sinks.append(online)
     clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
     dispatcher = Dispatcher(chunks, clock)
