@@ -7,8 +7,10 @@ verdict never reads again: ``trace_store.Turns``). The two verdicts are set side
 keys each judges, skips and lists as missing, and every judged key's verdict, error and tolerance,
 which must be the same to the last bit (the same tensors judged by the same code; only when the
 reference's bytes are read and where they live differ). A recipe whose two verdicts differ in
-anything is a finding. Beside them, what each reference held at its end (streamed: its most),
-against ``ttrace plan``'s figures. One JSON line per recipe and dtype.
+anything is a finding. A recipe with a perturbation run (bf16 by default) runs it too, after the
+candidate or streamed beside it, and its estimates enter both verdicts. Beside them, what each
+reference held at its end (streamed: its most), against ``ttrace plan``'s figures. One JSON line
+per recipe and dtype.
 
     python benchmarks/stream_parity.py --dtypes fp32 --out results/stream_parity_COMMIT_MACHINE.jsonl
 """
@@ -40,37 +42,52 @@ def _checks(recipe, tmp: str):
     for mode in ("held", "streamed"):
         ref = tempfile.mkdtemp(dir=MEMORY, prefix="stream-parity-")
         cand = os.path.join(tmp, mode, "candidate")
+        # the perturbation run where the recipe asks for one (a low-precision recipe by default), as
+        # ``ttrace run`` runs it: after the candidate, or streamed beside it
+        perturbed = os.path.join(tmp, mode, "reference-perturbed") if recipe.tolerance.perturbation else None
         whole = dict(page_cache=True, iterations=None, modules=("*",), microbatches=None)
         online = dict(reference=ref, keep_tensors=False, map_reference=True, lockstep=ref)
+        sides = [(CANDIDATE, cand, {})] + ([(REFERENCE, perturbed, dict(perturb=1))] if perturbed else [])
         try:
             start = time.monotonic()
             if mode == "held":
                 launch(RunSpec(recipe=recipe.to_json(), role=REFERENCE, trace=trace_options(ref, seed, **whole)),
                        timeout_s=900)
-                launch(RunSpec(recipe=recipe.to_json(), role=CANDIDATE, trace=trace_options(cand, seed, **online)),
-                       timeout_s=900)
+                for role, where, extra in sides:
+                    launch(RunSpec(recipe=recipe.to_json(), role=role,
+                                   trace=trace_options(where, seed, **online, **extra)), timeout_s=900)
             else:
-                launch_beside(
-                    RunSpec(recipe=recipe.to_json(), role=REFERENCE, cpu=True,
-                            trace=trace_options(ref, seed, stream_readers=recipe.world_size, **whole)),
-                    RunSpec(recipe=recipe.to_json(), role=CANDIDATE, cpu=True, await_reference=ref,
-                            trace=trace_options(cand, seed, streamed_reference=True, **online)), timeout_s=900)
+                readers, first = [], 0
+                for role, where, extra in sides:
+                    readers.append(RunSpec(recipe=recipe.to_json(), role=role, cpu=True, await_reference=ref,
+                                           trace=trace_options(where, seed, streamed_reference=True,
+                                                               stream_reader=first, **online, **extra)))
+                    first += readers[-1].world_size
+                launch_beside(RunSpec(recipe=recipe.to_json(), role=REFERENCE, cpu=True,
+                                      trace=trace_options(ref, seed, stream_readers=first, **whole)),
+                              *readers, timeout_s=900)
             seconds = time.monotonic() - start
             # what the reference holds at its end: held, all of it; streamed, its most (what it keeps
             # grows, and each iteration writes over the one before's, of the same size)
-            out[mode] = (combine_online(cand, ref), round(seconds, 2), measured_bytes(ref))
+            out[mode] = (combine_online(cand, ref, perturbed=perturbed), round(seconds, 2), measured_bytes(ref))
         finally:
             shutil.rmtree(ref, ignore_errors=True)
     return out["held"], out["streamed"]
 
 
 def parity(path: str, dtype: str, tmp: str) -> dict:
+    import yaml
+
     from online_parity import runnable
     from ttrace_megatron.errors import RecipeError, RunFailed, TraceError
+    from ttrace_megatron.recipe import recipe_from_dict
 
     recipe, row = runnable(path, dtype)
     if recipe is None:
         return row
+    # as ``ttrace run`` reads the recipe in this dtype: its perturbation run as that dtype decides
+    with open(path) as f:
+        recipe = recipe_from_dict(dict(yaml.safe_load(f), dtype=dtype), source=path)
     try:
         (held, held_s, held_bytes), (streamed, streamed_s, streamed_bytes) = _checks(recipe, tmp)
     except (RecipeError, RunFailed, TraceError, ValueError) as e:
@@ -90,6 +107,7 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
                 identical=not differ and set(a) == set(b) and listed(held) == listed(streamed),
                 worst_held=worst(held), worst_streamed=worst(streamed), held_s=held_s, streamed_s=streamed_s,
                 held_bytes=held_bytes, streamed_bytes=streamed_bytes, **planned,
+                perturbation=bool(recipe.tolerance.perturbation),
                 streamed_planned_ratio=round(planned["streamed_planned"] / streamed_bytes, 4) if streamed_bytes else None)
 
 
