@@ -414,8 +414,8 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
     if plan.streamed:
         whole = max(plan.side(n).total() for n in plan.streamed)
         lines.append(f"streamed to its candidate one iteration at a time (--reference-in stream): "
-                     f"{', '.join(plan.streamed)}, each iteration's per-microbatch weight grads, optimizer states and "
-                     f"updated values written over the one before's (held whole: {human(whole)})")
+                     f"{', '.join(plan.streamed)}, its matrices' per-microbatch grads, optimizer states and updated "
+                     f"values of each iteration written over the one before's (held whole: {human(whole)})")
     host = plan.host_memory()
     lines.append(f"host memory beside the training: {human(host['staging_per_rank'])} of staging buffers a recording "
                  f"rank, compare at most about {human(host['compare_per_process'])} a process (twice the largest tensor, "
