@@ -152,9 +152,9 @@ CURRENT: Tuple[Source, ...] = (
     Source("shipped recipes judged online (the default), from a candidate run that also recorded", PARITY,
            ("online_parity_1da0cb4_zen5.jsonl", "online_parity_bf16_d077861_zen5.jsonl"),
            "benchmarks/results/history/issue35_costs.md"),
-    Source("shipped recipes checked with the reference streamed (--reference-in stream), against the same check with "
-           "it held whole", STREAM,
-           ("stream_parity_33ffb96_zen5.jsonl",),
+    Source("shipped recipes checked with the reference streamed (--reference-in stream; a bf16 recipe's perturbation "
+           "run streamed beside the candidate), against the same check with it held whole", STREAM,
+           ("stream_parity_7ac7652_zen5.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
