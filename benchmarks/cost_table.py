@@ -91,8 +91,9 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dic
         for where in ("auto", "disk", "stream"):
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
-            # where ``ttrace run`` will put this reference (plan.reference_in_memory, as the run decides it)
-            held = core.reference_in_memory(where, reference_bytes, core.memory_room(), True)
+            # where ``ttrace run`` will put this reference (plan.reference_placement, as the run decides it)
+            held = core.reference_placement(where, reference_bytes, reference_bytes, core.memory_room(),
+                                            True) != core.DISK
             place = core.MEMORY_ROOT if held else work
             written = write_at_size(place, reference_bytes)
             # the same bytes into memory already held, and freed (the default check's reference only)
