@@ -166,8 +166,13 @@ CURRENT: Tuple[Source, ...] = (
            "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976); what the "
            "reference's bytes cost written into memory the check already holds (1da0cb4); the check with its "
            "reference streamed (--reference-in stream, 661418a; 47ab9f0: its waiting candidate reads a few bytes, "
-           "not the manifest: it holds 1.95 GB of the 4.04, and is as fast as the default in this phase); three "
-           "repeats",
+           "not the manifest: it holds 1.95 GB of the 4.04); at 15b3cf7, where the code both checks run is 47ab9f0's "
+           "but for the plan's second figure (a streamed reference's peak) and the launcher's readers, with the "
+           "page cache under 1 GB as it started; three repeats",
+           COSTS_TABLE, ("cost_table_15b3cf7_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 47ab9f0, the session before, in a slower phase of the same VM (its candidate 3.1-3.2 s "
+           "over its training, against 2.4-3.2 s at 15b3cf7): the default check 2.04 / 2.11 / 2.04×, the streamed "
+           "one 2.06 / 2.03 / 2.16×; three repeats",
            COSTS_TABLE, ("cost_table_47ab9f0_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 661418a, half an hour before, the streamed candidate parsing the reference's manifest "
            "at each of its rewrites while it waited (its ranks 0.35-0.5 user core-s more each than the default's): "
