@@ -79,6 +79,7 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
     import yaml
 
     from online_parity import runnable
+    from ttrace_megatron.adapter.recipe.config import validate_recipe
     from ttrace_megatron.errors import RecipeError, RunFailed, TraceError
     from ttrace_megatron.recipe import recipe_from_dict
 
@@ -88,6 +89,7 @@ def parity(path: str, dtype: str, tmp: str) -> dict:
     # as ``ttrace run`` reads the recipe in this dtype: its perturbation run as that dtype decides
     with open(path) as f:
         recipe = recipe_from_dict(dict(yaml.safe_load(f), dtype=dtype), source=path)
+    validate_recipe(recipe)  # (as runnable validated it: the same recipe but for its perturbation run)
     try:
         (held, held_s, held_bytes), (streamed, streamed_s, streamed_bytes) = _checks(recipe, tmp)
     except (RecipeError, RunFailed, TraceError, ValueError) as e:

@@ -261,7 +261,9 @@ def _let_go_reference(report: dict, ref_dir: str, pair_out: str, args, console: 
     if ref_dir == os.path.join(pair_out, "reference") or not os.path.isdir(ref_dir):
         return
     kept = os.path.join(pair_out, "reference")
-    if report.get("verdict") == "fail" and getattr(args, "out", None):
+    # (a streamed check's replay ran the reference again, whole, into ``kept``: that one is kept)
+    if report.get("verdict") == "fail" and getattr(args, "out", None) and report.get("reference") != \
+            os.path.abspath(kept):
         size = core.measured_bytes(ref_dir)
         free = core.free_bytes(pair_out)
         why = f"only {core.human(free)} are free under {pair_out}"
@@ -347,18 +349,8 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
     first = report.get("first_mismatch")
     # online too: the replay judges its modules against the reference's trace, not the candidate's
     if report["verdict"] == "fail" and first and not args.no_localize:
-        if streamed:  # its overwritten tensors are gone: the reference again, whole (it is deterministic)
-            shutil.rmtree(ref_dir, ignore_errors=True)
-            console.print(f"the reference again, whole, for the replay (streamed, it kept only what the verdict "
-                          f"reads) → {ref_dir}")
-            timed("reference again", run_side, REFERENCE, ref_dir, **ref_trace)
-        replay_dir = os.path.join(out, "replay")
-        shutil.rmtree(replay_dir, ignore_errors=True)
-        console.print(f"localizing: the candidate again, every module on the reference's inputs "
-                      f"(iteration {first['iteration']}) → {replay_dir}")
-        timed("replay", run_side, CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[first["iteration"]],
-              **lockstep)
-        report["culprits"] = timed("localize", _localize, ref_dir, replay_dir, console, quiet=quiet)
+        _localize_failure(report, first["iteration"], out, args, console, run_side, timed, ref_dir, ref_trace,
+                          lockstep, streamed, quiet)
     report["timings_s"] = timings
     report["reference_in"] = "stream" if streamed else "memory" if in_memory else "disk"
     if not quiet:
@@ -366,6 +358,31 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
 
         console.print("time: " + timings_line(timings), highlight=False)
     return report
+
+
+def _localize_failure(report: dict, iteration: int, out: str, args, console: Console, run_side, timed,
+                      ref_dir: str, ref_trace: dict, lockstep: dict, streamed: bool, quiet: bool) -> None:
+    """A failing check's replay: the candidate again, every module on the reference's inputs of the
+    failing ``iteration``, and the culprits it names (into ``report``). Streamed, the reference's
+    overwritten tensors are gone: it runs again, whole (it is deterministic), on the disk under
+    --out, where a failing check keeps its reference (held whole, it may not fit the memory it could
+    take: where auto streamed it, it did not), and the replay steps with that one."""
+    from .adapter.run.runner import CANDIDATE, REFERENCE
+
+    if streamed:
+        ref_dir = os.path.join(out, "reference")
+        shutil.rmtree(ref_dir, ignore_errors=True)
+        console.print(f"the reference again, whole, for the replay (streamed, it kept only what the verdict "
+                      f"reads) → {ref_dir}")
+        timed("reference again", run_side, REFERENCE, ref_dir, **ref_trace)
+        report["reference"] = os.path.abspath(ref_dir)
+        lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
+    replay_dir = os.path.join(out, "replay")
+    shutil.rmtree(replay_dir, ignore_errors=True)
+    console.print(f"localizing: the candidate again, every module on the reference's inputs "
+                  f"(iteration {iteration}) → {replay_dir}")
+    timed("replay", run_side, CANDIDATE, replay_dir, args.inject, replay=ref_dir, iterations=[iteration], **lockstep)
+    report["culprits"] = timed("localize", _localize, ref_dir, replay_dir, console, quiet=quiet)
 
 
 def _perturbation_run(recipe, args, out: str, online: dict, lockstep: dict) -> Tuple[Optional[str], Optional[dict]]:
@@ -762,6 +779,8 @@ def _plan_command(recipe_path: str, plan_path: str, out: str, args, stream_refus
     cmd += ["--reference-in", getattr(args, "reference_in", "auto")]
     if getattr(args, "reference_memory", None):
         cmd += ["--reference-memory", args.reference_memory]
+    if getattr(args, "cpu", False):
+        cmd += ["--cpu"]
     if stream_refused:
         cmd += ["--stream-refused", stream_refused]
     for flag in ("iters", "microbatches"):
@@ -936,7 +955,11 @@ def _add_online_arguments(parser: argparse.ArgumentParser, plan: bool = False) -
                         help=("as run --reference-in: " if plan else "") + REFERENCE_IN_HELP)
     parser.add_argument("--reference-memory", metavar="SIZE",
                         help=("as run --reference-memory: " if plan else "") + REFERENCE_MEMORY_HELP)
-    if plan:  # run's reason its reference may not stream, for auto to decide as run will (the disk check's plan)
+    if plan:
+        parser.add_argument("--cpu", action="store_true",
+                            help="as run --cpu: the check's ranks on CPU even if GPUs are present (a streamed "
+                                 "reference needs them)")
+        # run's reason its reference may not stream, for auto to decide as run will (the disk check's plan)
         parser.add_argument("--stream-refused", default="", help=argparse.SUPPRESS)
 
 

@@ -292,7 +292,8 @@ def memory_refusal_text(name: str, need: int, room: Optional[int], mode: str = M
                         limited: bool = False) -> str:
     """Why ``ttrace run --reference-in memory`` (or ``stream``) refuses, with the numbers.
     ``limited``: ``room`` is what ``--reference-memory`` allows."""
-    share = "as --reference-memory allows" if limited else f"{MEMORY_SHARE:.0%} of the memory available"
+    share = ("--reference-memory, within the memory available" if limited
+             else f"{MEMORY_SHARE:.0%} of the memory available")
     where = (f"only {human(room)} may be taken there ({share}, within {MEMORY_ROOT}'s free space)"
              if room is not None else f"there is no writable {MEMORY_ROOT} with a memory figure on this machine")
     what = "the reference's trace takes" if mode == MEMORY else "the reference, streamed, holds at its peak"

@@ -152,7 +152,10 @@ def run_function(target, args: tuple, timeout_s: float, cpu: bool = False) -> Op
     return p.exitcode
 
 
-def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = Probes()) -> None:
+LAUNCH_TIMEOUT_S = 1800.0  # a run's limit, its ranks' stacks dumped and stopped past it
+
+
+def launch(spec: RunSpec, timeout_s: Optional[float] = LAUNCH_TIMEOUT_S, probes: Probes = Probes()) -> None:
     """Run every rank of ``spec`` and wait for all of them (``probes``: what tests and benchmarks
     measure beside the trace)."""
     if spec.megatron:
@@ -164,7 +167,7 @@ def launch(spec: RunSpec, timeout_s: Optional[float] = 1800.0, probes: Probes = 
         _wait([_Ranks(spec, probes, error_dir)], timeout_s)
 
 
-def launch_beside(first: RunSpec, *readers: RunSpec, timeout_s: Optional[float] = 1800.0,
+def launch_beside(first: RunSpec, *readers: RunSpec, timeout_s: Optional[float] = None,
                   probes: Probes = Probes()) -> Dict[str, float]:
     """A reference written one iteration at a time (``first``: ``trace_store.Turns``) and the runs
     that read it as it comes (``readers``: its candidate, and a perturbation run where the check
@@ -179,8 +182,13 @@ def launch_beside(first: RunSpec, *readers: RunSpec, timeout_s: Optional[float] 
     candidate's took the cores from that training and cost the check 0.3-1.8 s at the 50M rung on
     the 2-core development VM (BENCHMARKS.md, issue #35), and its processes' start alone ~0.3 s of
     a toy check. (Afterwards the sides overlap only where the reference records its next
-    iteration's kept tensors while its readers judge the one before.)"""
+    iteration's kept tensors while its readers judge the one before.)
+
+    ``timeout_s``: for all of them together; by default :func:`launch`'s for each run, added up
+    (the runs it would make one after the other held whole)."""
     specs = (first,) + readers
+    if timeout_s is None:
+        timeout_s = LAUNCH_TIMEOUT_S * len(specs)
     for spec in specs:
         if spec.megatron:
             raise ValueError("launch_beside runs the installed megatron-core's ranks only")
@@ -325,7 +333,8 @@ def _wait(sides: List[_Ranks], timeout_s: Optional[float]) -> None:
     hung = {id(side): side.stop(dump=failing is None and timed_out) for side in sides}
     if failing is not None:
         others = [s.spec.side for s in sides if s is not failing and s.stopped]
-        failing.raise_outcome([], timeout_s, False, beside=f"(the {others[0]} run, started beside it, was stopped)"
-                              if others else "")
+        failing.raise_outcome([], timeout_s, False, beside=f"(the {' and '.join(others)} run"
+                              f"{'s' if len(others) > 1 else ''}, started beside it, "
+                              f"{'were' if len(others) > 1 else 'was'} stopped)" if others else "")
     for side in sides:
         side.raise_outcome(hung[id(side)], timeout_s, timed_out)
