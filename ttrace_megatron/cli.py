@@ -972,7 +972,7 @@ REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a director
                      "check's moved under --out), disk (under --out), stream (in memory, one iteration at a time: "
                      "the candidate (and a perturbation run, beside it) judges each iteration as the reference "
                      "finishes it, and the next overwrites what the verdict does not read again; CPU ranks, online "
-                     "and in lock-step; a failing check runs the reference again whole for its replay), or auto (the default: memory "
+                     "and in lock-step; a failing check runs the reference again whole, on the disk under --out, for its replay), or auto (the default: memory "
                      "where the plan's reference bytes fit half the memory available (--reference-memory) and the "
                      "check keeps no traces; else stream where its peak fits and nothing refuses it; else disk)")
 REFERENCE_MEMORY_HELP = ("the most a reference held in memory may take, e.g. 40GB (default: half the memory available "
