@@ -298,6 +298,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
     otherwise), the perturbation run the recipe asks for, the comparison, and on a mismatch the
     replay that localizes it. ``quiet``: the report is not printed (the fp32 twin's is summarized
     after the recipe's own)."""
+    from . import plan as core
     from .adapter.run.runner import CANDIDATE, REFERENCE
 
     timings = {}  # seconds per part of the check, in the order they ran (the report's "timings_s")
@@ -326,7 +327,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
                       + (f", injected bugs: {args.inject}" if args.inject else "")
                       + (", comparing online" if args.online else "")
                       + ("" if args.no_lockstep else ", in lock-step with the reference"))
-    streamed = getattr(args, "reference_in", "auto") == "stream"
+    streamed = getattr(args, "reference_in", core.AUTO) == core.STREAM
     perturbed_dir, perturbed = _perturbation_run(recipe, args, out, online, lockstep)
     perturbation_line = (f"perturbation estimate: the reference again, round-off-sized noise in every module "
                          f"→ {perturbed_dir}")
@@ -352,7 +353,7 @@ def _run_and_compare(recipe, out: str, args, console: Console, run_side, quiet: 
         _localize_failure(report, first["iteration"], out, args, console, run_side, timed, ref_dir, ref_trace,
                           lockstep, streamed, quiet)
     report["timings_s"] = timings
-    report["reference_in"] = "stream" if streamed else "memory" if in_memory else "disk"
+    report["reference_in"] = core.STREAM if streamed else core.MEMORY if in_memory else core.DISK
     if not quiet:
         from .report import timings_line
 
@@ -972,9 +973,10 @@ REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a director
                      "check's moved under --out), disk (under --out), stream (in memory, one iteration at a time: "
                      "the candidate (and a perturbation run, beside it) judges each iteration as the reference "
                      "finishes it, and the next overwrites what the verdict does not read again; CPU ranks, online "
-                     "and in lock-step; a failing check runs the reference again whole, on the disk under --out, for its replay), or auto (the default: memory "
-                     "where the plan's reference bytes fit half the memory available (--reference-memory) and the "
-                     "check keeps no traces; else stream where its peak fits and nothing refuses it; else disk)")
+                     "and in lock-step; a failing check runs the reference again whole, on the disk under --out, "
+                     "for its replay), or auto (the default: memory where the plan's reference bytes fit half the "
+                     "memory available (--reference-memory) and the check keeps no traces; else stream where its "
+                     "peak fits and nothing refuses it; else disk)")
 REFERENCE_MEMORY_HELP = ("the most a reference held in memory may take, e.g. 40GB (default: half the memory available "
                          "as the check starts), within /dev/shm's free space: auto holds it whole, streams it or writes "
                          "it to the disk by it, and memory and stream are refused above it")

@@ -51,7 +51,7 @@ class ParamShape:
     tp_sharded: bool
     expert: bool
     trainable: bool
-    matrix: bool = True  # two dims or more (not a bias's or a norm's vector): streamed, its records are written over
+    matrix: bool  # two dims or more (not a bias's or a norm's vector): streamed, its records are written over
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,15 +21,15 @@ import torch.distributed as dist
 
 from ...recipe import Recipe, recipe_from_dict
 from ...trace_store import CANDIDATE, REFERENCE  # noqa: F401  (REFERENCE: re-exported for callers)
-
-# the runs a check makes again of its sides, as their lines and errors name them (``RunSpec.side``)
-REPLAY, PERTURBATION = "replay", "perturbation"
 from ..recipe import build
 from ..recipe import config as cfg
 from ..recipe import data, hybrid, model_fields
 from ..recipe.naming import unwrap
 from ..record import layouts
 from .session import TraceOptions
+
+# the runs a check makes again of its sides, as their lines and errors name them (``RunSpec.side``)
+REPLAY, PERTURBATION = "replay", "perturbation"
 
 
 @dataclasses.dataclass
