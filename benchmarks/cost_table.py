@@ -47,6 +47,10 @@ from margins import recipe as shipped_recipe  # noqa: E402
 from online_bytes import check, plain  # noqa: E402
 
 RECIPE = "gpt_tp2_sp"
+# the checks, alternated: the default (``--reference-in auto``: streamed at this rung, held whole at
+# 4.0 GB, over ``plan.STREAM_FROM_BYTES``, where nothing refuses it), the reference held whole in memory,
+# and on the disk
+CHECKS = ("auto", "memory", "disk")
 RUNG = "the 50M rung (gpt_tp2_sp, 8 layers, hidden 512, vocabulary 32768, TP2 + SP, 3 iterations, fp32)"
 
 
@@ -71,33 +75,35 @@ def _cpu_model() -> str:
     return ", ".join([fields["model name"]] + numbers)
 
 
-def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int) -> dict:
-    """(1) and (2): plain training, then the default check, the check with its reference on the
-    disk and the check with its reference streamed (``--reference-in stream``), the four alternated
-    ``repeats`` times: each check is divided by the plain training right
+def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int, streamed_bytes: int) -> dict:
+    """(1) and (2): plain training, then the default check (``--reference-in auto``: where it puts
+    the reference here), the check with its reference held whole in memory, and with it on the disk,
+    the four alternated ``repeats`` times: each check is divided by the plain training right
     before it (this VM's timings move by 10-20 % from one check to the next, and by 1.4× between its
     phases: a table at 8dd6c98 divided both repeats by one plain training of 5.9 s, where the others
     took 5.0-5.2). Right before each check, the reference's bytes are written alone where that check
     puts them (:func:`write_at_size`): the time to write them, in the state the machine is in for
-    that check."""
+    that check. (``streamed_bytes``: the reference's peak streamed, for where auto puts it.)"""
     from ttrace_megatron import plan as core
+    from ttrace_megatron.adapter.run.launch import cpu_ranks
 
-    out = {"trained_s": None, "auto": [], "disk": [], "stream": []}
+    refused = "" if cpu_ranks(cpu) else "GPU ranks"  # (as ``cli._stream_refusal`` says of this check's flags)
+    out = {"trained_s": None, **{where: [] for where in CHECKS}}
     for k in range(repeats):
         os.makedirs(os.path.join(tmp, f"plain-{k}"))
         trained_run = plain(RECIPE, "fp32", 1, True, os.path.join(tmp, f"plain-{k}"), cpu)
         trained = trained_run["seconds"]
         out["trained_s"] = out["trained_s"] or trained
-        for where in ("auto", "disk", "stream"):
+        for where in CHECKS:
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
             # where ``ttrace run`` will put this reference (plan.reference_placement, as the run decides it)
-            held = core.reference_placement(where, reference_bytes, reference_bytes, core.memory_room(),
-                                            True) != core.DISK
+            held = core.reference_placement(where, reference_bytes, streamed_bytes, core.memory_room(),
+                                            True, refused) != core.DISK
             place = core.MEMORY_ROOT if held else work
             written = write_at_size(place, reference_bytes)
-            # the same bytes into memory already held, and freed (the default check's reference only)
-            into_held = held_write(place, reference_bytes) if where == "auto" and held else None
+            # the same bytes into memory already held, and freed (the reference held whole only)
+            into_held = held_write(place, reference_bytes) if where == core.MEMORY else None
             row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)
             out[where].append(dict(row, write_at_size_bps=written, held=into_held, trained_s=trained,
                                    trained_core_seconds=trained_run.get("core_seconds")))
@@ -211,7 +217,7 @@ def floors(tmp: str, workers) -> dict:
 
     recipe = shipped_recipe(RECIPE, "fp32", 1, True)
     rates = core.measure_compare_rates(tmp)
-    held = check_plan(recipe, online=True, twin=False, reference_in=core.MEMORY)  # the default check's
+    held = check_plan(recipe, online=True, twin=False, reference_in=core.MEMORY)  # the held check's
     recorded = check_plan(recipe, online=False, twin=False)
     cores = available_cores()
     def best(where):  # (of three: a single 256 MiB write here has measured 0.5 and 2.6 GB/s minutes apart)
@@ -220,12 +226,13 @@ def floors(tmp: str, workers) -> dict:
     return {"write_bandwidth": {"memory": best(core.MEMORY_ROOT) if core.memory_room() else None, "disk": best(tmp)},
             "staging_copy": max(staging_copy_rate() for _ in range(3)),
             "compare_rates": dataclasses.asdict(rates), "cores": cores,
-            # the default check's: its ranks read the reference held in memory through maps
+            # the held check's: its ranks read the reference held in memory through maps
             "judging_floor_online": core.judging_seconds(held, rates, cores),
             "judging_floor_recorded": core.judging_seconds(recorded, rates, cores),
             "compare_floor_by_workers": {str(n): core.judging_seconds(recorded, rates, n)["candidate"]
                                          for n in workers},
-            "reference_bytes": held.side("reference").total()}
+            "reference_bytes": held.side("reference").total(),
+            "streamed_bytes": check_plan(recipe, online=True, twin=False, reference_in=core.STREAM).memory_needed()}
 
 
 def staging_copy_rate(nbytes: int = 256 << 20) -> float:
@@ -283,7 +290,7 @@ def recording_passes_row(m: dict) -> tuple:
     machine the passes share its cores with the training they record."""
     fl = m["floors"]
     size = fl["reference_bytes"]
-    writes = [r["write_at_size_bps"] for r in m["whole"]["auto"]]
+    writes = [r["write_at_size_bps"] for r in m["whole"]["memory"]]
     copy, hashed = size / fl["staging_copy"], size / fl["compare_rates"]["verify"]
     totals = [copy + hashed + size / w for w in writes]
     return ("recording's passes over the reference's bytes, each at its own speed, one after the other: "
@@ -314,9 +321,10 @@ def recording_row(went: str, extra: list, at_size: list, fl: dict) -> tuple:
 
 def held_row(runs: list, fl: dict) -> tuple:
     """The reference's bytes written into memory the check already holds (:func:`held_write`), right
-    before each default check, against the same bytes into fresh memory (``write_at_size``) and the
-    freeing after: what a check would save on its fresh pages by writing its reference into a
-    buffer it holds (a streamed reference, not built), beside the rest of its parts."""
+    before each held check, against the same bytes into fresh memory (``write_at_size``) and the
+    freeing after: what a check saves on its fresh pages where it writes its reference into memory
+    it holds (as a streamed reference writes each iteration over the one before's), beside the rest
+    of its parts."""
     size = fl["reference_bytes"]
     fresh = [size / r["write_at_size_bps"] for r in runs]
     over = [size / r["held"]["overwrite_bps"] for r in runs]
@@ -328,7 +336,7 @@ def held_row(runs: list, fl: dict) -> tuple:
             f"{each(free, '.2f')} s",
             f"{each([f / o for f, o in zip(fresh, over)], '.2f')}× faster than into fresh memory "
             f"({each(fresh, '.2f')} s); fresh pages and their freeing: "
-            f"{each([f - o + z for f, o, z in zip(fresh, over, free)], '.2f')} s of the default check", "")
+            f"{each([f - o + z for f, o, z in zip(fresh, over, free)], '.2f')} s of the held check", "")
 
 
 def _against_floor(fl: dict, workers: int, seconds: float) -> str:
@@ -342,77 +350,91 @@ def _against_floor(fl: dict, workers: int, seconds: float) -> str:
             f"the plan's, on {workers} process{'es' if workers > 1 else ''})")
 
 
+STREAMED = "stream"  # a report's reference_in where its reference was streamed
+CHECK_NAMES = {"auto": "the default check", "memory": "the check with its reference held whole",
+               "disk": "the check with its reference on the disk"}
+
+
+def whole_row(where: str, runs: list, trained) -> tuple:
+    """One check's wall time against the two layouts trained right before it, by part: each side's
+    own where they ran one after the other, the two together where the reference was streamed (its
+    sides take turns an iteration at a time)."""
+    went = runs[0].get("reference_went") or ("memory" if runs[0]["reference_in_memory"] else "disk")
+    how = {STREAMED: "streamed (in memory, one iteration at a time, the two sides taking turns)",
+           "memory": "held whole in memory", "disk": "on the disk"}[went]
+    label = {"auto": f"the default (--reference-in auto): online, the reference {how}",
+             "memory": "online, the reference held whole in memory (--reference-in memory)",
+             "disk": "online, the reference on the disk (--reference-in disk)"}[where]
+    parts = [r["timings_s"] for r in runs]
+    if went == STREAMED:
+        sides = (f"the two sides {each([p['reference'] + p['candidate'] for p in parts])} (trained alone "
+                 f"{each([sum(trained(r).values()) for r in runs])})")
+    else:
+        sides = (f"reference {each([p['reference'] for p in parts])} (trained alone "
+                 f"{each([trained(r)['reference'] for r in runs])}), candidate {each([p['candidate'] for p in parts])} "
+                 f"(alone {each([trained(r)['candidate'] for r in runs])})")
+    return (f"the whole check, {label} ({', '.join(r['verdict'] for r in runs)}; "
+            f"{runs[0]['bytes_total'] / 1e9:.2f} GB written to the disk)",
+            f"{each([r['wall_s'] for r in runs])} s: {sides}, compare {each([p['compare'] for p in parts])}, the rest "
+            f"{each([r['wall_s'] - sum(p.values()) for r, p in zip(runs, parts)])}",
+            f"{each([r['wall_s'] / sum(trained(r).values()) for r in runs], '.2f')}× the two layouts "
+            f"trained right before it ({each([sum(trained(r).values()) for r in runs])} s)", "≤ 2×")
+
+
+def floor_rows(held: list, fl: dict, floor: float, trained) -> list:
+    """The held check with each part at its floor, one after the other: its bytes written alone into
+    fresh memory, and into memory already held (:func:`held_row`)."""
+    if not held[0]["reference_in_memory"]:
+        return []
+    rows = []
+    plains = [sum(trained(r).values()) for r in held]
+    writes = [fl["reference_bytes"] / r["write_at_size_bps"] for r in held]
+    least = [p + w + floor for p, w in zip(plains, writes)]
+    rows.append(("the whole check with each part at its floor, one after the other: the two layouts trained, "
+                 "the reference's bytes written to memory alone right before each check, the candidate's "
+                 "judging at the plan's floor",
+                 " / ".join(f"{p:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for p, w, t in zip(plains, writes, least)),
+                 f"{each([t / p for p, t in zip(plains, least)], '.2f')}× the two layouts trained", "≤ 2×"))
+    if all(r.get("held") for r in held):
+        rows.append(held_row(held, fl))
+        over = [fl["reference_bytes"] / r["held"]["overwrite_bps"] for r in held]
+        least = [p + w + floor for p, w in zip(plains, over)]
+        rows.append(("the same, the reference's bytes written into memory already held (the row above)",
+                     " / ".join(f"{p:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for p, w, t in zip(plains, over, least)),
+                     f"{each([t / p for p, t in zip(plains, least)], '.2f')}× the two layouts trained", "≤ 2×"))
+    return rows
+
+
 def table(m: dict) -> list:
     """The rows: (measure, value, ratio, goal). Each check against the plain training right before
     it (tables before 2026-11-29: against one, before all)."""
     first = m["whole"]["trained_s"]
-    plain_s = sum(first.values())
 
     def trained(r: dict) -> dict:
         return r.get("trained_s") or first
     bw, rates, fl = m["memory_bandwidth"], m["floors"]["compare_rates"], m["floors"]
     rows = []
-    for where, label in (("auto", "the default: online, the reference in memory"),
-                         ("disk", "online, the reference on the disk (--reference-in disk)")):
+    for where in CHECKS:
         runs = m["whole"][where]
-        parts = [r["timings_s"] for r in runs]
+        rows.append(whole_row(where, runs, trained))
+        if where != "disk" and all(r.get("core_seconds") and r.get("trained_core_seconds") for r in runs):
+            rows.append(cores_row(runs, CHECK_NAMES[where]))
+        if runs[0].get("reference_went") == STREAMED:  # (its sides overlap: no recording of its own to time)
+            continue
         went = "memory" if runs[0]["reference_in_memory"] else "disk"
-        rows.append((f"the whole check, {label} ({', '.join(r['verdict'] for r in runs)}; "
-                     f"{runs[0]['bytes_total'] / 1e9:.2f} GB written to the disk)",
-                     f"{each([r['wall_s'] for r in runs])} s: reference {each([p['reference'] for p in parts])} "
-                     f"(trained alone {each([trained(r)['reference'] for r in runs])}), candidate "
-                     f"{each([p['candidate'] for p in parts])} (alone {each([trained(r)['candidate'] for r in runs])}), "
-                     f"compare {each([p['compare'] for p in parts])}, the rest "
-                     f"{each([r['wall_s'] - sum(p.values()) for r, p in zip(runs, parts)])}",
-                     f"{each([r['wall_s'] / sum(trained(r).values()) for r in runs], '.2f')}× the two layouts "
-                     f"trained right before it ({each([sum(trained(r).values()) for r in runs])} s)",
-                     "≤ 2×"))
-        if where == "auto" and all(r.get("core_seconds") and r.get("trained_core_seconds") for r in runs):
-            rows.append(cores_row(runs))
-        extra = [p["reference"] - trained(r)["reference"] for r, p in zip(runs, parts)]
+        extra = [r["timings_s"]["reference"] - trained(r)["reference"] for r in runs]
         rows.append(recording_row(went, extra, [r["write_at_size_bps"] for r in runs], fl))
-        if went == "memory" and fl.get("staging_copy"):
+        if where == "memory" and fl.get("staging_copy"):
             rows.append(recording_passes_row(m))
-    streamed = m["whole"].get("stream") or []
-    if streamed:
-        parts = [r["timings_s"] for r in streamed]
-        sides = [p["reference"] + p["candidate"] for p in parts]
-        rows.append((f"the whole check, online, the reference streamed (--reference-in stream: in memory, one "
-                     f"iteration at a time, the two sides taking turns) ({', '.join(r['verdict'] for r in streamed)}; "
-                     f"{streamed[0]['bytes_total'] / 1e9:.2f} GB written to the disk)",
-                     f"{each([r['wall_s'] for r in streamed])} s: the two sides {each(sides)} (trained alone "
-                     f"{each([sum(trained(r).values()) for r in streamed])}), compare "
-                     f"{each([p['compare'] for p in parts])}, the rest "
-                     f"{each([r['wall_s'] - sum(p.values()) for r, p in zip(streamed, parts)])}",
-                     f"{each([r['wall_s'] / sum(trained(r).values()) for r in streamed], '.2f')}× the two layouts "
-                     f"trained right before it ({each([sum(trained(r).values()) for r in streamed])} s)", "≤ 2×"))
-        if all(r.get("core_seconds") and r.get("trained_core_seconds") for r in streamed):
-            rows.append(cores_row(streamed, "the streamed check"))
-    auto = m["whole"]["auto"]
-    judged = [r["timings_s"]["candidate"] - trained(r)["candidate"] for r in auto]
+    held = m["whole"]["memory"]
+    judged = [r["timings_s"]["candidate"] - trained(r)["candidate"] for r in held]
     floor = fl["judging_floor_online"]["candidate"]
-    rows.append(("the candidate's online judging: its extra time over training it alone (both ranks on "
-                 f"{fl['cores']} cores)", f"{each(judged)} s",
+    rows.append(("the candidate's online judging, the reference held whole: its extra time over training it alone "
+                 f"(both ranks on {fl['cores']} cores)", f"{each(judged)} s",
                  f"{each([j / floor for j in judged])}× the plan's floor of {floor:.1f} s a rank (its parts at the "
                  "rates below; its reference in memory, read through maps, its own tensors neither read nor "
                  "verified)", ""))
-    writes = [fl["reference_bytes"] / r["write_at_size_bps"] for r in auto]
-    if auto[0]["reference_in_memory"]:
-        plains = [sum(trained(r).values()) for r in auto]
-        least = [p + w + floor for p, w in zip(plains, writes)]
-        rows.append(("the whole check with each part at its floor, one after the other: the two layouts trained, "
-                     "the reference's bytes written to memory alone right before each check, the candidate's "
-                     "judging at the plan's floor",
-                     " / ".join(f"{p:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s" for p, w, t in zip(plains, writes, least)),
-                     f"{each([t / p for p, t in zip(plains, least)], '.2f')}× the two layouts trained", "≤ 2×"))
-        if all(r.get("held") for r in auto):
-            rows.append(held_row(auto, fl))
-            held = [fl["reference_bytes"] / r["held"]["overwrite_bps"] for r in auto]
-            least = [p + w + floor for p, w in zip(plains, held)]
-            rows.append(("the same, the reference's bytes written into memory already held (the row above)",
-                         " / ".join(f"{p:.1f} + {w:.1f} + {floor:.1f} = {t:.1f} s"
-                                    for p, w, t in zip(plains, held, least)),
-                         f"{each([t / p for p, t in zip(plains, least)], '.2f')}× the two layouts trained", "≤ 2×"))
+    rows += floor_rows(held, fl, floor, trained)
     rec = m["recorded"]
     for c in rec["compares"]:
         thr = rec["trace_bytes"] / c["seconds"]
@@ -459,7 +481,8 @@ def main():
         # the bandwidths first, on a quiet machine (after 8 GB of traces were deleted, a write to memory measured 0.5 GB/s)
         m["floors"] = floors(tmp, list(dict.fromkeys(args.workers)))
         m["memory_bandwidth"] = memory_bandwidth()
-        m["whole"] = whole_checks(tmp, args.repeats, args.cpu, m["floors"]["reference_bytes"])
+        m["whole"] = whole_checks(tmp, args.repeats, args.cpu, m["floors"]["reference_bytes"],
+                                  m["floors"]["streamed_bytes"])
         m["recorded"] = recorded_compare(tmp, list(dict.fromkeys(args.workers)), args.cpu)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

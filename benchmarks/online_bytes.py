@@ -104,6 +104,7 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
            "megatron_core": megatron.core.__version__, "reference_io": reference_io, "reference_in": reference_in,
            # where the reference went: memory (removed once judged, its bytes not under --out) or the disk
            "reference_in_memory": str(report.get("reference", "")).startswith(MEMORY_ROOT + os.sep),
+           "reference_went": report.get("reference_in"),  # where auto put it: memory, stream or disk
            "machine": f"{os.cpu_count()} CPU cores ({platform.machine()}), gloo"}
     twin = report.get("fp32_twin")
     if twin is not None:

@@ -859,6 +859,30 @@ def test_auto_streams_a_reference_that_held_whole_would_not_fit(tmp_path):
     assert _judged(reports["auto"]) == _judged(reports["memory"])
 
 
+def test_the_default_check_streams_a_reference_of_a_gigabyte_or_more(tmp_path, capsys):
+    """At the scale ladder's 50M rung (8 layers, hidden 512, vocabulary 32768: 4.0 GB held whole) the
+    default check streams its reference where it would fit held, says why, and passes."""
+    import yaml
+
+    from ttrace_megatron import plan as core
+    from ttrace_megatron.cli import main
+
+    raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
+    raw["model"].update(num_layers=8, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
+    raw["data"]["vocab_size"] = 32768
+    recipe = tmp_path / "rung.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    if (core.memory_room() or 0) < 4.1e9:
+        pytest.skip(f"no room in {core.MEMORY_ROOT} to hold this reference whole here")
+    path = tmp_path / "report.json"
+    assert main(["run", str(recipe), "--out", str(tmp_path / "out"), "--json", str(path), "--cpu"]) == 0
+    said = capsys.readouterr().out
+    assert "the reference streamed (--reference-in auto): held whole it would take about 4.0 GB, from 1.1 GB on" \
+        in " ".join(said.split())
+    report = json.loads(path.read_text())
+    assert report["reference_in"] == "stream" and report["verdict"] == "pass"
+
+
 @pytest.mark.parametrize("flags,why", [
     (["--no-lockstep"], "lock-step"),
     (["--keep-traces"], "--keep-traces keeps"),

@@ -68,10 +68,17 @@ def test_a_reference_held_in_memory_takes_no_disk_and_is_planned_as_memory():
     assert "host memory beside the training: 67.1 MB of staging" in "\n".join(core.format_plan(held))
     assert "NOT ENOUGH (ttrace run refuses it)" in "\n".join(core.format_plan(held, memory_room=5 * per - 1))
     assert "NOT ENOUGH" not in "\n".join(core.format_plan(held, free=10 ** 9, memory_room=5 * per))
-    # where the reference goes: auto holds it in memory where it fits and the check keeps no traces,
-    # else streams it where its peak fits and nothing refuses it, else writes it to the disk
+    # where the reference goes: auto streams a large one where nothing refuses it and its peak fits, holds
+    # it in memory where it fits and the check keeps no traces, else streams it where its peak fits and
+    # nothing refuses it, else writes it to the disk
     place = core.reference_placement
     assert place("auto", 10, 4, 10, online=True) == core.MEMORY
+    large = core.STREAM_FROM_BYTES
+    assert place("auto", large, large // 2, 4 * large, online=True) == core.STREAM  # (it would fit held)
+    assert place("auto", large - 1, large // 2, 4 * large, online=True) == core.MEMORY
+    assert place("auto", large, large // 2, 4 * large, online=True, stream_refused="a GPU") == core.MEMORY
+    assert place("auto", large, large // 2, large // 2 - 1, online=True) == core.DISK  # (nor its peak)
+    assert place("auto", large, large // 2, 4 * large, online=False) == core.DISK
     assert place("auto", 11, 4, 10, online=True) == core.STREAM
     assert place("auto", 11, 4, 10, online=True, stream_refused="perturbation") == core.DISK
     assert place("auto", 11, 11, 10, online=True) == core.DISK
@@ -430,6 +437,28 @@ def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it
     planned = _plan_json(recipe, "--cpu", "--reference-memory", between, "--stream-refused", "not here")
     assert planned["in_memory"] == [] and planned["streamed"] == []
     assert _plan_json(recipe, "--cpu", "--reference-memory", "1kB")["in_memory"] == []
+
+
+def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_held(tmp_path):
+    """At the scale ladder's 50M rung (8 layers, hidden 512, vocabulary 32768: 4.0 GB held whole) the
+    default check streams its reference where nothing refuses it, and holds it whole where something
+    does; under the size, gpt_tp2_sp as shipped is held (the test above)."""
+    import yaml
+
+    raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
+    raw["model"].update(num_layers=8, hidden_size=512, ffn_hidden_size=1024, num_attention_heads=8, num_query_groups=4)
+    raw["data"]["vocab_size"] = 32768
+    recipe = str(tmp_path / "rung.yaml")
+    (tmp_path / "rung.yaml").write_text(yaml.safe_dump(raw))
+    held = _plan_json(recipe, "--reference-in", "memory")
+    streamed = _plan_json(recipe, "--reference-in", "stream")
+    assert held["memory_needed"] >= core.STREAM_FROM_BYTES and streamed["memory_needed"] < held["memory_needed"]
+    room = str(2 * held["memory_needed"])  # (room to hold it whole, wherever this runs)
+    if (core.memory_room(limit=2 * held["memory_needed"]) or 0) < 2 * held["memory_needed"]:
+        pytest.skip(f"no room in {core.MEMORY_ROOT} for this reference held whole here")
+    assert _plan_json(recipe, "--cpu", "--reference-memory", room)["streamed"] == ["reference"]
+    planned = _plan_json(recipe, "--cpu", "--reference-memory", room, "--stream-refused", "on GPUs")
+    assert planned["in_memory"] == ["reference"] and planned["streamed"] == []
 
 
 def test_judging_time_is_planned_per_side_from_the_measured_rates():

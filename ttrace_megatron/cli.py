@@ -145,9 +145,10 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
     if planned and planned.get("streamed") and getattr(args, "reference_in", core.AUTO) == core.AUTO:
         args.reference_in = core.STREAM
         whole = max(s["total"] for s in planned["sides"] if s["name"] in planned["streamed"])
+        why = (f"more than the {core.human(planned['memory_room'])} it may take here" if whole > planned["memory_room"]
+               else f"from {core.human(core.STREAM_FROM_BYTES)} on, streamed writes over its pages and takes as long or less")
         console.print(f"the reference streamed (--reference-in auto): held whole it would take about {core.human(whole)}, "
-                      f"more than the {core.human(planned['memory_room'])} it may take here; one iteration at a time, "
-                      f"at most {core.human(planned['memory_needed'])}", highlight=False)
+                      f"{why}; one iteration at a time, at most {core.human(planned['memory_needed'])}", highlight=False)
     scratch = _memory_scratch(planned, args)
     removals: List[threading.Thread] = []  # in-memory references being removed while the check goes on
     try:
@@ -974,9 +975,10 @@ REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a director
                      "the candidate (and a perturbation run, beside it) judges each iteration as the reference "
                      "finishes it, and the next overwrites what the verdict does not read again; CPU ranks, online "
                      "and in lock-step; a failing check runs the reference again whole, on the disk under --out, "
-                     "for its replay), or auto (the default: memory where the plan's reference bytes fit half the "
-                     "memory available (--reference-memory) and the check keeps no traces; else stream where its "
-                     "peak fits and nothing refuses it; else disk)")
+                     "for its replay), or auto (the default, where the check keeps no traces: stream where nothing "
+                     "refuses it, its peak fits half the memory available (--reference-memory) and held whole it "
+                     "would take 1 GiB or more; else memory where the plan's reference bytes fit; else stream where "
+                     "its peak fits; else disk)")
 REFERENCE_MEMORY_HELP = ("the most a reference held in memory may take, e.g. 40GB (default: half the memory available "
                          "as the check starts), within /dev/shm's free space: auto holds it whole, streams it or writes "
                          "it to the disk by it, and memory and stream are refused above it")

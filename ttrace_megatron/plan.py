@@ -228,6 +228,14 @@ MEMORY_SHARE = 0.5
 # ``--reference-in``: where a pair's reference is written (stream: in memory, one iteration at a time)
 AUTO, MEMORY, DISK, STREAM = "auto", "memory", "disk", "stream"
 REFERENCE_IN = (AUTO, MEMORY, DISK, STREAM)
+# from this size held whole on, ``auto`` streams a reference that may stream, even where it would fit
+# held: streamed, it writes each iteration's overwritable bytes into the last one's pages and holds
+# about half as much. On the 2-core development VM (issue #35, 3 alternated rounds a size, gpt_tp2_sp
+# fp32) held and streamed checks took as long at 14.5 MB and 0.54 GB held whole (each within ±15 %
+# of the other, either way), streamed was faster in 2 of 3 rounds at 1.6 GB (4.3-4.5 s against
+# 4.3-4.8), and at the 50M rung (4.0 GB) streamed took 9.4-9.7 s against 12.6-14.5 held. Below it
+# holding keeps a failing check's replay from running the reference again.
+STREAM_FROM_BYTES = 1 << 30
 
 
 def memory_available() -> Optional[int]:
@@ -268,24 +276,27 @@ def check_reference_in(mode: str, online: bool) -> None:
 def reference_placement(mode: str, held: int, streamed: int, room: Optional[int], online: bool,
                         stream_refused: str = "") -> str:
     """Where a check writes its reference (:data:`MEMORY`, :data:`STREAM` or :data:`DISK`): as asked
-    (``memory`` and ``stream`` are refused at the run where they do not fit); ``auto``: held whole in
-    memory where it fits (``held`` bytes within ``room``), else streamed to the candidate one
-    iteration at a time where that fits (``streamed``: its peak) and nothing refuses it
-    (``stream_refused``: why not), else the disk; always the disk where the check keeps its traces
-    (not ``online``: with ``--keep-traces`` both sides stay there, for ``ttrace compare`` to read
-    again).
+    (``memory`` and ``stream`` are refused at the run where they do not fit); ``auto``: streamed to
+    the candidate one iteration at a time where nothing refuses it (``stream_refused``: why not), its
+    peak (``streamed``) fits ``room`` and held whole it would take :data:`STREAM_FROM_BYTES` or more
+    (``held``); else held whole in memory where that fits; else streamed where its peak fits and
+    nothing refuses it; else the disk. Always the disk where the check keeps its traces (not
+    ``online``: with ``--keep-traces`` both sides stay there, for ``ttrace compare`` to read again).
 
-    Why stream only where holding does not fit: streamed, the two sides take turns an iteration at a
-    time and the check took as long as held (50M rung, BENCHMARKS.md, issue #35), but a failing
-    check runs its reference again, whole, for the replay."""
+    Why a small reference is held even where it could stream: below :data:`STREAM_FROM_BYTES` the
+    two ways took as long, and a failing streamed check runs its reference again, whole, for the
+    replay."""
     check_reference_in(mode, online)
     if mode != AUTO:
         return mode
     if not online or room is None:
         return DISK
+    can_stream = not stream_refused and streamed <= room
+    if can_stream and held >= STREAM_FROM_BYTES:
+        return STREAM
     if held <= room:
         return MEMORY
-    return STREAM if not stream_refused and streamed <= room else DISK
+    return STREAM if can_stream else DISK
 
 
 def memory_refusal_text(name: str, need: int, room: Optional[int], mode: str = MEMORY,
