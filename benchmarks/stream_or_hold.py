@@ -7,8 +7,11 @@ megatron-core, then the check with its reference held whole (``--reference-in me
 streamed (``--reference-in stream``), the sizes and rounds alternated. Each check's seconds are its
 sides' and compare's (``timings_s``; the run's start-up and plan are the same either way), divided by
 the plain training right before it. The plan's bytes held whole and streamed name each size.
+Then the rung once with a bug injected (``FAILING``), held whole and streamed: a failing streamed
+check runs its reference again, up to the failing iteration, for the replay; the two reports'
+every tensor entry and culprits must be identical.
 
-    python benchmarks/stream_or_hold.py --rounds 3 --jsonl results/stream_or_hold_COMMIT_MACHINE.jsonl \\
+    python benchmarks/stream_or_hold.py --cpu --rounds 3 --jsonl results/stream_or_hold_COMMIT_MACHINE.jsonl \\
         --out results/stream_or_hold_COMMIT_MACHINE.md
 """
 
@@ -17,8 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-import subprocess
 import sys
 import tempfile
 
@@ -29,6 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if "--cpu" in sys.argv[1:]:  # (the plan's model too, under the CPU shims: hidden before anything initializes CUDA)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
+from cost_table import _commit, _cpu_model  # noqa: E402
 from margins import recipe as shipped_recipe  # noqa: E402
 from online_bytes import check, plain  # noqa: E402
 
@@ -51,13 +53,17 @@ def planned_bytes(wide) -> dict:
             for mode in (core.MEMORY, core.STREAM)}
 
 
-def measure(rounds: int, cpu: bool, workdir, jsonl) -> list:
+def measure(rounds: int, cpu: bool, workdir, jsonl, planned: dict) -> list:
+    import torch
+
+    where = {"commit": _commit(), "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), torch {torch.__version__}, gloo"}
     rows = []
     for k in range(rounds):
         for name, wide in SIZES.items():
             with tempfile.TemporaryDirectory(dir=workdir, prefix="ttrace-stream-or-hold-") as tmp:
                 trained = plain(RECIPE, "fp32", 1, wide or False, tmp, cpu)["seconds"]
-                row = {"size": name, "round": k, "trained_s": round(sum(trained.values()), 2)}
+                row = dict(where, size=name, round=k, trained_s=round(sum(trained.values()), 2),
+                           held_bytes=planned[name]["memory"], streamed_bytes=planned[name]["stream"])
                 for mode in MODES:
                     run = check(RECIPE, "fp32", 1, wide or False, "online", None, tmp, cpu, reference_in=mode)
                     if run["verdict"] != "pass" or run["reference_went"] != mode:
@@ -72,17 +78,59 @@ def measure(rounds: int, cpu: bool, workdir, jsonl) -> list:
     return rows
 
 
-def table(rows: list, planned: dict, header: str) -> str:
+# a bug at the rung: a failing streamed check runs its reference again, up to the failing iteration, for the replay
+FAILING = "row_allreduce_dropped:decoder.layers.5.mlp.linear_fc2"
+
+
+def failing(cpu: bool, workdir, jsonl) -> dict:
+    """The 50M rung's check with ``FAILING`` injected, its reference held whole and streamed: every
+    seconds part, and whether the two reports judge every tensor alike and name the same culprits."""
+    import torch
+
+    reports, row = {}, {"size": "failing", "inject": FAILING, "commit": _commit(),
+                        "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), torch {torch.__version__}, gloo"}
+    for mode in MODES:
+        with tempfile.TemporaryDirectory(dir=workdir, prefix="ttrace-stream-or-hold-") as tmp:
+            run = check(RECIPE, "fp32", 1, True, "online", FAILING, tmp, cpu, reference_in=mode)
+            with open(os.path.join(tmp, "report.json")) as f:
+                reports[mode] = json.load(f)
+        row[mode] = round(sum(run["timings_s"].values()), 2)
+        row[mode + "_timings_s"], row[mode + "_verdict"], row[mode + "_culprit"] = \
+            run["timings_s"], run["verdict"], run["culprit"]
+    tensors = [sorted(json.dumps(t, sort_keys=True) for t in reports[m]["tensors"]) for m in MODES]
+    row.update(same_tensors=tensors[0] == tensors[1], tensors=len(tensors[0]),
+               same_culprits=reports[MODES[0]].get("culprits") == reports[MODES[1]].get("culprits"))
+    if jsonl:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def table(rows: list) -> str:
+    rounds = max([r["round"] for r in rows if "round" in r] or [0]) + 1
+    header = (f"commit {rows[0]['commit']}; machine: {rows[0]['machine']}; {RECIPE}, fp32, 3 iterations; {rounds} rounds, "
+              "sizes and checks alternated; seconds: each check's sides and compare (timings_s), against the two "
+              "layouts trained right before it; one run of benchmarks/stream_or_hold.py")
     lines = [header, "", "| reference | held whole | streamed peak | trained | held whole: check | streamed: check | "
              "streamed ÷ held |", "|---|---|---|---|---|---|---|"]
     for name in SIZES:
         runs = [r for r in rows if r["size"] == name]
+        if not runs:
+            continue
         each = lambda xs, f=".2f": " / ".join(format(x, f) for x in xs)  # noqa: E731
-        lines.append(f"| {name} | {planned[name]['memory'] / 1e9:.2f} GB | {planned[name]['stream'] / 1e9:.2f} GB | "
+        lines.append(f"| {name} | {runs[0]['held_bytes'] / 1e9:.2f} GB | {runs[0]['streamed_bytes'] / 1e9:.2f} GB | "
                      f"{each([r['trained_s'] for r in runs])} s | {each([r['memory'] for r in runs])} s "
                      f"({each([r['memory'] / r['trained_s'] for r in runs])}×) | "
                      f"{each([r['stream'] for r in runs])} s ({each([r['stream'] / r['trained_s'] for r in runs])}×) | "
                      f"{each([r['stream'] / r['memory'] for r in runs])} |")
+    for r in (r for r in rows if r["size"] == "failing"):
+        parts = lambda m: ", ".join(f"{k} {v}" for k, v in r[m + "_timings_s"].items())  # noqa: E731
+        lines.append(f"\nthe 50M rung with `{r['inject']}` injected: held whole {r['memory']} s ({parts('memory')}), "
+                     f"streamed {r['stream']} s ({parts('stream')}); {r['memory_verdict']} and {r['stream_verdict']}, "
+                     f"culprit {r['memory_culprit']} and {r['stream_culprit']}; the {r['tensors']} tensors' entries "
+                     f"{'identical' if r['same_tensors'] else 'DIFFERENT'}, the culprits "
+                     f"{'identical' if r['same_culprits'] else 'DIFFERENT'}")
     return "\n".join(lines) + "\n"
 
 
@@ -93,17 +141,16 @@ def main():
     parser.add_argument("--dir", help="where each round's scratch goes (default: a temporary directory)")
     parser.add_argument("--jsonl", help="each round's figures, appended")
     parser.add_argument("--out", help="the Markdown table")
+    parser.add_argument("--table", help="only print the table of this JSONL file (and write it to --out)")
     args = parser.parse_args()
-    import torch
-
-    commit = subprocess.run(["git", "-C", REPO, "rev-parse", "--short=7", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()
-    planned = {name: planned_bytes(wide) for name, wide in SIZES.items()}
-    rows = measure(args.rounds, args.cpu, args.dir, args.jsonl)
-    header = (f"commit {commit}; machine: {os.cpu_count()} CPU cores ({platform.machine()}), torch {torch.__version__}, "
-              f"gloo; {RECIPE}, fp32, 3 iterations; {args.rounds} rounds, sizes and checks alternated; seconds: "
-              "each check's sides and compare (timings_s), against the two layouts trained right before it")
-    text = table(rows, planned, header)
+    if args.table:
+        with open(args.table) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+    else:
+        planned = {name: planned_bytes(wide) for name, wide in SIZES.items()}
+        rows = measure(args.rounds, args.cpu, args.dir, args.jsonl, planned)
+        rows.append(failing(args.cpu, args.dir, args.jsonl))
+    text = table(rows)
     print(text)
     if args.out:
         with open(args.out, "w") as f:

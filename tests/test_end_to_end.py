@@ -807,7 +807,10 @@ def test_a_streamed_reference_gives_the_verdict_of_one_held_whole(tmp_path, inje
         assert reports["stream"]["culprits"][0]["module"] == "decoder.layers.1.mlp.linear_fc2"
         # again whole, on the disk where a failing check keeps its reference (held whole, it may not fit memory)
         assert reports["stream"]["reference"] == str(tmp_path / "stream" / "reference")
-        assert (tmp_path / "stream" / "reference" / "rank-00000" / "manifest.json").exists()
+        manifest = json.loads((tmp_path / "stream" / "reference" / "rank-00000" / "manifest.json").read_text())
+        # up to the failing iteration, of the recipe's 3: the replay reads nothing after it
+        assert manifest["complete"] and reports["stream"]["first_mismatch"]["iteration"] == 1
+        assert max(r["key"]["iteration"] for r in manifest["records"]) == 1
 
 
 def test_a_streamed_reference_is_streamed_again_to_the_perturbation_run(tmp_path):

@@ -368,15 +368,16 @@ def _localize_failure(report: dict, iteration: int, out: str, args, console: Con
     failing ``iteration``, and the culprits it names (into ``report``). Streamed, the reference's
     overwritten tensors are gone: it runs again, whole (it is deterministic), on the disk under
     --out, where a failing check keeps its reference (held whole, it may not fit the memory it could
-    take: where auto streamed it, it did not), and the replay steps with that one."""
+    take: where auto streamed it, it did not), and the replay steps with that one. It trains up to
+    the failing iteration: the replay reads nothing after it."""
     from .adapter.run.runner import CANDIDATE, REFERENCE
 
     if streamed:
         ref_dir = os.path.join(out, "reference")
         shutil.rmtree(ref_dir, ignore_errors=True)
-        console.print(f"the reference again, whole, for the replay (streamed, it kept only what the verdict "
-                      f"reads) → {ref_dir}")
-        timed("reference again", run_side, REFERENCE, ref_dir, **ref_trace)
+        console.print(f"the reference again, whole, up to iteration {iteration}, for the replay (streamed, it kept "
+                      f"only what the verdict reads) → {ref_dir}")
+        timed("reference again", run_side, REFERENCE, ref_dir, **dict(ref_trace, until=iteration))
         report["reference"] = os.path.abspath(ref_dir)
         lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
     replay_dir = os.path.join(out, "replay")

@@ -61,7 +61,11 @@ class RunSpec:
     @property
     def last_iteration(self) -> Optional[int]:
         """Where this run may stop: a localization replay records one failing iteration, and what it
-        would train after it is never looked at (None: the recipe's every iteration)."""
+        would train after it is never looked at; so does the reference run again for it
+        (``TraceOptions.until``). None: the recipe's every iteration. (The learning-rate schedule
+        is the recipe's either way: a run stopped early trains its iterations as the whole run does.)"""
+        if self.trace.until is not None:
+            return self.trace.until
         if self.trace.replay and self.trace.iterations:
             return max(self.trace.iterations)
         return None

@@ -63,6 +63,9 @@ class TraceOptions:
     # streamed: the reader number of this run's rank 0 among the reference's readers (a perturbation
     # run streamed beside the candidate reads after the candidate's ranks)
     stream_reader: int = 0
+    # train no further than this iteration (None: the recipe's every one): a streamed reference run
+    # again for a failing check's replay, which reads nothing of the iterations after the failing one
+    until: Optional[int] = None
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
