@@ -46,6 +46,7 @@ CHECK_COST = "check_cost"  # online_bytes.py --plain rows: a whole check, online
 COMPARE_SCALE = "compare_scale"  # compare_at_scale.py rows: compare's throughput and peak at the 50M rung
 COMPARE_PARTS = "compare_parts"  # compare_parts.py rows: each part of compare on one core, against memory bandwidth
 COSTS_TABLE = "costs_table"  # costs.py's Markdown: its first table (one run), shown as it is
+AS_IS = "as_is"  # a Markdown result of any columns (stream_or_hold.py's): its table and what follows it, shown as they are
 
 GOAL_MARGIN = 10.0
 CPU = "CPU (2-core Xeon, gloo)"
@@ -159,6 +160,10 @@ CURRENT: Tuple[Source, ...] = (
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
+    Source("where `--reference-in auto` streams a reference that would fit held whole (plan.STREAM_FROM_BYTES, "
+           "1 GiB): each size's check held whole and streamed, alternated, against the two layouts trained right "
+           "before it, and a failing check at the 50M rung both ways; one run of `benchmarks/stream_or_hold.py`",
+           AS_IS, ("stream_or_hold_300df75_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
            "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
@@ -726,6 +731,15 @@ def summary() -> str:
                        + " | ".join(_g(d["worst"].get(k)) for k in LADDER_KINDS) + " |")
     out += ["", "### Costs", ""]
     for s in costs:
+        if s.kind == AS_IS:
+            lines = open(_path(s.files[0]), encoding="utf-8").read().splitlines()
+            out += [f"- {s.population} ({_files(s)}; {machine_of(s.files[0])}; {lines[0].strip()}):", ""]
+            for line in lines[1:]:
+                if line.strip() or out[-1]:  # (one blank line between the table and what follows it)
+                    out.append(f"  {line}" if line.strip() else "")
+            if out[-1]:
+                out.append("")
+            continue
         if s.kind == COSTS_TABLE:
             table = markdown_tables(_path(s.files[0]))[0]
             first = open(_path(s.files[0]), encoding="utf-8").readline().strip()

@@ -230,11 +230,11 @@ AUTO, MEMORY, DISK, STREAM = "auto", "memory", "disk", "stream"
 REFERENCE_IN = (AUTO, MEMORY, DISK, STREAM)
 # from this size held whole on, ``auto`` streams a reference that may stream, even where it would fit
 # held: streamed, it writes each iteration's overwritable bytes into the last one's pages and holds
-# about half as much. On the 2-core development VM (issue #35, 3 alternated rounds a size, gpt_tp2_sp
-# fp32) held and streamed checks took as long at 14.5 MB and 0.54 GB held whole (each within ±15 %
-# of the other, either way), streamed was faster in 2 of 3 rounds at 1.6 GB (4.3-4.5 s against
-# 4.3-4.8), and at the 50M rung (4.0 GB) streamed took 9.4-9.7 s against 12.6-14.5 held. Below it
-# holding keeps a failing check's replay from running the reference again.
+# about half as much. On the 2-core development VM (issue #35, benchmarks/stream_or_hold.py at 300df75:
+# gpt_tp2_sp fp32, 3 alternated rounds a size) a streamed check took 1.01-1.25× the held one's time at
+# 14.5 MB held whole, 1.10-1.13× at 0.54 GB, 0.91-1.04× at 1.63 GB and 0.75-0.83× at the 50M rung
+# (4.04 GB). Below it, holding also spares a failing check the reference run again for its replay
+# (up to the failing iteration: at the rung, 22.4 s streamed against 20.1 held).
 STREAM_FROM_BYTES = 1 << 30
 
 
