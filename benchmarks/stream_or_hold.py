@@ -7,9 +7,10 @@ megatron-core, then the check with its reference held whole (``--reference-in me
 streamed (``--reference-in stream``), the sizes and rounds alternated. Each check's seconds are its
 sides' and compare's (``timings_s``; the run's start-up and plan are the same either way), divided by
 the plain training right before it. The plan's bytes held whole and streamed name each size.
-Then the rung once with a bug injected (``FAILING``), held whole and streamed: a failing streamed
-check runs its reference again, up to the failing iteration, for the replay; the two reports'
-every tensor entry and culprits must be identical.
+Then the rung once each way with a bug injected (``FAILING``): a failing streamed check runs its
+reference again, up to the failing iteration, for the replay; and once each way in bf16, where a
+perturbation run reads the streamed reference beside the candidate, and the fp32 twin follows. The
+two reports' every tensor entry (the twin's too) and culprits must be identical.
 
     python benchmarks/stream_or_hold.py --cpu --rounds 3 --jsonl results/stream_or_hold_COMMIT_MACHINE.jsonl \\
         --out results/stream_or_hold_COMMIT_MACHINE.md
@@ -80,25 +81,37 @@ def measure(rounds: int, cpu: bool, workdir, jsonl, planned: dict) -> list:
 
 # a bug at the rung: a failing streamed check runs its reference again, up to the failing iteration, for the replay
 FAILING = "row_allreduce_dropped:decoder.layers.5.mlp.linear_fc2"
+# the rung's checks held whole and streamed, once each: (label, dtype, injected bug)
+AT_THE_RUNG = (("failing", "fp32", FAILING),
+               # bf16: its perturbation run reads a streamed reference beside the candidate; its fp32 twin follows
+               ("bf16", "bf16", None))
 
 
-def failing(cpu: bool, workdir, jsonl) -> dict:
-    """The 50M rung's check with ``FAILING`` injected, its reference held whole and streamed: every
-    seconds part, and whether the two reports judge every tensor alike and name the same culprits."""
+def at_the_rung(label: str, dtype: str, inject, cpu: bool, workdir, jsonl) -> dict:
+    """The 50M rung's check in ``dtype`` (``inject`` injected, or clean), its reference held whole and
+    streamed: every seconds part (a twin's too), and whether the two reports judge every tensor alike
+    (the twin's too) and name the same culprits."""
     import torch
 
-    reports, row = {}, {"size": "failing", "inject": FAILING, "commit": _commit(),
+    reports, row = {}, {"size": label, "dtype": dtype, "inject": inject, "commit": _commit(),
                         "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), torch {torch.__version__}, gloo"}
     for mode in MODES:
         with tempfile.TemporaryDirectory(dir=workdir, prefix="ttrace-stream-or-hold-") as tmp:
-            run = check(RECIPE, "fp32", 1, True, "online", FAILING, tmp, cpu, reference_in=mode)
+            run = check(RECIPE, dtype, 1, True, "online", inject, tmp, cpu, reference_in=mode)
             with open(os.path.join(tmp, "report.json")) as f:
                 reports[mode] = json.load(f)
-        row[mode] = round(sum(run["timings_s"].values()), 2)
+        twin = reports[mode].get("fp32_twin") or {}
+        row[mode] = round(sum(run["timings_s"].values()) + sum((twin.get("timings_s") or {}).values()), 2)
         row[mode + "_timings_s"], row[mode + "_verdict"], row[mode + "_culprit"] = \
             run["timings_s"], run["verdict"], run["culprit"]
-    tensors = [sorted(json.dumps(t, sort_keys=True) for t in reports[m]["tensors"]) for m in MODES]
-    row.update(same_tensors=tensors[0] == tensors[1], tensors=len(tensors[0]),
+        if twin:
+            row[mode + "_twin_timings_s"], row[mode + "_twin_verdict"] = twin.get("timings_s"), twin["verdict"]
+
+    def entries(report: dict) -> list:
+        return sorted(json.dumps(t, sort_keys=True) for t in report["tensors"] + (report.get("fp32_twin") or {}).get(
+            "tensors", []))
+    row.update(same_tensors=entries(reports[MODES[0]]) == entries(reports[MODES[1]]),
+               tensors=len(entries(reports[MODES[0]])),
                same_culprits=reports[MODES[0]].get("culprits") == reports[MODES[1]].get("culprits"))
     if jsonl:
         with open(jsonl, "a") as f:
@@ -124,12 +137,18 @@ def table(rows: list) -> str:
                      f"({each([r['memory'] / r['trained_s'] for r in runs])}×) | "
                      f"{each([r['stream'] for r in runs])} s ({each([r['stream'] / r['trained_s'] for r in runs])}×) | "
                      f"{each([r['stream'] / r['memory'] for r in runs])} |")
-    for r in (r for r in rows if r["size"] == "failing"):
-        parts = lambda m: ", ".join(f"{k} {v}" for k, v in r[m + "_timings_s"].items())  # noqa: E731
-        lines.append(f"\nthe 50M rung with `{r['inject']}` injected: held whole {r['memory']} s ({parts('memory')}), "
-                     f"streamed {r['stream']} s ({parts('stream')}); {r['memory_verdict']} and {r['stream_verdict']}, "
-                     f"culprit {r['memory_culprit']} and {r['stream_culprit']}; the {r['tensors']} tensors' entries "
-                     f"{'identical' if r['same_tensors'] else 'DIFFERENT'}, the culprits "
+    for r in (r for r in rows if "inject" in r):
+        def parts(mode: str) -> str:
+            twin = r.get(mode + "_twin_timings_s")
+            return ", ".join(f"{k} {v}" for k, v in r[mode + "_timings_s"].items()) + (
+                f"; its fp32 twin: " + ", ".join(f"{k} {v}" for k, v in twin.items()) if twin else "")
+        what = f"with `{r['inject']}` injected" if r["inject"] else "clean"
+        twins = (f" (twins {r['memory_twin_verdict']} and {r['stream_twin_verdict']})"
+                 if r.get("memory_twin_verdict") else "")
+        lines.append(f"\nthe 50M rung in {r['dtype']}, {what}: held whole {r['memory']} s ({parts('memory')}), "
+                     f"streamed {r['stream']} s ({parts('stream')}); {r['memory_verdict']} and {r['stream_verdict']}"
+                     f"{twins}, culprit {r['memory_culprit']} and {r['stream_culprit']}; the {r['tensors']} tensors' "
+                     f"entries {'identical' if r['same_tensors'] else 'DIFFERENT'}, the culprits "
                      f"{'identical' if r['same_culprits'] else 'DIFFERENT'}")
     return "\n".join(lines) + "\n"
 
@@ -149,7 +168,7 @@ def main():
     else:
         planned = {name: planned_bytes(wide) for name, wide in SIZES.items()}
         rows = measure(args.rounds, args.cpu, args.dir, args.jsonl, planned)
-        rows.append(failing(args.cpu, args.dir, args.jsonl))
+        rows += [at_the_rung(*case, args.cpu, args.dir, args.jsonl) for case in AT_THE_RUNG]
     text = table(rows)
     print(text)
     if args.out:

@@ -166,7 +166,14 @@ CURRENT: Tuple[Source, ...] = (
            AS_IS, ("stream_or_hold_300df75_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
-           "on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
+           "on the Zen 5 VM, in a slow phase of it (the held check's candidate 3.8-4.8 s over its training, against "
+           "2.4-3.2 at 15b3cf7). The default check (--reference-in auto) streams its reference here (from 1 GiB held "
+           "whole, 9a42e38); the held and disk checks beside it, each check divided by the plain training right "
+           "before it; three repeats",
+           COSTS_TABLE, ("cost_table_0379030_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 15b3cf7, the session before, in a faster phase (issue #35's goals; each measure beside "
+           "it, and where this 2-core machine cannot reach a goal, the floor of the part that keeps it there), one run "
+           "of `benchmarks/cost_table.py`, on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
            "training right before it, and the reference's recording by the time to write its bytes as the tracer "
            "now writes them, into two files at once (09ff700); where the machine's cores went (b2c5976); what the "
            "reference's bytes cost written into memory the check already holds (1da0cb4); the check with its "

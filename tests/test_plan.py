@@ -77,6 +77,8 @@ def test_a_reference_held_in_memory_takes_no_disk_and_is_planned_as_memory():
     assert place("auto", large, large // 2, 4 * large, online=True) == core.STREAM  # (it would fit held)
     assert place("auto", large - 1, large // 2, 4 * large, online=True) == core.MEMORY
     assert place("auto", large, large // 2, 4 * large, online=True, stream_refused="a GPU") == core.MEMORY
+    assert place("auto", large, large // 2, 4 * large, online=True, perturbed=True) == core.MEMORY
+    assert place("auto", large, large // 2, large - 1, online=True, perturbed=True) == core.STREAM  # (held: no room)
     assert place("auto", large, large // 2, large // 2 - 1, online=True) == core.DISK  # (nor its peak)
     assert place("auto", large, large // 2, 4 * large, online=False) == core.DISK
     assert place("auto", 11, 4, 10, online=True) == core.STREAM
@@ -442,7 +444,8 @@ def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it
 def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_held(tmp_path):
     """At the scale ladder's 50M rung (8 layers, hidden 512, vocabulary 32768: 4.0 GB held whole) the
     default check streams its reference where nothing refuses it, and holds it whole where something
-    does; under the size, gpt_tp2_sp as shipped is held (the test above)."""
+    does or a perturbation run would read it too; under the size, gpt_tp2_sp as shipped is held (the
+    test above)."""
     import yaml
 
     raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
@@ -458,6 +461,9 @@ def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_
         pytest.skip(f"no room in {core.MEMORY_ROOT} for this reference held whole here")
     assert _plan_json(recipe, "--cpu", "--reference-memory", room)["streamed"] == ["reference"]
     planned = _plan_json(recipe, "--cpu", "--reference-memory", room, "--stream-refused", "on GPUs")
+    assert planned["in_memory"] == ["reference"] and planned["streamed"] == []
+    # with a perturbation run beside the candidate (bf16's default), held: three runs would share the cores
+    planned = _plan_json(recipe, "--cpu", "--reference-memory", room, "--perturb")
     assert planned["in_memory"] == ["reference"] and planned["streamed"] == []
 
 

@@ -658,7 +658,7 @@ def _plan_of(recipe, args, keep: bool, shape=None, room: Optional[int] = None):
     the model on the meta device, with megatron's parallel state of one rank), its reference in
     memory or on the disk as ``--reference-in`` and ``room`` (what memory it may take) decide."""
     from . import plan as core
-    from .adapter.run.plan import Selection, check_plan
+    from .adapter.run.plan import PERTURBED, Selection, check_plan
 
     lockstep = not getattr(args, "no_lockstep", False)
     selection = Selection(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
@@ -670,8 +670,9 @@ def _plan_of(recipe, args, keep: bool, shape=None, room: Optional[int] = None):
 
     held, streamed = plan(core.MEMORY), plan(core.STREAM)
     refused = getattr(args, "stream_refused", "") or _stream_refusal(args)
+    perturbed = any(side.name.endswith(PERTURBED) for side in held.sides)
     where = core.reference_placement(getattr(args, "reference_in", core.AUTO), held.memory_needed(),
-                                     streamed.memory_needed(), room, args.online, refused)
+                                     streamed.memory_needed(), room, args.online, refused, perturbed)
     return {core.MEMORY: held, core.STREAM: streamed}.get(where) or plan(core.DISK)
 
 
@@ -977,9 +978,9 @@ REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a director
                      "finishes it, and the next overwrites what the verdict does not read again; CPU ranks, online "
                      "and in lock-step; a failing check runs the reference again whole, on the disk under --out, "
                      "for its replay), or auto (the default, where the check keeps no traces: stream where nothing "
-                     "refuses it, its peak fits half the memory available (--reference-memory) and held whole it "
-                     "would take 1 GiB or more; else memory where the plan's reference bytes fit; else stream where "
-                     "its peak fits; else disk)")
+                     "refuses it, its peak fits half the memory available (--reference-memory), held whole it "
+                     "would take 1 GiB or more and no perturbation run would read it too; else memory where the "
+                     "plan's reference bytes fit; else stream where its peak fits; else disk)")
 REFERENCE_MEMORY_HELP = ("the most a reference held in memory may take, e.g. 40GB (default: half the memory available "
                          "as the check starts), within /dev/shm's free space: auto holds it whole, streams it or writes "
                          "it to the disk by it, and memory and stream are refused above it")

@@ -274,25 +274,28 @@ def check_reference_in(mode: str, online: bool) -> None:
 
 
 def reference_placement(mode: str, held: int, streamed: int, room: Optional[int], online: bool,
-                        stream_refused: str = "") -> str:
+                        stream_refused: str = "", perturbed: bool = False) -> str:
     """Where a check writes its reference (:data:`MEMORY`, :data:`STREAM` or :data:`DISK`): as asked
     (``memory`` and ``stream`` are refused at the run where they do not fit); ``auto``: streamed to
     the candidate one iteration at a time where nothing refuses it (``stream_refused``: why not), its
-    peak (``streamed``) fits ``room`` and held whole it would take :data:`STREAM_FROM_BYTES` or more
-    (``held``); else held whole in memory where that fits; else streamed where its peak fits and
-    nothing refuses it; else the disk. Always the disk where the check keeps its traces (not
-    ``online``: with ``--keep-traces`` both sides stay there, for ``ttrace compare`` to read again).
+    peak (``streamed``) fits ``room``, held whole it would take :data:`STREAM_FROM_BYTES` or more
+    (``held``) and no perturbation run would read it beside the candidate (``perturbed``); else held
+    whole in memory where that fits; else streamed where its peak fits and nothing refuses it; else
+    the disk. Always the disk where the check keeps its traces (not ``online``: with
+    ``--keep-traces`` both sides stay there, for ``ttrace compare`` to read again).
 
     Why a small reference is held even where it could stream: below :data:`STREAM_FROM_BYTES` the
-    two ways took as long, and a failing streamed check runs its reference again, whole, for the
-    replay."""
+    two ways took as long, and a failing streamed check runs its reference again for the replay.
+    Why one with a perturbation run: the reference, the candidate's ranks and the perturbation run
+    then share the cores at once (the 50M rung in bf16 on the 2-core development VM: its pair took
+    26.4 s streamed and 18.6 held, stream_or_hold.py)."""
     check_reference_in(mode, online)
     if mode != AUTO:
         return mode
     if not online or room is None:
         return DISK
     can_stream = not stream_refused and streamed <= room
-    if can_stream and held >= STREAM_FROM_BYTES:
+    if can_stream and held >= STREAM_FROM_BYTES and not perturbed:
         return STREAM
     if held <= room:
         return MEMORY
