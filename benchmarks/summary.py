@@ -163,6 +163,8 @@ CURRENT: Tuple[Source, ...] = (
     Source("where `--reference-in auto` streams a reference that would fit held whole (plan.STREAM_FROM_BYTES, "
            "1 GiB): each size's check held whole and streamed, alternated, against the two layouts trained right "
            "before it, and a failing check at the 50M rung both ways; one run of `benchmarks/stream_or_hold.py`",
+           AS_IS, ("stream_or_hold_f95fe25_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at 300df75, half an hour before, without the rung in bf16",
            AS_IS, ("stream_or_hold_300df75_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
