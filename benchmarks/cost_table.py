@@ -5,8 +5,9 @@ check costs where its tensors are large (``margins.WIDE``: gpt_tp2_sp, 8 layers,
 vocabulary 32768, TP2 + SP, 3 iterations, fp32), in one process, one part after the other:
 
 1. the two layouts trained by plain megatron-core (no tracer attached; ``online_bytes.plain``);
-2. the default check (online, lock-step, the reference where ``--reference-in auto`` puts it),
-   then again with ``--reference-in disk``: the wall time over (1), and each part's;
+2. the default check (online, lock-step, the reference where ``--reference-in auto`` puts it: streamed at
+   this rung), then again with ``--reference-in memory`` (held whole) and ``--reference-in disk``:
+   the wall time over (1), and each part's;
 3. a recorded check (``--keep-traces``), then its traces compared in a fresh process from the page
    cache on one process and on every core: throughput against memory bandwidth (measured here),
    peak memory against the largest tensor;
@@ -82,8 +83,8 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int, stream
     before it (this VM's timings move by 10-20 % from one check to the next, and by 1.4× between its
     phases: a table at 8dd6c98 divided both repeats by one plain training of 5.9 s, where the others
     took 5.0-5.2). Right before each check, the reference's bytes are written alone where that check
-    puts them (:func:`write_at_size`): the time to write them, in the state the machine is in for
-    that check. (``streamed_bytes``: the reference's peak streamed, for where auto puts it.)"""
+    puts them (:func:`write_at_size`; a streamed reference's peak, ``streamed_bytes``): the time to
+    write them, in the state the machine is in for that check."""
     from ttrace_megatron import plan as core
     from ttrace_megatron.adapter.run.launch import cpu_ranks
 
@@ -98,10 +99,10 @@ def whole_checks(tmp: str, repeats: int, cpu: bool, reference_bytes: int, stream
             work = os.path.join(tmp, f"{where}-{k}")
             os.makedirs(work)
             # where ``ttrace run`` will put this reference (plan.reference_placement, as the run decides it)
-            held = core.reference_placement(where, reference_bytes, streamed_bytes, core.memory_room(),
-                                            True, refused) != core.DISK
+            placed = core.reference_placement(where, reference_bytes, streamed_bytes, core.memory_room(), True, refused)
+            held = placed != core.DISK
             place = core.MEMORY_ROOT if held else work
-            written = write_at_size(place, reference_bytes)
+            written = write_at_size(place, reference_bytes if placed != core.STREAM else streamed_bytes)
             # the same bytes into memory already held, and freed (the reference held whole only)
             into_held = held_write(place, reference_bytes) if where == core.MEMORY else None
             row = check(RECIPE, "fp32", 1, True, "online", None, work, cpu, reference_in=where)

@@ -98,6 +98,8 @@ def at_the_rung(label: str, dtype: str, inject, cpu: bool, workdir, jsonl) -> di
     for mode in MODES:
         with tempfile.TemporaryDirectory(dir=workdir, prefix="ttrace-stream-or-hold-") as tmp:
             run = check(RECIPE, dtype, 1, True, "online", inject, tmp, cpu, reference_in=mode)
+            if run["reference_went"] != mode:
+                raise SystemExit(f"the rung, {label}, --reference-in {mode}: the reference went {run['reference_went']}")
             with open(os.path.join(tmp, "report.json")) as f:
                 reports[mode] = json.load(f)
         twin = reports[mode].get("fp32_twin") or {}
@@ -121,8 +123,10 @@ def at_the_rung(label: str, dtype: str, inject, cpu: bool, workdir, jsonl) -> di
 
 
 def table(rows: list) -> str:
+    if not rows:
+        raise SystemExit("no rows to tabulate")
     rounds = max([r["round"] for r in rows if "round" in r] or [0]) + 1
-    header = (f"commit {rows[0]['commit']}; machine: {rows[0]['machine']}; {RECIPE}, fp32, 3 iterations; {rounds} rounds, "
+    header = (f"commit {rows[0]['commit']}; machine: {rows[0]['machine']}; {RECIPE}, 3 iterations; by size in fp32, {rounds} rounds, "
               "sizes and checks alternated; seconds: each check's sides and compare (timings_s), against the two "
               "layouts trained right before it; one run of benchmarks/stream_or_hold.py")
     lines = [header, "", "| reference | held whole | streamed peak | trained | held whole: check | streamed: check | "
@@ -145,7 +149,7 @@ def table(rows: list) -> str:
         what = f"with `{r['inject']}` injected" if r["inject"] else "clean"
         twins = (f" (twins {r['memory_twin_verdict']} and {r['stream_twin_verdict']})"
                  if r.get("memory_twin_verdict") else "")
-        lines.append(f"\nthe 50M rung in {r['dtype']}, {what}: held whole {r['memory']} s ({parts('memory')}), "
+        lines.append(f"\nthe 50M rung in {r.get('dtype', 'fp32')}, {what}: held whole {r['memory']} s ({parts('memory')}), "
                      f"streamed {r['stream']} s ({parts('stream')}); {r['memory_verdict']} and {r['stream_verdict']}"
                      f"{twins}, culprit {r['memory_culprit']} and {r['stream_culprit']}; the {r['tensors']} tensors' "
                      f"entries {'identical' if r['same_tensors'] else 'DIFFERENT'}, the culprits "

@@ -805,7 +805,7 @@ def test_a_streamed_reference_gives_the_verdict_of_one_held_whole(tmp_path, inje
     assert ("reference again" in reports["stream"]["timings_s"]) == bool(inject)
     if inject:
         assert reports["stream"]["culprits"][0]["module"] == "decoder.layers.1.mlp.linear_fc2"
-        # again whole, on the disk where a failing check keeps its reference (held whole, it may not fit memory)
+        # again, in memory where held whole it fits (here), then moved under --out as a failing held one is
         assert reports["stream"]["reference"] == str(tmp_path / "stream" / "reference")
         manifest = json.loads((tmp_path / "stream" / "reference" / "rank-00000" / "manifest.json").read_text())
         # up to the failing iteration, of the recipe's 3: the replay reads nothing after it
@@ -862,6 +862,35 @@ def test_auto_streams_a_reference_that_held_whole_would_not_fit(tmp_path):
     assert _judged(reports["auto"]) == _judged(reports["memory"])
 
 
+def test_a_failing_streamed_check_without_disk_for_its_reference_again_is_not_localized(tmp_path, monkeypatch):
+    """auto streamed the reference because held whole it would not fit the memory it may take: the
+    replay's reference runs again on the disk, and where the disk has filled since the check was
+    planned, the check is not localized, says why, and its verdict stands."""
+    from ttrace_megatron import cli
+    from ttrace_megatron import plan as core
+
+    recipe = os.path.join(RECIPES, "gpt_tp2_sp.yaml")
+    proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "plan", recipe, "--json", "-", "--no-fp32-twin",
+                           "--cpu"] + ["--reference-in", "stream"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    planned = json.loads(proc.stdout)
+    held = max(s["total"] for s in planned["sides"] if s["name"] == "reference")
+    checked = cli._check_disk
+
+    def then_full(*args, **kwargs):  # the disk fills once the check is planned
+        result = checked(*args, **kwargs)
+        monkeypatch.setattr(core, "free_bytes", lambda path: 0)
+        return result
+    monkeypatch.setattr(cli, "_check_disk", then_full)
+    path = tmp_path / "report.json"
+    assert cli.main(["run", recipe, "--out", str(tmp_path / "out"), "--json", str(path), "--quiet", "--cpu",
+                     "--no-fp32-twin", "--reference-memory", str((planned["memory_needed"] + held) // 2),
+                     "--inject", "row_allreduce_dropped:decoder.layers.1.mlp.linear_fc2"]) == 1
+    report = json.loads(path.read_text())
+    assert report["reference_in"] == "stream" and report["verdict"] == "fail" and not report.get("culprits")
+    assert "only 0 B are free under" in report["not_localized"] and "reference again" not in report["timings_s"]
+
+
 def test_the_default_check_streams_a_reference_of_a_gigabyte_or_more(tmp_path, capsys):
     """At the scale ladder's 50M rung (8 layers, hidden 512, vocabulary 32768: 4.0 GB held whole) the
     default check streams its reference where it would fit held, says why, and passes."""
@@ -880,7 +909,7 @@ def test_the_default_check_streams_a_reference_of_a_gigabyte_or_more(tmp_path, c
     path = tmp_path / "report.json"
     assert main(["run", str(recipe), "--out", str(tmp_path / "out"), "--json", str(path), "--cpu"]) == 0
     said = capsys.readouterr().out
-    assert "the reference streamed (--reference-in auto): held whole it would take about 4.0 GB, from 1.1 GB on" \
+    assert "the reference streamed (--reference-in auto): held whole it would take about 4.0 GB, from 1 GiB on" \
         in " ".join(said.split())
     report = json.loads(path.read_text())
     assert report["reference_in"] == "stream" and report["verdict"] == "pass"

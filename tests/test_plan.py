@@ -441,6 +441,22 @@ def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it
     assert _plan_json(recipe, "--cpu", "--reference-memory", "1kB")["in_memory"] == []
 
 
+# where ``ttrace run``'s plan puts the reference (cli._plan_of) for each set of plan flags, given the memory it
+# may take: in a process of its own (the plan holds megatron's parallel state), whatever this machine's memory
+PLACED = """
+import json, sys
+from ttrace_megatron import cli
+from ttrace_megatron.recipe import load_recipe
+recipe, room = load_recipe(sys.argv[1]), int(sys.argv[2])
+placed = []
+for flags in json.loads(sys.argv[3]):
+    args = cli.build_parser().parse_args(["plan", sys.argv[1], *flags])
+    chosen = cli._plan_of(recipe, args, keep=False, room=room)
+    placed.append([list(chosen.in_memory), list(chosen.streamed)])
+print(json.dumps(placed))
+"""
+
+
 def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_held(tmp_path):
     """At the scale ladder's 50M rung (8 layers, hidden 512, vocabulary 32768: 4.0 GB held whole) the
     default check streams its reference where nothing refuses it, and holds it whole where something
@@ -456,15 +472,24 @@ def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_
     held = _plan_json(recipe, "--reference-in", "memory")
     streamed = _plan_json(recipe, "--reference-in", "stream")
     assert held["memory_needed"] >= core.STREAM_FROM_BYTES and streamed["memory_needed"] < held["memory_needed"]
-    room = str(2 * held["memory_needed"])  # (room to hold it whole, wherever this runs)
-    if (core.memory_room(limit=2 * held["memory_needed"]) or 0) < 2 * held["memory_needed"]:
-        pytest.skip(f"no room in {core.MEMORY_ROOT} for this reference held whole here")
-    assert _plan_json(recipe, "--cpu", "--reference-memory", room)["streamed"] == ["reference"]
-    planned = _plan_json(recipe, "--cpu", "--reference-memory", room, "--stream-refused", "on GPUs")
-    assert planned["in_memory"] == ["reference"] and planned["streamed"] == []
-    # with a perturbation run beside the candidate (bf16's default), held: three runs would share the cores
-    planned = _plan_json(recipe, "--cpu", "--reference-memory", room, "--perturb")
-    assert planned["in_memory"] == ["reference"] and planned["streamed"] == []
+    flags = [["--cpu"], ["--cpu", "--stream-refused", "on GPUs"], ["--cpu", "--perturb"],
+             ["--cpu", "--reference-in", "memory"]]
+    proc = subprocess.run([sys.executable, "-c", PLACED, recipe, str(2 * held["memory_needed"]), json.dumps(flags)],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # room to hold it whole: streamed all the same; held where streaming is refused, beside a perturbation run
+    # (a bf16 recipe's by default: three runs would share the cores), or asked
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
+        [["reference"], ["reference"]], [["reference"], []], [["reference"], []], [["reference"], []]]
+
+
+def test_ttrace_run_says_why_auto_streams():
+    said = cli._auto_streams({"memory_room": 8 * 10 ** 9, "memory_needed": 1_900_000_000}, 4 * 10 ** 9)
+    assert said == ("the reference streamed (--reference-in auto): held whole it would take about 4.0 GB, from 1 GiB "
+                    "on, streamed writes over its pages and takes as long or less; one iteration at a time, at most "
+                    "1.9 GB")
+    assert "about 4.0 GB, more than the 3.0 GB it may take here;" in cli._auto_streams(
+        {"memory_room": 3 * 10 ** 9, "memory_needed": 1_950_000_000}, 4 * 10 ** 9)
 
 
 def test_judging_time_is_planned_per_side_from_the_measured_rates():

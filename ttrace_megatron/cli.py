@@ -142,13 +142,14 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         raise RecipeError(f"the fp32 twin of this recipe cannot run: {e} (--no-fp32-twin leaves the twin out)") \
             from None
     planned = _check_disk(recipe, out, args, console)
-    if planned and planned.get("streamed") and getattr(args, "reference_in", core.AUTO) == core.AUTO:
-        args.reference_in = core.STREAM
-        whole = max(s["total"] for s in planned["sides"] if s["name"] in planned["streamed"])
-        why = (f"more than the {core.human(planned['memory_room'])} it may take here" if whole > planned["memory_room"]
-               else f"from {core.human(core.STREAM_FROM_BYTES)} on, streamed writes over its pages and takes as long or less")
-        console.print(f"the reference streamed (--reference-in auto): held whole it would take about {core.human(whole)}, "
-                      f"{why}; one iteration at a time, at most {core.human(planned['memory_needed'])}", highlight=False)
+    if planned and planned.get("streamed"):
+        # a failing check runs its reference again for the replay: held whole in memory where it fits
+        # there, else on the disk where that has room (``_localize_failure``)
+        args.reference_whole = max(s["total"] for s in planned["sides"] if s["name"] in planned["streamed"])
+        args.again_in_memory = planned["memory_room"] is not None and args.reference_whole <= planned["memory_room"]
+        if getattr(args, "reference_in", core.AUTO) == core.AUTO:
+            args.reference_in = core.STREAM
+            console.print(_auto_streams(planned, args.reference_whole), highlight=False)
     scratch = _memory_scratch(planned, args)
     removals: List[threading.Thread] = []  # in-memory references being removed while the check goes on
     try:
@@ -262,8 +263,11 @@ def _let_go_reference(report: dict, ref_dir: str, pair_out: str, args, console: 
     if ref_dir == os.path.join(pair_out, "reference") or not os.path.isdir(ref_dir):
         return
     kept = os.path.join(pair_out, "reference")
-    # (a streamed check's replay ran the reference again, whole, into ``kept``: that one is kept)
-    if report.get("verdict") == "fail" and getattr(args, "out", None) and report.get("reference") != \
+    # a streamed reference that did not run again for a replay (it passed, or was not localized) kept
+    # only what the verdict reads: removed, not kept. (One that ran again into ``kept``, on the disk,
+    # is kept there; one that ran again in memory, here, is kept as a held one is.)
+    partial = report.get("reference_in") == core.STREAM and "reference again" not in (report.get("timings_s") or {})
+    if report.get("verdict") == "fail" and getattr(args, "out", None) and not partial and report.get("reference") != \
             os.path.abspath(kept):
         size = core.measured_bytes(ref_dir)
         free = core.free_bytes(pair_out)
@@ -366,17 +370,30 @@ def _localize_failure(report: dict, iteration: int, out: str, args, console: Con
                       ref_dir: str, ref_trace: dict, lockstep: dict, streamed: bool, quiet: bool) -> None:
     """A failing check's replay: the candidate again, every module on the reference's inputs of the
     failing ``iteration``, and the culprits it names (into ``report``). Streamed, the reference's
-    overwritten tensors are gone: it runs again, whole (it is deterministic), on the disk under
-    --out, where a failing check keeps its reference (held whole, it may not fit the memory it could
-    take: where auto streamed it, it did not), and the replay steps with that one. It trains up to
-    the failing iteration: the replay reads nothing after it."""
+    overwritten tensors are gone: it runs again (it is deterministic), up to the failing iteration
+    (the replay reads nothing after it), and the replay steps with that one: held whole in memory,
+    where the streamed one was, if held whole the plan's reference fits the memory it may take
+    (``args.again_in_memory``: a failing check's is then moved under --out where the disk has room,
+    as a held one's); else on the disk under --out, where the disk has room for it (without room
+    the check is not localized, and says why)."""
+    from . import plan as core
     from .adapter.run.runner import CANDIDATE, REFERENCE
 
     if streamed:
-        ref_dir = os.path.join(out, "reference")
-        shutil.rmtree(ref_dir, ignore_errors=True)
-        console.print(f"the reference again, whole, up to iteration {iteration}, for the replay (streamed, it kept "
-                      f"only what the verdict reads) → {ref_dir}")
+        shutil.rmtree(ref_dir, ignore_errors=True)  # (compared: what it kept is read no more)
+        if not getattr(args, "again_in_memory", False):
+            ref_dir = os.path.join(out, "reference")
+            shutil.rmtree(ref_dir, ignore_errors=True)
+            whole, free = getattr(args, "reference_whole", None), core.free_bytes(out)
+            if whole is not None and not core.fits(whole, free):
+                report["not_localized"] = (f"the replay needs the streamed reference again, up to iteration {iteration} "
+                                           f"(at most {core.human(whole)}), and only {core.human(free)} are free "
+                                           f"under {out}")
+                console.print(f"[yellow]not localized: {report['not_localized']}[/]", highlight=False)
+                report["reference_removed"] = True
+                return
+        console.print(f"the reference again, up to iteration {iteration}, for the replay (streamed, it kept only what "
+                      f"the verdict reads) → {ref_dir}")
         timed("reference again", run_side, REFERENCE, ref_dir, **dict(ref_trace, until=iteration))
         report["reference"] = os.path.abspath(ref_dir)
         lockstep = {} if args.no_lockstep else dict(lockstep=ref_dir)
@@ -648,6 +665,20 @@ def cmd_compare(args, console: Console) -> int:
 
         write_html(report, args.html)
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
+
+
+def _auto_streams(planned: dict, whole: int) -> str:
+    """What ``ttrace run`` says where ``--reference-in auto`` streams the reference (``whole``: its
+    bytes held whole), and why: held whole it would not fit, or it is large enough that streaming
+    takes as long or less (``plan.STREAM_FROM_BYTES``)."""
+    from . import plan as core
+
+    room = planned["memory_room"]
+    why = (f"more than the {core.human(room)} it may take here" if room is None or whole > room
+           else f"from {core.STREAM_FROM_BYTES / 2 ** 30:g} GiB on, streamed writes over its pages and takes as long "
+                "or less")
+    return (f"the reference streamed (--reference-in auto): held whole it would take about {core.human(whole)}, "
+            f"{why}; one iteration at a time, at most {core.human(planned['memory_needed'])}")
 
 
 PLAN_FLAGS = ("no_fp32_twin", "perturb", "no_lockstep")  # run's switches that change what a check writes (and --keep-traces)

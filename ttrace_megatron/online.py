@@ -606,8 +606,10 @@ def online_reference_of(candidate_dir: str, cand_run: dict) -> str:
         run = read_json(os.path.join(beside, RUN_FILE), rank=None)
         if isinstance(run, dict) and run.get("run_id") == wanted:
             return beside
-    raise TraceError(f"its online reference {named} is gone (a check that held it in memory removed it once judged; "
-                     "the check's report.json holds the verdict)", path=run_path)
+    raise TraceError(f"its online reference {named} is gone (a check that held it in memory or streamed it removed "
+                     "it once judged; a failing streamed check's reference under --out is the reference run again, up "
+                     "to the failing iteration, a run of its own; the check's report.json holds the verdict)",
+                     path=run_path)
 
 
 def combine_online(candidate_dir: str, reference_dir: Optional[str] = None, *,

@@ -422,8 +422,11 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
                  + (f" (all sides kept with --out: {human(plan.all_bytes())})" if plan.all_bytes() != plan.disk_needed()
                     else ""))
     if plan.in_memory:
-        lines.append(f"held in memory ({MEMORY_ROOT}, each removed once its pair is judged; a failing check's moved "
-                     f"under --out where it fits): {', '.join(plan.in_memory)}, at most {human(plan.memory_needed())}"
+        kept = ("a failing check's run again for its replay, up to the failing iteration: in memory where held whole it "
+                "fits, then moved under --out where that fits, else under --out" if plan.streamed
+                else "a failing check's moved under --out where it fits")
+        lines.append(f"held in memory ({MEMORY_ROOT}, each removed once its pair is judged; {kept}): "
+                     f"{', '.join(plan.in_memory)}, at most {human(plan.memory_needed())}"
                      + ("" if memory_room is None else f" of the {human(memory_room)} it may take here"
                         + ("" if plan.memory_needed() <= memory_room else " — NOT ENOUGH (ttrace run refuses it)")))
     if plan.streamed:

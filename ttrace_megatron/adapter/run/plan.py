@@ -341,7 +341,8 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
                      "upper bound: the first steps of a dynamic scaler usually skip)")
     notes.append("a failing check also writes a replay of the candidate's failing iteration (at most one "
                  "iteration of what the candidate records with --keep-traces)"
-                 + ("; streamed, its reference again, whole, under --out first" if reference_in == core.STREAM else ""))
+                 + ("; streamed, its reference again, up to the failing iteration, first (in memory where held whole "
+                    "it fits there, else under --out)" if reference_in == core.STREAM else ""))
     in_memory = tuple(s.name for s in sides if s.name.endswith(REFERENCE)) if reference_in != core.DISK else ()
     return core.Plan(recipe.name, sides, seed, peak, notes, in_memory,
                      streamed=in_memory if reference_in == core.STREAM else ())
