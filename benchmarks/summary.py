@@ -163,9 +163,10 @@ CURRENT: Tuple[Source, ...] = (
     Source("where `--reference-in auto` streams a reference that would fit held whole (plan.STREAM_FROM_BYTES, "
            "1 GiB): each size's check held whole and streamed, alternated, against the two layouts trained right "
            "before it, and a failing check at the 50M rung both ways; one run of `benchmarks/stream_or_hold.py`",
+           AS_IS, ("stream_or_hold_14b6181_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at f95fe25, half an hour before, in a slower phase of the VM (fresh memory dear: the held "
+           "check at the rung 12.6-13.7 s against 10.8-11.4), a failing check's reference run again on the disk",
            AS_IS, ("stream_or_hold_f95fe25_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
-    Source("the same at 300df75, half an hour before, without the rung in bf16",
-           AS_IS, ("stream_or_hold_300df75_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
            "on the Zen 5 VM, in a slow phase of it (the held check's candidate 3.8-4.8 s over its training, against "

@@ -486,7 +486,7 @@ def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_
 def test_ttrace_run_says_why_auto_streams():
     said = cli._auto_streams({"memory_room": 8 * 10 ** 9, "memory_needed": 1_900_000_000}, 4 * 10 ** 9)
     assert said == ("the reference streamed (--reference-in auto): held whole it would take about 4.0 GB, from 1 GiB "
-                    "on, streamed writes over its pages and takes as long or less; one iteration at a time, at most "
+                    "on, streamed writes over its pages and takes about as long or less; one iteration at a time, at most "
                     "1.9 GB")
     assert "about 4.0 GB, more than the 3.0 GB it may take here;" in cli._auto_streams(
         {"memory_room": 3 * 10 ** 9, "memory_needed": 1_950_000_000}, 4 * 10 ** 9)

@@ -670,13 +670,13 @@ def cmd_compare(args, console: Console) -> int:
 def _auto_streams(planned: dict, whole: int) -> str:
     """What ``ttrace run`` says where ``--reference-in auto`` streams the reference (``whole``: its
     bytes held whole), and why: held whole it would not fit, or it is large enough that streaming
-    takes as long or less (``plan.STREAM_FROM_BYTES``)."""
+    takes about as long or less (``plan.STREAM_FROM_BYTES``)."""
     from . import plan as core
 
     room = planned["memory_room"]
     why = (f"more than the {core.human(room)} it may take here" if room is None or whole > room
-           else f"from {core.STREAM_FROM_BYTES / 2 ** 30:g} GiB on, streamed writes over its pages and takes as long "
-                "or less")
+           else f"from {core.STREAM_FROM_BYTES / 2 ** 30:g} GiB on, streamed writes over its pages and takes about as "
+                "long or less")
     return (f"the reference streamed (--reference-in auto): held whole it would take about {core.human(whole)}, "
             f"{why}; one iteration at a time, at most {core.human(planned['memory_needed'])}")
 

@@ -230,11 +230,12 @@ AUTO, MEMORY, DISK, STREAM = "auto", "memory", "disk", "stream"
 REFERENCE_IN = (AUTO, MEMORY, DISK, STREAM)
 # from this size held whole on, ``auto`` streams a reference that may stream, even where it would fit
 # held: streamed, it writes each iteration's overwritable bytes into the last one's pages and holds
-# about half as much. On the 2-core development VM (issue #35, benchmarks/stream_or_hold.py at f95fe25:
-# gpt_tp2_sp fp32, 3 alternated rounds a size) a streamed check took 1.06-1.23× the held one's time at
-# 14.5 MB held whole, 0.97-1.11× at 0.54 GB, 0.89-1.04× at 1.63 GB and 0.73-0.82× at the 50M rung
-# (4.04 GB). Below it, holding also spares a failing check the reference run again for its replay
-# (up to the failing iteration: at the rung, 21.5 s streamed against 21.2 held).
+# about half as much. On the 2-core development VM (issue #35, benchmarks/stream_or_hold.py: gpt_tp2_sp
+# fp32, 3 alternated rounds a size, two runs) a streamed check took 0.73-0.82× the held one's time at
+# the 50M rung (4.04 GB held whole) where fresh memory was dear (f95fe25) and 0.90-1.04× where it was
+# not (14b6181); 0.89-1.13× at 1.63 GB, 0.92-1.11× at 0.54 GB, 0.66-1.23× at 14.5 MB. Below it,
+# holding also spares a failing check the reference run again for its replay (at the rung, 19.4 s
+# streamed against 17.4 held at 14b6181).
 STREAM_FROM_BYTES = 1 << 30
 
 
@@ -288,7 +289,7 @@ def reference_placement(mode: str, held: int, streamed: int, room: Optional[int]
     two ways took as long, and a failing streamed check runs its reference again for the replay.
     Why one with a perturbation run: the reference, the candidate's ranks and the perturbation run
     then share the cores at once (the 50M rung in bf16 on the 2-core development VM: its pair took
-    24.2 s streamed and 19.3 held, stream_or_hold.py at f95fe25)."""
+    24.2 s streamed and 19.3 held at f95fe25, 21.6 and 18.3 at 14b6181; stream_or_hold.py)."""
     check_reference_in(mode, online)
     if mode != AUTO:
         return mode
