@@ -169,10 +169,13 @@ CURRENT: Tuple[Source, ...] = (
            AS_IS, ("stream_or_hold_f95fe25_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the cost table at the 50M rung (issue #35's goals; each measure beside it, and where this 2-core machine "
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
-           "on the Zen 5 VM, in a slow phase of it (the held check's candidate 3.8-4.8 s over its training, against "
-           "2.4-3.2 at 15b3cf7). The default check (--reference-in auto) streams its reference here (from 1 GiB held "
+           "on the Zen 5 VM. The default check (--reference-in auto) streams its reference here (from 1 GiB held "
            "whole, 9a42e38); the held and disk checks beside it, each check divided by the plain training right "
-           "before it; three repeats",
+           "before it; three repeats, in a faster phase than 0379030's below (the held check's candidate 2.8-3.2 s "
+           "over its training)",
+           COSTS_TABLE, ("cost_table_ad1acad_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 0379030, an hour before, in a slow phase (the held check's candidate 3.8-4.8 s over "
+           "its training): the default (streamed) 2.22 / 1.83 / 2.21×, held 2.54 / 2.45 / 2.65×; three repeats",
            COSTS_TABLE, ("cost_table_0379030_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 15b3cf7, the session before, in a faster phase (issue #35's goals; each measure beside "
            "it, and where this 2-core machine cannot reach a goal, the floor of the part that keeps it there), one run "
