@@ -351,7 +351,6 @@ def _against_floor(fl: dict, workers: int, seconds: float) -> str:
             f"the plan's, on {workers} process{'es' if workers > 1 else ''})")
 
 
-STREAMED = "stream"  # a report's reference_in where its reference was streamed
 CHECK_NAMES = {"auto": "the default check", "memory": "the check with its reference held whole",
                "disk": "the check with its reference on the disk"}
 
@@ -360,6 +359,8 @@ def whole_row(where: str, runs: list, trained) -> tuple:
     """One check's wall time against the two layouts trained right before it, by part: each side's
     own where they ran one after the other, the two together where the reference was streamed (its
     sides take turns an iteration at a time)."""
+    from ttrace_megatron.plan import STREAM as STREAMED  # (a report's reference_in where it was streamed)
+
     went = runs[0].get("reference_went") or ("memory" if runs[0]["reference_in_memory"] else "disk")
     how = {STREAMED: "streamed (in memory, one iteration at a time, the two sides taking turns)",
            "memory": "held whole in memory", "disk": "on the disk"}[went]
@@ -409,6 +410,8 @@ def floor_rows(held: list, fl: dict, floor: float, trained) -> list:
 def table(m: dict) -> list:
     """The rows: (measure, value, ratio, goal). Each check against the plain training right before
     it (tables before 2026-11-29: against one, before all)."""
+    from ttrace_megatron import plan as core
+
     first = m["whole"]["trained_s"]
 
     def trained(r: dict) -> dict:
@@ -420,7 +423,7 @@ def table(m: dict) -> list:
         rows.append(whole_row(where, runs, trained))
         if where != "disk" and all(r.get("core_seconds") and r.get("trained_core_seconds") for r in runs):
             rows.append(cores_row(runs, CHECK_NAMES[where]))
-        if runs[0].get("reference_went") == STREAMED:  # (its sides overlap: no recording of its own to time)
+        if runs[0].get("reference_went") == core.STREAM:  # (its sides overlap: no recording of its own to time)
             continue
         went = "memory" if runs[0]["reference_in_memory"] else "disk"
         extra = [r["timings_s"]["reference"] - trained(r)["reference"] for r in runs]

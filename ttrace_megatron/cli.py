@@ -1007,8 +1007,8 @@ REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a director
                      "check's moved under --out), disk (under --out), stream (in memory, one iteration at a time: "
                      "the candidate (and a perturbation run, beside it) judges each iteration as the reference "
                      "finishes it, and the next overwrites what the verdict does not read again; CPU ranks, online "
-                     "and in lock-step; a failing check runs the reference again whole, on the disk under --out, "
-                     "for its replay), or auto (the default, where the check keeps no traces: stream where nothing "
+                     "and in lock-step; a failing check runs the reference again, up to the failing iteration, for "
+                     "its replay: in memory where held whole it fits, else on the disk under --out), or auto (the default, where the check keeps no traces: stream where nothing "
                      "refuses it, its peak fits half the memory available (--reference-memory), held whole it "
                      "would take 1 GiB or more and no perturbation run would read it too; else memory where the "
                      "plan's reference bytes fit; else stream where its peak fits; else disk)")
