@@ -66,7 +66,7 @@ def tree_bytes(path: str) -> int:
 
 
 def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optional[str], tmp: str,
-          cpu: bool = False, reference_io: str = "page-cache", reference_in: str = "auto", extra=()) -> dict:
+          cpu: bool = False, reference_io: str = "page-cache", reference_in: str = "auto") -> dict:
     import yaml
 
     from ttrace_megatron.cli import main
@@ -77,7 +77,7 @@ def check(name: str, dtype: str, seed: int, wide: bool, mode: str, inject: Optio
         yaml.safe_dump(r.to_json(), f)
     out, report_path = os.path.join(tmp, "out"), os.path.join(tmp, "report.json")
     argv = ["run", path, "--out", out, "--json", report_path, "--quiet", "--reference-in", reference_in] + MODES[mode] + (
-        ["--inject", inject] if inject else []) + (["--cpu"] if cpu else []) + list(extra)
+        ["--inject", inject] if inject else []) + (["--cpu"] if cpu else [])
     start, before = time.monotonic(), core_seconds()
     with open(os.path.join(tmp, "terminal.txt"), "w") as terminal, contextlib.redirect_stdout(terminal), \
             _reference_io(reference_io):

@@ -58,6 +58,8 @@ H200 = "NVIDIA H200"
 H100 = "NVIDIA H100"
 # result files named *_h100host: gloo on the 16-core Xeon host of the H100 machine, its GPU unused
 H100_HOST = "CPU (the H100 machine's 16-core Xeon host, gloo)"
+# result files named *_h200host: gloo on the 16-core Xeon host of the H200 machine, its GPU unused
+H200_HOST = "CPU (the H200 machine's 16-core Xeon host, gloo)"
 LADDER_KINDS = ("forward", "dgrad", "wgrad", "main grad", "grad norm", "norm terms", "clip", "moments",
                 "update", "loss", "routing")
 # Clean recipes that fail on stock megatron-core because of a live megatron bug (each an entry of
@@ -177,6 +179,17 @@ CURRENT: Tuple[Source, ...] = (
     Source("the same table at 0379030, an hour before, in a slow phase (the held check's candidate 3.8-4.8 s over "
            "its training): the default (streamed) 2.22 / 1.83 / 2.21×, held 2.54 / 2.45 / 2.65×; three repeats",
            COSTS_TABLE, ("cost_table_0379030_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the table at f3ab4bd on the H200 machine's 16-core host, every core (gloo, the GPU hidden: one GPU "
+           "cannot hold the TP2 candidate), this session's first device call: the default check streams its "
+           "reference there too; with 16 cores the two layouts train in 4.5-4.8 s, and the check's judging, on "
+           "one thread a rank at this Xeon's slower rates (the element-wise Adam check 1.1 GB/s), keeps it at "
+           "2.8-2.9×; two repeats", COSTS_TABLE, ("cost_table_f3ab4bd_h200host.md",),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("an online rank's element-wise Adam checks on 4 threads beside its training (23979f8, reverted in the "
+           "next commit: no faster), against on its training thread, at the 50M rung on the H200 machine's 16-core "
+           "host, the two alternated; held whole 1.02-1.05× the own-thread check's time, streamed 0.93-0.95×, a "
+           "failing held check 1.14×; every tensor entry identical", AS_IS, ("judge_threads_23979f8_h200host.md",),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 15b3cf7, the session before, in a faster phase (issue #35's goals; each measure beside "
            "it, and where this 2-core machine cannot reach a goal, the floor of the part that keeps it there), one run "
            "of `benchmarks/cost_table.py`, on a Zen 5 VM of this kind (the tables below it ran on Zen 3 ones). Each check is divided by the plain "
@@ -313,7 +326,7 @@ def commit_of(name: str) -> str:
 def machine_of(name: str) -> str:
     stem = os.path.splitext(name)[0]
     return H200 if stem.endswith("_h200") else H100 if stem.endswith("_h100") else \
-        H100_HOST if stem.endswith("_h100host") else EPYC if stem.endswith("_epyc") else \
+        H100_HOST if stem.endswith("_h100host") else H200_HOST if stem.endswith("_h200host") else EPYC if stem.endswith("_epyc") else \
         EPYC_ZEN5 if stem.endswith("_zen5") else CPU
 
 

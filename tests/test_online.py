@@ -224,39 +224,6 @@ def test_cli_run_online(tmp_path):
                                                                       online_reference_id="another"))
 
 
-@pytest.mark.parametrize("inject", [(), ("adam_step_doubled_on_rank_1",)])
-def test_judging_threads_give_the_verdicts_of_the_training_thread(runs, inject):
-    """Each rank's element-wise Adam checks run on threads beside its training where it has cores
-    to spare (online.judge_threads_for); on 2 of them or on its own thread, every entry of every
-    rank's results is the same, bit for bit: the updated values' checks and everything else the
-    rank judged (the training it observes is unchanged by them)."""
-    import json
-
-    from ttrace_megatron.online import ONLINE_FILE
-
-    recipe = load("gpt_dp2_distopt")
-    ref = os.path.join(runs.reference(recipe), "reference")
-    results = {}
-    for threads in (0, 2):
-        _, cand = runs.candidate(recipe, inject=inject, name=f"judged-on-{threads}", reference=ref,
-                                 judge_threads=threads)
-        results[threads] = [json.loads(open(os.path.join(cand, f"rank-{r:05d}", ONLINE_FILE)).read())["entries"]
-                            for r in range(recipe.world_size)]
-    assert results[0] == results[2]
-    checked = [e for rank in results[2] for e in rank if e.get("update_ratio") is not None]
-    assert len(checked) >= 2 * 3 * 3  # every step's matrices on both ranks, at least
-    assert (max(e["update_ratio"] for e in checked) > 1) == bool(inject)
-
-
-def test_judge_threads_for_a_ranks_cores():
-    """One core: none (a thread beside the training only takes turns with it); else those beyond the
-    first, at most JUDGE_THREADS_MAX."""
-    from ttrace_megatron.online import JUDGE_THREADS_MAX, judge_threads_for
-
-    assert [judge_threads_for(n) for n in (1, 2, 3)] == [0, 1, 2]
-    assert judge_threads_for(64) == JUDGE_THREADS_MAX
-
-
 def test_a_steps_moments_are_given_back_once_its_values_are_judged(tmp_path):
     """An online rank holds a parameter's moments only until every updated value the reference
     recorded of its step is judged (here: the value, then its two moments, the recorder's order),

@@ -460,8 +460,7 @@ def _side_runner(recipe, out: str, args, console: Console, seed: Optional[str] =
         if os.path.exists(seed):
             os.remove(seed)  # the reference writes it anew: a kept --out may hold another recipe's weights
         console.print(f"[bold]{recipe.name}[/]: {recipe.description or recipe.source}")
-    selective = dict(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches,
-                     judge_threads=getattr(args, "judge_threads", None))
+    selective = dict(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
 
     def spec(role, trace_dir, inject=(), **trace):
         return RunSpec(recipe=recipes[role], role=role, cpu=args.cpu, inject=list(inject), megatron=trees[role],
@@ -1080,10 +1079,6 @@ def _add_run_arguments(run: argparse.ArgumentParser) -> None:
     run.add_argument("--workers", type=int, metavar="N",
                      help="compare on this many processes (default: the cores this process may use); the verdict is the same "
                           "bit for bit")
-    run.add_argument("--judge-threads", type=int, metavar="N",
-                     help="online: each candidate rank runs its element-wise Adam checks on N threads beside its training "
-                          "(default: the cores the rank has beyond one, at most 4; 0: on its training thread); the verdict "
-                          "is the same bit for bit")
 
 
 def build_parser() -> argparse.ArgumentParser:

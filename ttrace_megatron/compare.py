@@ -1262,24 +1262,13 @@ class UpdateCheck:
         """The element-wise verdict on an updated value (the whole tensor, or one rank's piece of it
         with the same elements of each operand: ``online``), with the step's lr, step count and the
         group's ε read from the reference; (None, what is missing) when it cannot be judged."""
-        judge, detail = self.element_wise_later(key, cand_param, ref_param, cand_moments, ref_moments, param_dtype,
-                                                previous=previous, weight_decay=weight_decay, missing=missing)
-        return (None if judge is None else judge()), detail
-
-    def element_wise_later(self, key: TensorKey, cand_param: torch.Tensor, ref_param: torch.Tensor, cand_moments,
-                           ref_moments, param_dtype: str, *, previous=None, weight_decay: float = 0.0,
-                           missing: Sequence[str] = ()) -> Tuple[Optional[Callable[[], UpdateVerdict]], str]:
-        """:meth:`element_wise` in two parts: the step's settings read now, from the reference (on
-        the calling thread: a trace reader is not shared between threads), and the check itself as a
-        call of the operands alone, which may run on another thread (an online rank's judging
-        threads); (None, what is missing) when it cannot be judged."""
         missing = (["moments"] if any(m is None for m in (*cand_moments, *ref_moments)) else []) + list(missing)
         settings, detail = self.settings(key, missing)
         if settings is None:
             return None, detail
         rule, lr, step = settings
-        return functools.partial(judge_adam_update, rule, lr, step, param_dtype, cand_param, ref_param, cand_moments,
-                                 ref_moments, k=self.k, previous=previous, weight_decay=weight_decay), detail
+        return judge_adam_update(rule, lr, step, param_dtype, cand_param, ref_param, cand_moments, ref_moments,
+                                 k=self.k, previous=previous, weight_decay=weight_decay), detail
 
     def settings(self, key: TensorKey, missing: Sequence[str] = ()
                  ) -> Tuple[Optional[Tuple[AdamRule, float, float]], str]:

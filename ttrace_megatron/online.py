@@ -25,8 +25,6 @@ Knows nothing about megatron.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
 import dataclasses
 import json
 import math
@@ -61,32 +59,13 @@ _RANK_DIR = "rank-{:05d}"
 
 _VALUES, _JUDGED = "values", "judged"  # a held step's updated values waiting for its moments; how many were judged
 
-# the most threads a rank judges element-wise Adam checks on beside its training (judge_threads_for)
-JUDGE_THREADS_MAX = 4
-
-
-def judge_threads_for(cores: int) -> int:
-    """How many threads a rank with ``cores`` cores of its own runs its element-wise Adam checks on
-    beside its training: those beyond its first, at most :data:`JUDGE_THREADS_MAX`; none on one core,
-    where a thread beside the training would only take turns with it.
-
-    Why: the check is the largest part of a rank's judging (float64, ~27 passes over each chunk:
-    the 50M rung's floor on one thread of a 16-core Xeon, 1.7 s of a rank's 3.1), and on the training
-    thread it adds to the step's time while the rank's other cores idle. Its operands are host
-    copies already (the pool's), so it can run beside the training; its verdict is the same bit for
-    bit on any thread (element-wise, and the largest ratio: no sum whose order could change)."""
-    return max(0, min(JUDGE_THREADS_MAX, cores - 1))
-
 
 class OnlineComparer:
     """A recording sink with the :class:`~ttrace_megatron.trace_store.TraceWriter` interface
     (``active``, ``add``, ``flush``, ``close``) that keeps verdict sums instead of tensors."""
 
     def __init__(self, reference_dir: str, trace_dir: str, rank: int, coords: Coords, *, lockstep: bool = False,
-                 world_size: int = 1, mapped: bool = False, streamed: bool = False, reader: Optional[int] = None,
-                 judge_threads: int = 0):
-        """``judge_threads``: run the element-wise Adam checks on this many threads beside the run
-        (:func:`judge_threads_for`); 0: on the recording thread, as each step's pieces are whole."""
+                 world_size: int = 1, mapped: bool = False, streamed: bool = False, reader: Optional[int] = None):
         keep_freed_memory()  # this rank judges chunk by chunk as it trains (allocator's docstring)
         # streamed: the reference is written one iteration at a time beside this run (trace_store.Turns):
         # each iteration is read once whole, and let go at this rank's flush of it
@@ -129,13 +108,6 @@ class OnlineComparer:
         self._scores: Dict[TensorKey, Tuple[torch.Tensor, torch.Tensor]] = {}
         self._reclip = Reclip(self.reference, self._reference_groups)
         self._pool = BufferPool()  # what a step holds until judged, in memory held before (streaming.BufferPool)
-        # element-wise checks running beside the run, oldest first: (future, entry index, detail, the
-        # buffers to give back once it is done); applied, and their buffers given back, on this thread
-        self._judges = (concurrent.futures.ThreadPoolExecutor(judge_threads, thread_name_prefix="ttrace-judge")
-                        if judge_threads > 0 else None)
-        self._judging: collections.deque = collections.deque()
-        # checks waiting at most (each holds its value's two pieces): beyond, the run waits for the oldest
-        self._judging_max = 2 * judge_threads
         self._grad: tuple = (None, None, None, None)  # (main grad key, layout, shape, this rank's piece)
         self._clips: Dict[int, float] = {}
         self.coords = {k: (int(v[0]), int(v[1])) for k, v in coords.items()}
@@ -231,16 +203,13 @@ class OnlineComparer:
         else:
             step[_VALUES].append((index, *piece))
         if keys.EXP_AVG in step and keys.EXP_AVG_SQ in step:
-            values, step[_VALUES] = step[_VALUES], []
-            step[_JUDGED] += len(values)
-            whole = step[_JUDGED] >= self._values_of.get(slot, math.inf)  # every value of the step judged
-            if whole:
-                self._steps.pop(slot)
-            moments = (*step[keys.EXP_AVG][:2], *step[keys.EXP_AVG_SQ][:2])
-            for i, (index, value, ref_value, _) in enumerate(values):
-                # the moments go back with the step's last check (checks are applied in order)
-                give = (value, ref_value, *(moments if whole and i == len(values) - 1 else ()))
-                self._judge_update(index, (value, ref_value), step[keys.EXP_AVG], step[keys.EXP_AVG_SQ], give)
+            for index, value, ref_value, _ in step[_VALUES]:
+                self._judge_update(index, (value, ref_value), step[keys.EXP_AVG], step[keys.EXP_AVG_SQ])
+                self._pool.give(value, ref_value)
+            step[_JUDGED] += len(step[_VALUES])
+            step[_VALUES] = []
+            if step[_JUDGED] >= self._values_of.get(slot, math.inf):  # every value of the step judged
+                self._give_step(self._steps.pop(slot))
 
     def _give_step(self, held: dict) -> None:
         """A step's buffers back to the pool: its values not judged, and its moments (the next
@@ -251,12 +220,11 @@ class OnlineComparer:
             if name not in (_VALUES, _JUDGED):
                 self._pool.give(item[0], item[1])
 
-    def _judge_update(self, index: int, value, exp_avg, exp_avg_sq, give: tuple = ()) -> None:
+    def _judge_update(self, index: int, value, exp_avg, exp_avg_sq) -> None:
         """The element-wise Adam check of one updated value on this rank: the elements it holds the
         moments of (a distributed optimizer's range of a whole parameter, or the parameter's shard),
         the reference's at the same positions; the verdict goes on the value's entry. ``value`` and
-        each moment: (this rank's piece, the reference's slice of it[, layout]). ``give``: the pool's
-        buffers to take back once the check is done (on a judging thread, it reads them until then)."""
+        each moment: (this rank's piece, the reference's slice of it[, layout])."""
         entry = self.entries[index]
         moments_layout = exp_avg[2]
         local = tuple(exp_avg[0].shape)
@@ -265,34 +233,15 @@ class OnlineComparer:
                                for v in value)
         except PlacementError as e:
             self.entries[index] = dataclasses.replace(entry, update_detail=f"this rank's piece does not fit: {e}")
-            self._pool.give(*give)
             return
         mask = logical_mask(moments_layout, self.coords, local)
         flat = [t.reshape(-1) if mask is None else t.reshape(-1)[mask.reshape(-1)]
                 for t in (mine, exp_avg[0], exp_avg_sq[0], ref_value, exp_avg[1], exp_avg_sq[1])]
-        judge, detail = self.update_check.element_wise_later(entry.key, flat[0], flat[3], (flat[1], flat[2]),
-                                                             (flat[4], flat[5]), str(mine.dtype).replace("torch.", ""))
-        if judge is None:
+        verdict, detail = self.update_check.element_wise(entry.key, flat[0], flat[3], (flat[1], flat[2]),
+                                                         (flat[4], flat[5]), str(mine.dtype).replace("torch.", ""))
+        if verdict is None:
             self.entries[index] = dataclasses.replace(entry, update_detail=detail)
-            self._pool.give(*give)
-        elif self._judges is None:
-            self._apply_update(index, judge(), detail)
-            self._pool.give(*give)
-        else:
-            self._judging.append((self._judges.submit(judge), index, detail, give))
-            self._reap(self._judging_max)
-
-    def _reap(self, waiting: int = 0) -> None:
-        """The checks done on the judging threads applied to their entries, oldest first, and their
-        buffers given back; waits for the oldest while more than ``waiting`` are not applied (a
-        failed check raises here, on the recording thread, as it would have run on it)."""
-        while self._judging and (len(self._judging) > waiting or self._judging[0][0].done()):
-            future, index, detail, give = self._judging.popleft()
-            self._apply_update(index, future.result(), detail)
-            self._pool.give(*give)
-
-    def _apply_update(self, index: int, verdict, detail: str) -> None:
-        entry = self.entries[index]
+            return
         self.entries[index] = dataclasses.replace(
             entry, update_ratio=verdict.worst_ratio, update_index=verdict.worst_index,
             update_residual=verdict.residual, update_slack=verdict.slack, update_k=self.update_check.k,
@@ -396,7 +345,6 @@ class OnlineComparer:
                 and main_grad_key(key) in self._reference_groups)
 
     def flush(self, iteration: int) -> None:
-        self._reap()  # every check of the iteration applied (its entries are written next; streamed, let go)
         for key in [k for k in self._scores if k.iteration <= iteration]:  # scores whose choice never came
             del self._scores[key]
         for step in [k for k in self._steps if k[0] <= iteration]:  # values whose moments never came
@@ -445,8 +393,6 @@ class OnlineComparer:
                   f"this rank's shard (the verdict: ttrace report <trace dir>)", flush=True)
 
     def close(self) -> None:
-        self._reap()
-        self._stop_judges()
         if self.streamed:  # each iteration's share was verified at its flush
             if self.failed is None:
                 self._write(complete=True, verified=self._verified)
@@ -463,17 +409,7 @@ class OnlineComparer:
         """The run stopped mid-iteration: the results stay marked incomplete."""
         if self.failed is None:
             self.failed = reason
-        try:  # what was judged so far is written with its checks
-            self._reap()
-        except Exception:  # (the run is stopping for its own error: that one is reported)
-            self._judging.clear()
-        self._stop_judges()
         self._write(complete=False)
-
-    def _stop_judges(self) -> None:
-        if self._judges is not None:
-            self._judges.shutdown(wait=True, cancel_futures=True)
-            self._judges = None
 
     def _write(self, complete: bool, verified: Sequence[Tuple[str, int, int]] = ()) -> None:
         """online.json anew (written at every flush, so a stopped run leaves what it judged): each

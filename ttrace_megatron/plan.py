@@ -557,7 +557,7 @@ def measure_compare_rates(directory: str, elements: int = 1 << 22) -> CompareRat
 
 
 def compare_seconds(side: SidePlan, rates: CompareRates, workers: int = 1, reference_bytes: Optional[int] = None,
-                    mapped: bool = False, judge_threads: int = 0) -> float:
+                    mapped: bool = False) -> float:
     """Judging a side against its reference, its parts at ``rates``: every byte's sums taken with the
     reference's at its positions, each updated value checked element by element over both sides'
     values and moments (about twice the side's optimizer bytes), and each record's own cost; and
@@ -568,20 +568,15 @@ def compare_seconds(side: SidePlan, rates: CompareRates, workers: int = 1, refer
     * an online side, judged as it runs, on all its ranks together (what it would record): its own
       tensors are in memory, neither read nor verified; the reference's files (``reference_bytes``)
       are verified once between its ranks, and the reference's pieces read, with its moments again,
-      unless ``mapped`` (the reference held in memory: its pieces are views of the page cache); with
-      ``judge_threads`` (``online.judge_threads_for``) the element-wise Adam checks run on that many
-      threads beside the rest, and the longer of the two is the floor."""
+      unless ``mapped`` (the reference held in memory: its pieces are views of the page cache)."""
     recorded = dataclasses.replace(side, online=False)
     total = recorded.total()
     optimizer = recorded.bytes_per_iteration()[OPTIMIZER] * side.iterations
     records = sum(g.record_count(side.sizes) for g in side.groups) * side.iterations
-    update = 2 * optimizer / rates.update
-    judge = 2 * total / rates.sums + records * rates.record
+    judge = 2 * total / rates.sums + 2 * optimizer / rates.update + records * rates.record
     if side.online:
         reads = 0.0 if mapped else (total + optimizer) / rates.read
-        rest = (total if reference_bytes is None else reference_bytes) / rates.verify + reads + judge
-        return max(rest, update / judge_threads) if judge_threads > 0 else rest + update
-    judge += update
+        return (total if reference_bytes is None else reference_bytes) / rates.verify + reads + judge
     return (2 * total / rates.verify + (2 * total + 2 * optimizer) / rates.read + judge) / max(workers, 1)
 
 
@@ -594,13 +589,10 @@ def reference_of(plan: Plan, side: SidePlan) -> Optional[SidePlan]:
 
 def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, float]:
     """:func:`compare_seconds` of each side judged against the reference: an online side's on each
-    of its ranks (a rank judges its own shards on its own thread, its Adam checks on the threads
-    ``workers`` cores leave it: ``online.judge_threads_for``; the reference mapped where the plan
-    holds it in memory), a recorded one's after the run. A floor, not a forecast: at the 50M
+    of its ranks (a rank judges its own shards, on its own thread; the reference mapped where the
+    plan holds it in memory), a recorded one's after the run. A floor, not a forecast: at the 50M
     rung (``benchmarks/compare_at_scale.py``) the whole compare took 1.5× it on one process and
     2.4× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
-    from .online import judge_threads_for
-
     out = {}
     for s in plan.sides:
         if not s.judged:
@@ -609,11 +601,8 @@ def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, 
             out[s.name] = compare_seconds(s, rates, workers)
             continue
         ref = reference_of(plan, s)
-        # each rank's Adam checks on the threads its cores allow (the cores shared by its ranks)
-        threads = judge_threads_for(max(1, workers // s.ranks))
         out[s.name] = compare_seconds(s, rates, reference_bytes=ref.total() if ref else None,
-                                      mapped=ref is not None and ref.name in plan.in_memory,
-                                      judge_threads=threads) / s.ranks
+                                      mapped=ref is not None and ref.name in plan.in_memory) / s.ranks
     return out
 
 

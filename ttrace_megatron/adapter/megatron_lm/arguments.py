@@ -68,10 +68,6 @@ FLAGS = (
         action="store_true", help="with --ttrace-reference: read the reference through memory maps of its files, "
                                   "not copies; only for a reference written whole before this run and by no one "
                                   "while it runs (a file that shrinks under a map ends the run with SIGBUS)")),
-    ("--ttrace-judge-threads", dict(
-        type=int, metavar="N", help="with --ttrace-reference: run the element-wise Adam checks on N threads beside "
-                                    "training (default: the cores torch gives this rank beyond one, at most 4; "
-                                    "0: on the training thread); the verdicts are the same bit for bit")),
     ("--ttrace-role", dict(choices=("auto", REFERENCE, CANDIDATE), default="auto",
                            help="label of this run (auto: reference when TP=PP=CP=EP=DP=1)")),
 )

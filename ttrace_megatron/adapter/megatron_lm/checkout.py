@@ -295,8 +295,6 @@ def trace_args(trace: TraceOptions, recipe: Optional[Recipe] = None) -> List[str
         argv += ["--ttrace-reference", trace.reference] + (["--ttrace-keep-tensors"] if trace.keep_tensors else [])
         if trace.map_reference:
             argv += ["--ttrace-map-reference"]
-        if trace.judge_threads is not None:
-            argv += ["--ttrace-judge-threads", str(trace.judge_threads)]
         if trace.tensorboard:
             argv += ["--tensorboard-dir", trace.tensorboard]
     if trace.replay:

@@ -41,7 +41,7 @@ NOT_READ_PREFIXES = (
 _DTYPES = {"--bf16": "bf16", "--fp16": "fp16"}
 # ttrace's own flags that do not change what a side records; the others are the plan's own options
 TTRACE_NOT_READ = ("--ttrace", "--ttrace-dir", "--ttrace-seed-checkpoint", "--ttrace-role", "--ttrace-lockstep",
-                   "--ttrace-page-cache", "--ttrace-map-reference", "--ttrace-judge-threads")
+                   "--ttrace-page-cache", "--ttrace-map-reference")
 _RECOMPUTE = {"--recompute-granularity": "recompute_granularity", "--recompute-method": "recompute_method",
               "--recompute-num-layers": "recompute_num_layers"}
 

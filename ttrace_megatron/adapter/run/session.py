@@ -66,9 +66,6 @@ class TraceOptions:
     # train no further than this iteration (None: the recipe's every one): a streamed reference run
     # again for a failing check's replay, which reads nothing of the iterations after the failing one
     until: Optional[int] = None
-    # with ``reference``: the threads each rank runs its element-wise Adam checks on beside its
-    # training (None: online.judge_threads_for the cores torch gives the rank; 0: on its own thread)
-    judge_threads: Optional[int] = None
 
     @staticmethod
     def from_args(args: Any) -> "TraceOptions":
@@ -89,7 +86,6 @@ class TraceOptions:
             seed_init=getattr(args, "ttrace_seed_init", None) or SEED_INIT_MEGATRON,
             page_cache=bool(getattr(args, "ttrace_page_cache", False)),
             map_reference=bool(getattr(args, "ttrace_map_reference", False)),
-            judge_threads=getattr(args, "ttrace_judge_threads", None),
             # Megatron-LM makes its writers on the last rank from these; every rank holds the arguments
             megatron_writers=bool(getattr(args, "tensorboard_dir", None) or getattr(args, "wandb_project", None)),
         )
@@ -370,14 +366,11 @@ def _hook(options: TraceOptions, chunks: List, optimizer, key_layouts, sizes: Di
         sinks.append(TraceWriter(options.dir, rank, coords, page_cache=options.page_cache, turns=turns))
     online = None
     if options.reference:
-        from ...online import OnlineComparer, judge_threads_for
+        from ...online import OnlineComparer
 
-        threads = options.judge_threads if options.judge_threads is not None else \
-            judge_threads_for(torch.get_num_threads())
         online = OnlineComparer(options.reference, options.dir, rank, coords, lockstep=bool(options.lockstep),
                                 world_size=torch.distributed.get_world_size(), mapped=options.map_reference,
-                                streamed=options.streamed_reference, reader=options.stream_reader + rank,
-                                judge_threads=threads)
+                                streamed=options.streamed_reference, reader=options.stream_reader + rank)
         sinks.append(online)
     clock = Clock(dp_rank=ps.get_data_parallel_rank(), dp_size=sizes["dp"])
     dispatcher = Dispatcher(chunks, clock)
