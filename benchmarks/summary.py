@@ -185,8 +185,8 @@ CURRENT: Tuple[Source, ...] = (
            "one thread a rank at this Xeon's slower rates (the element-wise Adam check 1.1 GB/s), keeps it at "
            "2.8-2.9×; two repeats", COSTS_TABLE, ("cost_table_f3ab4bd_h200host.md",),
            "benchmarks/results/history/issue35_costs.md"),
-    Source("an online rank's element-wise Adam checks on 4 threads beside its training (23979f8, reverted in the "
-           "next commit: no faster), against on its training thread, at the 50M rung on the H200 machine's 16-core "
+    Source("an online rank's element-wise Adam checks on 4 threads beside its training (23979f8, reverted in "
+           "2af5fcd: no faster), against on its training thread, at the 50M rung on the H200 machine's 16-core "
            "host, the two alternated; held whole 1.02-1.05× the own-thread check's time, streamed 0.93-0.95×, a "
            "failing held check 1.14×; every tensor entry identical", AS_IS, ("judge_threads_23979f8_h200host.md",),
            "benchmarks/results/history/issue35_costs.md"),
