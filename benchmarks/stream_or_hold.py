@@ -87,18 +87,24 @@ AT_THE_RUNG = (("failing", "fp32", FAILING),
                ("bf16", "bf16", None))
 
 
-def at_the_rung(label: str, dtype: str, inject, cpu: bool, workdir, jsonl) -> dict:
-    """The 50M rung's check in ``dtype`` (``inject`` injected, or clean), its reference held whole and
-    streamed: every seconds part (a twin's too), and whether the two reports judge every tensor alike
-    (the twin's too) and name the same culprits."""
+# the rung in bf16 with each pair's reference placed by auto (the pair's held: its perturbation run reads
+# it; the fp32 twin's streamed), against both held and both streamed, the order turned each round
+PLACED = ("memory", "auto", "stream")
+
+
+def at_the_rung(label: str, dtype: str, inject, cpu: bool, workdir, jsonl, modes=MODES) -> dict:
+    """The 50M rung's check in ``dtype`` (``inject`` injected, or clean), its reference placed each
+    way of ``modes`` (``--reference-in``), in that order: every seconds part (a twin's too), where
+    each pair's reference went, and whether the reports judge every tensor alike (the twin's too) and
+    name the same culprits."""
     import torch
 
-    reports, row = {}, {"size": label, "dtype": dtype, "inject": inject, "commit": _commit(),
+    reports, row = {}, {"size": label, "dtype": dtype, "inject": inject, "commit": _commit(), "modes": list(modes),
                         "machine": f"{os.cpu_count()} CPU cores ({_cpu_model()}), torch {torch.__version__}, gloo"}
-    for mode in MODES:
+    for mode in modes:
         with tempfile.TemporaryDirectory(dir=workdir, prefix="ttrace-stream-or-hold-") as tmp:
             run = check(RECIPE, dtype, 1, True, "online", inject, tmp, cpu, reference_in=mode)
-            if run["reference_went"] != mode:
+            if mode != "auto" and run["reference_went"] != mode:
                 raise SystemExit(f"the rung, {label}, --reference-in {mode}: the reference went {run['reference_went']}")
             with open(os.path.join(tmp, "report.json")) as f:
                 reports[mode] = json.load(f)
@@ -106,15 +112,16 @@ def at_the_rung(label: str, dtype: str, inject, cpu: bool, workdir, jsonl) -> di
         row[mode] = round(sum(run["timings_s"].values()) + sum((twin.get("timings_s") or {}).values()), 2)
         row[mode + "_timings_s"], row[mode + "_verdict"], row[mode + "_culprit"] = \
             run["timings_s"], run["verdict"], run["culprit"]
+        row[mode + "_went"] = [run["reference_went"]] + ([twin.get("reference_in")] if twin else [])
         if twin:
             row[mode + "_twin_timings_s"], row[mode + "_twin_verdict"] = twin.get("timings_s"), twin["verdict"]
 
     def entries(report: dict) -> list:
         return sorted(json.dumps(t, sort_keys=True) for t in report["tensors"] + (report.get("fp32_twin") or {}).get(
             "tensors", []))
-    row.update(same_tensors=entries(reports[MODES[0]]) == entries(reports[MODES[1]]),
-               tensors=len(entries(reports[MODES[0]])),
-               same_culprits=reports[MODES[0]].get("culprits") == reports[MODES[1]].get("culprits"))
+    first = reports[modes[0]]
+    row.update(same_tensors=all(entries(reports[m]) == entries(first) for m in modes), tensors=len(entries(first)),
+               same_culprits=all(reports[m].get("culprits") == first.get("culprits") for m in modes))
     if jsonl:
         with open(jsonl, "a") as f:
             f.write(json.dumps(row) + "\n")
@@ -142,19 +149,36 @@ def table(rows: list) -> str:
                      f"{each([r['stream'] for r in runs])} s ({each([r['stream'] / r['trained_s'] for r in runs])}×) | "
                      f"{each([r['stream'] / r['memory'] for r in runs])} |")
     for r in (r for r in rows if "inject" in r):
-        def parts(mode: str) -> str:
-            twin = r.get(mode + "_twin_timings_s")
-            return ", ".join(f"{k} {v}" for k, v in r[mode + "_timings_s"].items()) + (
-                f"; its fp32 twin: " + ", ".join(f"{k} {v}" for k, v in twin.items()) if twin else "")
-        what = f"with `{r['inject']}` injected" if r["inject"] else "clean"
-        twins = (f" (twins {r['memory_twin_verdict']} and {r['stream_twin_verdict']})"
-                 if r.get("memory_twin_verdict") else "")
-        lines.append(f"\nthe 50M rung in {r.get('dtype', 'fp32')}, {what}: held whole {r['memory']} s ({parts('memory')}), "
-                     f"streamed {r['stream']} s ({parts('stream')}); {r['memory_verdict']} and {r['stream_verdict']}"
-                     f"{twins}, culprit {r['memory_culprit']} and {r['stream_culprit']}; the {r['tensors']} tensors' "
-                     f"entries {'identical' if r['same_tensors'] else 'DIFFERENT'}, the culprits "
-                     f"{'identical' if r['same_culprits'] else 'DIFFERENT'}")
+        lines.append(_rung_line(r))
     return "\n".join(lines) + "\n"
+
+
+MODE_NAMES = {"memory": "held whole", "stream": "streamed", "auto": "auto"}
+
+
+def _rung_line(r: dict) -> str:
+    """One check at the rung, each way it was placed: its seconds and their parts (a twin's too),
+    where each pair's reference went, the verdicts and culprits, and whether the ways agree."""
+    modes = r.get("modes") or list(MODES)
+
+    def parts(mode: str) -> str:
+        twin = r.get(mode + "_twin_timings_s")
+        return ", ".join(f"{k} {v}" for k, v in r[mode + "_timings_s"].items()) + (
+            f"; its fp32 twin: " + ", ".join(f"{k} {v}" for k, v in twin.items()) if twin else "")
+
+    def went(mode: str) -> str:
+        places = r.get(mode + "_went")
+        return "" if mode != "auto" or not places else f"the pair's {places[0]}" + (
+            f", the twin's {places[1]}" if len(places) > 1 else "") + "; "
+
+    what = f"with `{r['inject']}` injected" if r["inject"] else "clean"
+    twins = (" (twins " + " and ".join(r[m + "_twin_verdict"] for m in modes) + ")"
+             if r.get(modes[0] + "_twin_verdict") else "")
+    ways = ", ".join(f"{MODE_NAMES[m]} {r[m]} s ({went(m)}{parts(m)})" for m in modes)
+    return (f"\nthe 50M rung in {r.get('dtype', 'fp32')}, {what}: {ways}; " + " and ".join(r[m + "_verdict"] for m in modes)
+            + f"{twins}, culprit " + " and ".join(str(r[m + "_culprit"]) for m in modes) + f"; the {r['tensors']} tensors' "
+            f"entries {'identical' if r['same_tensors'] else 'DIFFERENT'}, the culprits "
+            f"{'identical' if r['same_culprits'] else 'DIFFERENT'}")
 
 
 def main():
@@ -165,10 +189,15 @@ def main():
     parser.add_argument("--jsonl", help="each round's figures, appended")
     parser.add_argument("--out", help="the Markdown table")
     parser.add_argument("--table", help="only print the table of this JSONL file (and write it to --out)")
+    parser.add_argument("--placed-rounds", type=int, default=0, metavar="N",
+                        help="only the rung in bf16, held whole, placed by auto and streamed, N rounds, the order turned")
     args = parser.parse_args()
     if args.table:
         with open(args.table) as f:
             rows = [json.loads(line) for line in f if line.strip()]
+    elif args.placed_rounds:
+        rows = [at_the_rung("bf16, each pair placed", "bf16", None, args.cpu, args.dir, args.jsonl,
+                            PLACED[k % 3:] + PLACED[:k % 3]) for k in range(args.placed_rounds)]
     else:
         planned = {name: planned_bytes(wide) for name, wide in SIZES.items()}
         rows = measure(args.rounds, args.cpu, args.dir, args.jsonl, planned)

@@ -862,6 +862,40 @@ def test_auto_streams_a_reference_that_held_whole_would_not_fit(tmp_path):
     assert _judged(reports["auto"]) == _judged(reports["memory"])
 
 
+def test_auto_places_each_pairs_reference_by_its_own(tmp_path, capsys):
+    """A bf16 recipe's pair and its fp32 twin are placed apart: under a ``--reference-memory`` between
+    the two references held whole (the twin's, in fp32, is the larger), the pair holds its own (which
+    its perturbation run reads) and the twin streams its own, says so, and every tensor of both
+    checks is judged as with both held whole."""
+    import yaml
+
+    from ttrace_megatron.cli import main
+
+    raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
+    raw.update(dtype="bf16", name="gpt_tp2_sp")
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-m", "ttrace_megatron.cli", "plan", str(recipe), "--json", "-",
+                           "--reference-in", "memory"], capture_output=True, text=True,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    whole = {s["name"]: s["total"] for s in json.loads(proc.stdout)["sides"]}
+    between = (whole["reference"] + whole["fp32_twin/reference"]) // 2
+    reports = {}
+    for mode, flags in (("memory", ["--reference-in", "memory"]), ("auto", ["--reference-memory", str(between)])):
+        path = tmp_path / f"{mode}.json"
+        assert main(["run", str(recipe), "--out", str(tmp_path / mode), "--json", str(path), "--cpu"] + flags) == 0
+        reports[mode] = json.loads(path.read_text())
+    said = " ".join(capsys.readouterr().out.split())
+    assert "the fp32 twin's reference streamed (--reference-in auto): held whole it would take about" in said
+    assert "the reference streamed (--reference-in auto)" not in said  # (the pair held its own)
+    assert (reports["auto"]["reference_in"], reports["auto"]["fp32_twin"]["reference_in"]) == ("memory", "stream")
+    assert reports["memory"]["fp32_twin"]["reference_in"] == "memory"
+    assert "perturbation" in reports["auto"]["timings_s"]
+    assert _judged(reports["auto"]) == _judged(reports["memory"])
+    assert _judged(reports["auto"]["fp32_twin"]) == _judged(reports["memory"]["fp32_twin"])
+
+
 def test_a_failing_streamed_check_without_disk_for_its_reference_again_is_not_localized(tmp_path, monkeypatch):
     """auto streamed the reference because held whole it would not fit the memory it may take: the
     replay's reference runs again on the disk, and where the disk has filled since the check was

@@ -414,7 +414,9 @@ def test_the_disk_check_plans_with_the_flags_that_change_what_a_check_writes():
 @pytest.mark.multiprocess
 def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it_may_take(tmp_path):
     """Held whole where it fits; else streamed, each pair's reference (a twin's too, and to a
-    perturbation run), where its peak fits and nothing refuses it; else the disk."""
+    perturbation run), where its peak fits and nothing refuses it; else the disk. Each pair is placed
+    by its own reference: a bf16 pair's, smaller than its fp32 twin's, may be held where the twin's
+    streams."""
     import yaml
 
     raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
@@ -427,16 +429,26 @@ def test_auto_holds_streams_or_writes_the_reference_to_the_disk_by_the_memory_it
     streamed = _plan_json(recipe, "--reference-in", "stream")
     assert streamed["streamed"] == streamed["in_memory"] == ["reference", "fp32_twin/reference"]
     assert streamed["memory_needed"] < held["memory_needed"]
+    whole = {s["name"]: s["total"] for s in held["sides"]}
+    pair, twin = whole["reference"], whole["fp32_twin/reference"]
+    assert streamed["memory_needed"] < pair < twin  # (bf16 parameters; the twin's fp32)
     if held["memory_room"] is None or held["memory_room"] < streamed["memory_needed"]:
         pytest.skip(f"no room in {core.MEMORY_ROOT} for a streamed reference here")
-    between = str((streamed["memory_needed"] + held["memory_needed"]) // 2)
     if held["memory_room"] >= held["memory_needed"]:
         assert _plan_json(recipe, "--cpu")["streamed"] == []  # (held whole: it fits)
     # (--cpu: the check's ranks on CPU, as a streamed reference needs, GPUs here or not)
-    assert _plan_json(recipe, "--cpu", "--reference-memory", between)["streamed"] == streamed["streamed"]
-    perturbed = _plan_json(str(tmp_path / "perturbed.yaml"), "--cpu", "--reference-memory", between)
-    assert perturbed["streamed"] == streamed["streamed"]  # (streamed to its perturbation run too)
-    planned = _plan_json(recipe, "--cpu", "--reference-memory", between, "--stream-refused", "not here")
+    for room, in_memory, streams in (
+            (str((pair + twin) // 2), ["reference", "fp32_twin/reference"], ["fp32_twin/reference"]),
+            (str((streamed["memory_needed"] + pair) // 2), streamed["in_memory"], streamed["streamed"])):
+        placed = _plan_json(recipe, "--cpu", "--reference-memory", room)
+        assert (placed["in_memory"], placed["streamed"]) == (in_memory, streams), room
+        # (streamed to its perturbation run too, where it does not fit held)
+        perturbed = _plan_json(str(tmp_path / "perturbed.yaml"), "--cpu", "--reference-memory", room)
+        assert (perturbed["in_memory"], perturbed["streamed"]) == (in_memory, streams), room
+    # refused streaming: held where it fits (the pair), else the disk (the twin)
+    planned = _plan_json(recipe, "--cpu", "--reference-memory", str((pair + twin) // 2), "--stream-refused", "not here")
+    assert planned["in_memory"] == ["reference"] and planned["streamed"] == []
+    planned = _plan_json(recipe, "--cpu", "--reference-memory", str(pair // 2), "--stream-refused", "not here")
     assert planned["in_memory"] == [] and planned["streamed"] == []
     assert _plan_json(recipe, "--cpu", "--reference-memory", "1kB")["in_memory"] == []
 
@@ -460,8 +472,8 @@ print(json.dumps(placed))
 def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_held(tmp_path):
     """At the scale ladder's 50M rung (8 layers, hidden 512, vocabulary 32768: 4.0 GB held whole) the
     default check streams its reference where nothing refuses it, and holds it whole where something
-    does or a perturbation run would read it too; under the size, gpt_tp2_sp as shipped is held (the
-    test above)."""
+    does or a perturbation run would read it too (in bf16, the pair's; its fp32 twin's streams); under
+    the size, gpt_tp2_sp as shipped is held (the test above)."""
     import yaml
 
     raw = yaml.safe_load(open(os.path.join(RECIPES, "gpt_tp2_sp.yaml")))
@@ -481,6 +493,17 @@ def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_
     # (a bf16 recipe's by default: three runs would share the cores), or asked
     assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
         [["reference"], ["reference"]], [["reference"], []], [["reference"], []], [["reference"], []]]
+    # in bf16: the pair holds its reference, which its perturbation run reads beside the candidate; its
+    # fp32 twin, with none, streams its own (each pair placed by its own)
+    raw["dtype"] = "bf16"
+    (tmp_path / "rung_bf16.yaml").write_text(yaml.safe_dump(raw))
+    proc = subprocess.run([sys.executable, "-c", PLACED, str(tmp_path / "rung_bf16.yaml"), str(2 * held["memory_needed"]),
+                           json.dumps([["--cpu"], ["--cpu", "--no-fp32-twin"], ["--cpu", "--reference-in", "stream"]])],
+                          capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    both = ["reference", "fp32_twin/reference"]
+    assert json.loads(proc.stdout.strip().splitlines()[-1]) == [
+        [both, ["fp32_twin/reference"]], [["reference"], []], [both, both]]
 
 
 def test_ttrace_run_says_why_auto_streams():
@@ -490,6 +513,11 @@ def test_ttrace_run_says_why_auto_streams():
                     "1.9 GB")
     assert "about 4.0 GB, more than the 3.0 GB it may take here;" in cli._auto_streams(
         {"memory_room": 3 * 10 ** 9, "memory_needed": 1_950_000_000}, 4 * 10 ** 9)
+    # a twin's: named, at its own peak
+    said = cli._auto_streams({"memory_room": 8 * 10 ** 9, "memory_needed": 3_000_000_000,
+                              "sides": [{"name": "fp32_twin/reference", "streamed_peak": 2_100_000_000}]}, 4 * 10 ** 9,
+                             "fp32_twin")
+    assert said.startswith("the fp32 twin's reference streamed (--reference-in auto)") and said.endswith("at most 2.1 GB")
 
 
 def test_judging_time_is_planned_per_side_from_the_measured_rates():

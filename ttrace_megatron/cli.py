@@ -142,18 +142,11 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
         raise RecipeError(f"the fp32 twin of this recipe cannot run: {e} (--no-fp32-twin leaves the twin out)") \
             from None
     planned = _check_disk(recipe, out, args, console)
-    if planned and planned.get("streamed"):
-        # a failing check runs its reference again for the replay: held whole in memory where it fits
-        # there, else on the disk where that has room (``_localize_failure``)
-        args.reference_whole = max(s["total"] for s in planned["sides"] if s["name"] in planned["streamed"])
-        args.again_in_memory = planned["memory_room"] is not None and args.reference_whole <= planned["memory_room"]
-        if getattr(args, "reference_in", core.AUTO) == core.AUTO:
-            args.reference_in = core.STREAM
-            console.print(_auto_streams(planned, args.reference_whole), highlight=False)
     scratch = _memory_scratch(planned, args)
+    placed = {pair: _placed(args, planned, pair, scratch, console) for pair in ("", FP32_TWIN)}
     removals: List[threading.Thread] = []  # in-memory references being removed while the check goes on
     try:
-        return _run_pairs(recipe, twin, out, args, console, json_path, run_side, run_twin, scratch, removals)
+        return _run_pairs(recipe, twin, out, placed, console, json_path, run_side, run_twin, removals)
     finally:
         for removal in removals:
             removal.join()
@@ -161,18 +154,39 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _run_pairs(recipe, twin, out: str, args, console: Console, json_path: Optional[str], run_side, run_twin,
-               scratch: Optional[str], removals: List[threading.Thread]) -> dict:
-    """The recipe's pair, then its fp32 twin's (``_run_recipe``); each pair's reference in
-    ``scratch`` (memory) where it is not None, removed in the background once judged (``removals``:
-    the caller waits for them before it returns)."""
+def _placed(args, planned: Optional[dict], pair: str, scratch: Optional[str], console: Console):
+    """A pair's copy of the run's flags (``pair``: "" or the fp32 twin's), with where the plan put its
+    reference: ``reference_scratch``, the directory in memory it goes to (None: under --out, on the
+    disk); streamed, ``--reference-in stream`` (auto says so) and what a failing check's rerun of it
+    needs: held whole in memory where it fits there, else on the disk where that has room
+    (``_localize_failure``)."""
+    from . import plan as core
+
+    placed = argparse.Namespace(**vars(args))
+    name = f"{pair}/reference" if pair else "reference"
+    placed.reference_scratch = scratch if planned is None or name in planned["in_memory"] else None
+    if planned and name in planned.get("streamed", ()):
+        placed.reference_whole = next(s["total"] for s in planned["sides"] if s["name"] == name)
+        placed.again_in_memory = planned["memory_room"] is not None and placed.reference_whole <= planned["memory_room"]
+        if getattr(args, "reference_in", core.AUTO) == core.AUTO:
+            placed.reference_in = core.STREAM
+            console.print(_auto_streams(planned, placed.reference_whole, pair), highlight=False)
+    return placed
+
+
+def _run_pairs(recipe, twin, out: str, placed: dict, console: Console, json_path: Optional[str], run_side, run_twin,
+               removals: List[threading.Thread]) -> dict:
+    """The recipe's pair, then its fp32 twin's (``_run_recipe``), each with its own flags
+    (``placed``, by pair: ``_placed``): its reference in memory where the plan put it there, removed
+    in the background once judged (``removals``: the caller waits for them before it returns)."""
     from .errors import BuiltOtherwise
     from .recipe import FP32_TWIN
     from .report import build_failure, combine_twin, render, render_twin, twin_error
 
     twin_out = os.path.join(out, FP32_TWIN)
+    args, twin_args = placed[""], placed[FP32_TWIN]
     start = time.monotonic()
-    ref_dir = _reference_dir(scratch, out, "")
+    ref_dir = _reference_dir(args.reference_scratch, out, "")
     try:
         report = _run_and_compare(recipe, out, args, console, run_side, ref_dir=ref_dir)
     except BuiltOtherwise as e:
@@ -189,9 +203,9 @@ def _run_pairs(recipe, twin, out: str, args, console: Console, json_path: Option
         console.print(f"[bold]fp32 twin[/]: {recipe.name} again in fp32, same layout and seed checkpoint, judged under "
                       f"fp32 bounds (the layout's logic; --no-fp32-twin leaves it out) → {twin_out}")
         start = time.monotonic()
-        twin_ref = _reference_dir(scratch, twin_out, FP32_TWIN)
+        twin_ref = _reference_dir(twin_args.reference_scratch, twin_out, FP32_TWIN)
         try:
-            twin_report = _run_and_compare(twin, twin_out, args, console, run_twin, quiet=True, ref_dir=twin_ref)
+            twin_report = _run_and_compare(twin, twin_out, twin_args, console, run_twin, quiet=True, ref_dir=twin_ref)
         except BuiltOtherwise as e:
             twin_report = build_failure(e.side, e.rank, e.module, e.problems, twin.name)
         except (TraceError, RecipeError, RunFailed, ValueError) as e:
@@ -199,7 +213,7 @@ def _run_pairs(recipe, twin, out: str, args, console: Console, json_path: Option
             # amax): the pair's verdict stands, and the check says the twin did not run, and why
             console.print(f"[yellow]the fp32 twin did not run: {e}[/]", highlight=False)
             twin_report = twin_error(str(e), twin.name)
-        _let_go_reference(twin_report, twin_ref, twin_out, args, console, removals)
+        _let_go_reference(twin_report, twin_ref, twin_out, twin_args, console, removals)
         twin_report["seconds"] = round(time.monotonic() - start, 2)
         _write_reports(twin_report, twin_out, None, None)  # `ttrace report OUT/fp32_twin` reads it
         report = combine_twin(report, twin_report, recipe.dtype)
@@ -667,18 +681,21 @@ def cmd_compare(args, console: Console) -> int:
     return EXIT_PASS if report["verdict"] == "pass" else EXIT_FAIL
 
 
-def _auto_streams(planned: dict, whole: int) -> str:
-    """What ``ttrace run`` says where ``--reference-in auto`` streams the reference (``whole``: its
-    bytes held whole), and why: held whole it would not fit, or it is large enough that streaming
-    takes about as long or less (``plan.STREAM_FROM_BYTES``)."""
+def _auto_streams(planned: dict, whole: int, pair: str = "") -> str:
+    """What ``ttrace run`` says where ``--reference-in auto`` streams a pair's reference (``whole``:
+    its bytes held whole; ``pair``: "" or the fp32 twin's), and why: held whole it would not fit, or it
+    is large enough that streaming takes about as long or less (``plan.STREAM_FROM_BYTES``)."""
     from . import plan as core
 
     room = planned["memory_room"]
     why = (f"more than the {core.human(room)} it may take here" if room is None or whole > room
            else f"from {core.STREAM_FROM_BYTES / 2 ** 30:g} GiB on, streamed writes over its pages and takes about as "
                 "long or less")
-    return (f"the reference streamed (--reference-in auto): held whole it would take about {core.human(whole)}, "
-            f"{why}; one iteration at a time, at most {core.human(planned['memory_needed'])}")
+    name = f"{pair}/reference" if pair else "reference"
+    peak = next((s["streamed_peak"] for s in planned.get("sides", ()) if s["name"] == name), planned["memory_needed"])
+    who = "the fp32 twin's reference" if pair else "the reference"
+    return (f"{who} streamed (--reference-in auto): held whole it would take about {core.human(whole)}, {why}; "
+            f"one iteration at a time, at most {core.human(peak)}")
 
 
 PLAN_FLAGS = ("no_fp32_twin", "perturb", "no_lockstep")  # run's switches that change what a check writes (and --keep-traces)
@@ -687,24 +704,32 @@ PLAN_FLAGS = ("no_fp32_twin", "perturb", "no_lockstep")  # run's switches that c
 def _plan_of(recipe, args, keep: bool, shape=None, room: Optional[int] = None):
     """The plan of ``ttrace run`` of ``recipe`` with ``args``'s flags (in this process: it builds
     the model on the meta device, with megatron's parallel state of one rank), its reference in
-    memory or on the disk as ``--reference-in`` and ``room`` (what memory it may take) decide."""
+    memory or on the disk as ``--reference-in`` and ``room`` (what memory it may take) decide: each
+    pair's apart (``plan.reference_placement``, by its own reference's bytes and its own perturbation
+    run), so that a bf16 recipe's pair may hold its reference, which its perturbation run reads beside
+    the candidate, while its fp32 twin, with none, streams its own. The pairs run one after the other."""
     from . import plan as core
-    from .adapter.run.plan import PERTURBED, Selection, check_plan
+    from .adapter.run.plan import PERTURBED, TWIN, Selection, check_plan
 
     lockstep = not getattr(args, "no_lockstep", False)
     selection = Selection(iterations=args.iters, modules=tuple(args.modules or ["*"]), microbatches=args.microbatches)
 
-    def plan(reference_in: str):
+    def plan(reference_in: str, twin_reference_in: Optional[str] = None):
         return check_plan(recipe, online=args.online, perturb=True if args.perturb else None,
                           twin=not args.no_fp32_twin, keep=keep, selection=selection, reference_everything=lockstep,
-                          shape=shape, reference_in=reference_in)
+                          shape=shape, reference_in=reference_in, twin_reference_in=twin_reference_in)
 
     held, streamed = plan(core.MEMORY), plan(core.STREAM)
     refused = getattr(args, "stream_refused", "") or _stream_refusal(args)
-    perturbed = any(side.name.endswith(PERTURBED) for side in held.sides)
-    where = core.reference_placement(getattr(args, "reference_in", core.AUTO), held.memory_needed(),
-                                     streamed.memory_needed(), room, args.online, refused, perturbed)
-    return {core.MEMORY: held, core.STREAM: streamed}.get(where) or plan(core.DISK)
+    where = {}
+    for pair in ("", TWIN):
+        reference = pair + "reference"
+        if not any(side.name == reference for side in held.sides):
+            continue
+        perturbed = any(side.name == pair + PERTURBED for side in held.sides)
+        where[pair] = core.reference_placement(getattr(args, "reference_in", core.AUTO), held.held(reference),
+                                               streamed.held(reference), room, args.online, refused, perturbed)
+    return plan(where[""], where.get(TWIN))
 
 
 # the selections `ttrace plan --budget` offers, each as run's flags: fewer iterations, one microbatch,
@@ -1008,10 +1033,11 @@ REFERENCE_IN_HELP = ("where the reference's trace is written: memory (a director
                      "the candidate (and a perturbation run, beside it) judges each iteration as the reference "
                      "finishes it, and the next overwrites what the verdict does not read again; CPU ranks, online "
                      "and in lock-step; a failing check runs the reference again, up to the failing iteration, for "
-                     "its replay: in memory where held whole it fits, else on the disk under --out), or auto (the default, where the check keeps no traces: stream where nothing "
+                     "its replay: in memory where held whole it fits, else on the disk under --out), or auto (the default, where the check keeps no traces; "
+                     "each pair's reference, a bf16 recipe's and its fp32 twin's, placed by its own: stream where nothing "
                      "refuses it, its peak fits half the memory available (--reference-memory), held whole it "
-                     "would take 1 GiB or more and no perturbation run would read it too; else memory where the "
-                     "plan's reference bytes fit; else stream where its peak fits; else disk)")
+                     "would take 1 GiB or more and no perturbation run would read it too; else memory where its "
+                     "bytes fit; else stream where its peak fits; else disk)")
 REFERENCE_MEMORY_HELP = ("the most a reference held in memory may take, e.g. 40GB (default: half the memory available "
                          "as the check starts), within /dev/shm's free space: auto holds it whole, streams it or writes "
                          "it to the disk by it, and memory and stream are refused above it")

@@ -276,7 +276,8 @@ def check_reference_in(mode: str, online: bool) -> None:
 
 def reference_placement(mode: str, held: int, streamed: int, room: Optional[int], online: bool,
                         stream_refused: str = "", perturbed: bool = False) -> str:
-    """Where a check writes its reference (:data:`MEMORY`, :data:`STREAM` or :data:`DISK`): as asked
+    """Where a pair writes its reference (:data:`MEMORY`, :data:`STREAM` or :data:`DISK`; a bf16
+    recipe's pair and its fp32 twin are placed apart, each by its own bytes and perturbation run): as asked
     (``memory`` and ``stream`` are refused at the run where they do not fit); ``auto``: streamed to
     the candidate one iteration at a time where nothing refuses it (``stream_refused``: why not), its
     peak (``streamed``) fits ``room``, held whole it would take :data:`STREAM_FROM_BYTES` or more

@@ -302,14 +302,16 @@ def _even_ranges(axis: str, numel: int, n: int) -> RangeShard:
 
 def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] = None, twin: bool = True,
                keep: bool = True, selection: Selection = Selection(), reference_everything: bool = True,
-               shape: Optional[ModelShape] = None, reference_in: str = core.DISK) -> core.Plan:
+               shape: Optional[ModelShape] = None, reference_in: str = core.DISK,
+               twin_reference_in: Optional[str] = None) -> core.Plan:
     """What ``ttrace run`` of ``recipe`` writes with these options. ``online``: the candidate and the
     perturbation run judge their tensors as they run and write verdict sums (run's default; False:
     ``--keep-traces``). ``keep``: ``--out`` keeps every
     side's traces (else a pair's traces go before its twin runs). ``reference_everything``: in
     lock-step the reference records every iteration, module and microbatch whatever the selection
     (the candidate takes its weights after each step). ``reference_in``: where each pair's reference
-    is written (``--reference-in``, decided: memory, the disk, or memory streamed one iteration at a time)."""
+    is written (``--reference-in``, decided: memory, the disk, or memory streamed one iteration at a
+    time); ``twin_reference_in``: the fp32 twin's, where it is placed apart (``cli._plan_of``)."""
     shape = shape or model_shape(recipe)
     iterations = len(selection.iterations) if selection.iterations else recipe.train.iterations
     ref_selection = Selection() if reference_everything else selection
@@ -342,7 +344,9 @@ def check_plan(recipe: Recipe, *, online: bool = False, perturb: Optional[bool] 
     notes.append("a failing check also writes a replay of the candidate's failing iteration (at most one "
                  "iteration of what the candidate records with --keep-traces)"
                  + ("; streamed, its reference again, up to the failing iteration, first (in memory where held whole "
-                    "it fits there, else under --out)" if reference_in == core.STREAM else ""))
-    in_memory = tuple(s.name for s in sides if s.name.endswith(REFERENCE)) if reference_in != core.DISK else ()
-    return core.Plan(recipe.name, sides, seed, peak, notes, in_memory,
-                     streamed=in_memory if reference_in == core.STREAM else ())
+                    "it fits there, else under --out)" if core.STREAM in (reference_in, twin_reference_in) else ""))
+    placed = {ref: reference_in if not ref.startswith(TWIN) or twin_reference_in is None else twin_reference_in
+              for ref in (s.name for s in sides if s.name.endswith(REFERENCE))}
+    return core.Plan(recipe.name, sides, seed, peak, notes,
+                     in_memory=tuple(ref for ref, where in placed.items() if where != core.DISK),
+                     streamed=tuple(ref for ref, where in placed.items() if where == core.STREAM))
