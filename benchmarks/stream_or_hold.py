@@ -133,6 +133,12 @@ def table(rows: list) -> str:
     if not rows:
         raise SystemExit("no rows to tabulate")
     rounds = max([r["round"] for r in rows if "round" in r] or [0]) + 1
+    if not any("round" in r for r in rows):  # (--placed-rounds: the rung in bf16 alone)
+        header = (f"commit {rows[0]['commit']}; machine: {rows[0]['machine']}; {RECIPE} at the 50M rung in bf16, 3 iterations, "
+                  f"with its perturbation run and fp32 twin; {len(rows)} rounds, the order of the three placements turned "
+                  "each round; seconds: each check's sides and compare (timings_s), the twin's too; one run of "
+                  "benchmarks/stream_or_hold.py --placed-rounds")
+        return header + "\n" + "\n".join(_rung_line(r) for r in rows) + "\n"
     header = (f"commit {rows[0]['commit']}; machine: {rows[0]['machine']}; {RECIPE}, 3 iterations; by size in fp32, {rounds} rounds, "
               "sizes and checks alternated; seconds: each check's sides and compare (timings_s), against the two "
               "layouts trained right before it; one run of benchmarks/stream_or_hold.py")

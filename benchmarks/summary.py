@@ -162,6 +162,11 @@ CURRENT: Tuple[Source, ...] = (
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
+    Source("each pair's reference placed by its own (6900e1a): the 50M rung in bf16, its pair's reference held "
+           "(its perturbation run reads it beside the candidate) and its fp32 twin's streamed, as auto now places "
+           "them, against both held and both streamed: 24.7-27.8 s against 27.3-29.0 held and 28.5-30.5 streamed, "
+           "the twin 9.2-10.1 s against 10.4-10.8 held", AS_IS, ("stream_or_hold_placed_6900e1a_zen5.md",),
+           "benchmarks/results/history/issue35_costs.md"),
     Source("where `--reference-in auto` streams a reference that would fit held whole (plan.STREAM_FROM_BYTES, "
            "1 GiB): each size's check held whole and streamed, alternated, against the two layouts trained right "
            "before it, and a failing check at the 50M rung both ways; one run of `benchmarks/stream_or_hold.py`",
