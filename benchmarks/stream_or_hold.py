@@ -204,6 +204,8 @@ def main():
     elif args.placed_rounds:
         rows = [at_the_rung("bf16, each pair placed", "bf16", None, args.cpu, args.dir, args.jsonl,
                             PLACED[k % 3:] + PLACED[:k % 3]) for k in range(args.placed_rounds)]
+        if any(r["auto_went"] != ["memory", "stream"] for r in rows):  # (not the placement this compares: too little memory)
+            raise SystemExit(f"auto placed the pair's and the twin's references {[r['auto_went'] for r in rows]}")
     else:
         planned = {name: planned_bytes(wide) for name, wide in SIZES.items()}
         rows = measure(args.rounds, args.cpu, args.dir, args.jsonl, planned)

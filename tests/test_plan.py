@@ -506,6 +506,20 @@ def test_auto_streams_a_reference_of_a_gigabyte_or_more_even_where_it_would_fit_
         [both, ["fp32_twin/reference"]], [["reference"], []], [both, both]]
 
 
+def test_the_plan_says_how_each_reference_in_memory_is_kept():
+    """A pair held and its twin streamed (auto's placement of a bf16 check at scale): the plan names
+    what a failing check does with each."""
+    act = core.TensorGroup(core.ACTIVATIONS, 1 << 18, 4, 8, (Replicate("tp"),))
+    sides = [core.SidePlan(name, 1, {"tp": 1}, 3, [act], judged=False) for name in ("reference", "fp32_twin/reference")]
+    plan = core.Plan("toy", sides, 0, (("reference",), ("fp32_twin/reference",)), in_memory=("reference",
+                     "fp32_twin/reference"), streamed=("fp32_twin/reference",))
+    text = "\n".join(core.format_plan(plan))
+    assert "reference: a failing check's moved under --out where it fits; fp32_twin/reference: a failing check's " \
+           "run again for its replay" in text
+    assert "streamed to its candidate one iteration at a time (--reference-in stream, or as auto places it): " \
+           "fp32_twin/reference," in text
+
+
 def test_ttrace_run_says_why_auto_streams():
     said = cli._auto_streams({"memory_room": 8 * 10 ** 9, "memory_needed": 1_900_000_000}, 4 * 10 ** 9)
     assert said == ("the reference streamed (--reference-in auto): held whole it would take about 4.0 GB, from 1 GiB "

@@ -121,7 +121,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
 
     from . import plan as core
 
-    # this check's own flags: where auto streams its reference, they say so (the next recipe decides its own)
+    # this check's own flags (the next recipe decides its own; each pair's placement: _placed)
     args = argparse.Namespace(**vars(args))
     twin = None if getattr(args, "no_fp32_twin", False) else fp32_twin(recipe)
     try:  # (a contradiction of flags: refused before anything runs)
@@ -143,7 +143,7 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
             from None
     planned = _check_disk(recipe, out, args, console)
     scratch = _memory_scratch(planned, args)
-    placed = {pair: _placed(args, planned, pair, scratch, console) for pair in ("", FP32_TWIN)}
+    placed = {pair: _placed(args, planned, pair, scratch) for pair in ("", FP32_TWIN)}
     removals: List[threading.Thread] = []  # in-memory references being removed while the check goes on
     try:
         return _run_pairs(recipe, twin, out, placed, console, json_path, run_side, run_twin, removals)
@@ -154,10 +154,11 @@ def _run_recipe(recipe, out: str, args, console: Console, json_path: Optional[st
             shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _placed(args, planned: Optional[dict], pair: str, scratch: Optional[str], console: Console):
+def _placed(args, planned: Optional[dict], pair: str, scratch: Optional[str]):
     """A pair's copy of the run's flags (``pair``: "" or the fp32 twin's), with where the plan put its
     reference: ``reference_scratch``, the directory in memory it goes to (None: under --out, on the
-    disk); streamed, ``--reference-in stream`` (auto says so) and what a failing check's rerun of it
+    disk); streamed, ``--reference-in stream`` (``auto_streams``: what the run says as the pair starts,
+    where auto streams it) and what a failing check's rerun of it
     needs: held whole in memory where it fits there, else on the disk where that has room
     (``_localize_failure``)."""
     from . import plan as core
@@ -170,8 +171,14 @@ def _placed(args, planned: Optional[dict], pair: str, scratch: Optional[str], co
         placed.again_in_memory = planned["memory_room"] is not None and placed.reference_whole <= planned["memory_room"]
         if getattr(args, "reference_in", core.AUTO) == core.AUTO:
             placed.reference_in = core.STREAM
-            console.print(_auto_streams(planned, placed.reference_whole, pair), highlight=False)
+            placed.auto_streams = _auto_streams(planned, placed.reference_whole, pair)  # (said as the pair starts)
     return placed
+
+
+def _say_placed(placed, console: Console) -> None:
+    """Where auto streams a pair's reference, why (``_placed``), as the pair starts."""
+    if getattr(placed, "auto_streams", None):
+        console.print(placed.auto_streams, highlight=False)
 
 
 def _run_pairs(recipe, twin, out: str, placed: dict, console: Console, json_path: Optional[str], run_side, run_twin,
@@ -186,6 +193,7 @@ def _run_pairs(recipe, twin, out: str, placed: dict, console: Console, json_path
     twin_out = os.path.join(out, FP32_TWIN)
     args, twin_args = placed[""], placed[FP32_TWIN]
     start = time.monotonic()
+    _say_placed(args, console)
     ref_dir = _reference_dir(args.reference_scratch, out, "")
     try:
         report = _run_and_compare(recipe, out, args, console, run_side, ref_dir=ref_dir)
@@ -203,6 +211,7 @@ def _run_pairs(recipe, twin, out: str, placed: dict, console: Console, json_path
         console.print(f"[bold]fp32 twin[/]: {recipe.name} again in fp32, same layout and seed checkpoint, judged under "
                       f"fp32 bounds (the layout's logic; --no-fp32-twin leaves it out) → {twin_out}")
         start = time.monotonic()
+        _say_placed(twin_args, console)
         twin_ref = _reference_dir(twin_args.reference_scratch, twin_out, FP32_TWIN)
         try:
             twin_report = _run_and_compare(twin, twin_out, twin_args, console, run_twin, quiet=True, ref_dir=twin_ref)
@@ -247,7 +256,7 @@ def _stream_refusal(args) -> str:
 def _memory_scratch(planned: Optional[dict], args) -> Optional[str]:
     """The directory in memory that this check's references go to, or None (under ``--out``, on
     the disk): where the plan put them (``--reference-in``); without a plan (``--no-disk-check``,
-    or none could be made) only where ``--reference-in memory`` asks."""
+    or none could be made) only where ``--reference-in memory`` or ``stream`` asks."""
     from . import plan as core
 
     in_memory = bool(planned["in_memory"]) if planned is not None else \

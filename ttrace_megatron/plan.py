@@ -114,7 +114,8 @@ class Plan:
     peak_sides: Tuple[Tuple[str, ...], ...]  # the sides on disk together at the peak, e.g. the pair, then a twin
     notes: List[str] = dataclasses.field(default_factory=list)
     # sides written to memory (:data:`MEMORY_ROOT`), not the disk: each pair's reference where it fits
-    # (``--reference-in``); each is removed once its pair is judged, so they are never held together
+    # (``--reference-in``); each is removed once its pair is judged, so they are not held together
+    # (but for the moments a pair's is freed in the background while its twin's reference starts)
     in_memory: Tuple[str, ...] = ()
     # of those, the ones streamed to their candidate one iteration at a time (``--reference-in stream``)
     streamed: Tuple[str, ...] = ()
@@ -424,16 +425,19 @@ def format_plan(plan: Plan, free: Optional[int] = None, budget: Optional[int] = 
                  + (f" (all sides kept with --out: {human(plan.all_bytes())})" if plan.all_bytes() != plan.disk_needed()
                     else ""))
     if plan.in_memory:
-        kept = ("a failing check's run again for its replay, up to the failing iteration: in memory where held whole it "
-                "fits, then moved under --out where that fits, else under --out" if plan.streamed
-                else "a failing check's moved under --out where it fits")
+        held = [n for n in plan.in_memory if n not in plan.streamed]
+        kept = "; ".join(
+            ([f"{', '.join(held)}: a failing check's moved under --out where it fits"] if held else [])
+            + ([f"{', '.join(plan.streamed)}: a failing check's run again for its replay, up to the failing iteration: "
+                "in memory where held whole it fits, then moved under --out where that fits, else under --out"]
+               if plan.streamed else []))
         lines.append(f"held in memory ({MEMORY_ROOT}, each removed once its pair is judged; {kept}): "
                      f"{', '.join(plan.in_memory)}, at most {human(plan.memory_needed())}"
                      + ("" if memory_room is None else f" of the {human(memory_room)} it may take here"
                         + ("" if plan.memory_needed() <= memory_room else " — NOT ENOUGH (ttrace run refuses it)")))
     if plan.streamed:
         whole = max(plan.side(n).total() for n in plan.streamed)
-        lines.append(f"streamed to its candidate one iteration at a time (--reference-in stream): "
+        lines.append(f"streamed to its candidate one iteration at a time (--reference-in stream, or as auto places it): "
                      f"{', '.join(plan.streamed)}, its matrices' per-microbatch grads, optimizer states and updated "
                      f"values of each iteration written over the one before's (held whole: {human(whole)})")
     host = plan.host_memory()
