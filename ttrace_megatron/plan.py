@@ -597,7 +597,9 @@ def judging_seconds(plan: Plan, rates: CompareRates, workers: int) -> Dict[str, 
     of its ranks (a rank judges its own shards, on its own thread; the reference mapped where the
     plan holds it in memory), a recorded one's after the run. A floor, not a forecast: at the 50M
     rung (``benchmarks/compare_at_scale.py``) the whole compare took 1.5× it on one process and
-    2.4× on two of a 2-core machine (BENCHMARKS.md, issue #35)."""
+    2.4× on two of a 2-core machine, and an online candidate rank's judging 1.8-1.9× it on a 16-core
+    Xeon host, where a rank's training ran on 8 threads and its judging on one (BENCHMARKS.md,
+    issue #35: the cost table at f3ab4bd on the H200 machine's host)."""
     out = {}
     for s in plan.sides:
         if not s.judged:
