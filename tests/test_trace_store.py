@@ -674,3 +674,38 @@ def test_a_writer_without_turns_uses_both_lanes_and_never_waits(tmp_path):
     assert not thread.is_alive()
     manifest = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
     assert manifest["complete"] and len(manifest["files"]) == 4  # two lanes an iteration
+
+
+def test_a_reload_parses_only_the_records_it_has_not_seen(tmp_path):
+    """A trace read while it is written (a streamed reference): a reload keeps the Records of the
+    entries it read before, as they were, and returns the ones listed since (what the online
+    candidate adds to its groups); where an entry listed before changed, None (regroup them all)."""
+    from ttrace_megatron.online import overwritable
+    from ttrace_megatron.trace_store import Turns, wait_for_iteration
+
+    write_run_info(str(tmp_path), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(tmp_path), 0, {"tp": (0, 1)}, page_cache=True, turns=Turns(1, overwritable, poll_s=0.005))
+    # (outputs: nothing the next iteration writes over, so the writer never waits for this reader)
+    keys = [TensorKey(i, 0, "decoder.layers.0.mlp.linear_fc1", "forward", "output") for i in (1, 2)]
+    w.add(keys[0], torch.ones(8, 8), Layout((), (8, 8)), depth=1)
+    w.flush(1)
+    wait_for_iteration(str(tmp_path), 1)
+    reader = TraceReader(str(tmp_path), allow_incomplete=True)
+    first = [rec for _, rec in reader.records()]
+    assert [rec.key for rec in first] == [keys[0]]
+    w.add(keys[1], torch.ones(8, 8), Layout((), (8, 8)), depth=1)
+    w.flush(2)
+    w.close()
+    wait_for_iteration(str(tmp_path), 2)
+    appended = reader.reload()
+    assert [rec.key for _, rec in appended] == [keys[1]]
+    assert next(reader.records())[1] is first[0]  # (parsed once)
+    assert reader.reload() == []
+    # an entry listed before, changed: the caller is told to regroup (and it is parsed anew)
+    path = os.path.join(str(tmp_path), "rank-00000", "manifest.json")
+    manifest = json.loads(open(path).read())
+    manifest["records"][0]["depth"] = 2
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    assert reader.reload() is None
+    assert [rec.depth for _, rec in reader.records()] == [2, 1]

@@ -139,10 +139,17 @@ class OnlineComparer:
         if iteration <= self._ready:
             return
         wait_for_iteration(self.reference.dir, iteration)
-        self.reference.reload()
-        groups = group_records(self.reference)
-        self._reference_groups.clear()
-        self._reference_groups.update(groups)
+        appended = self.reference.reload()
+        if appended is None:  # (a record listed before changed: all again)
+            groups = group_records(self.reference)
+            self._reference_groups.clear()
+            self._reference_groups.update(groups)
+        else:  # the new records only, each key's pieces in group_records' order (by rank, then seq)
+            for rt, rec in appended:
+                pieces = self._reference_groups.setdefault(rec.key, [])
+                pieces.append((rt, rec))
+                if len(pieces) > 1:
+                    pieces.sort(key=lambda piece: (piece[0].rank, piece[1].seq))
         self._values_of = self._count_values()
         self._order = reference_order(self._reference_groups)
         self._verify_share = self.reference.share_verification(self.rank, self.world_size,

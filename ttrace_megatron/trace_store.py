@@ -469,6 +469,9 @@ class TraceReader:
             raise TraceError(f"bad num_layers {layers!r}", path=run_path)
         if not isinstance(self.run.get("model_config", {}), dict):
             raise TraceError("model_config must be a mapping", path=run_path)
+        # rank -> seq -> (a record's manifest entry, the Record parsed from it): a reload parses only
+        # the entries it has not seen as they are (reload's docstring)
+        self._parsed: Dict[int, Dict[int, Tuple[dict, "Record"]]] = {}
         self.ranks: List[RankTrace] = []
         for rank in range(world):
             self.ranks.append(self._read_rank(rank, allow_incomplete))
@@ -569,7 +572,7 @@ class TraceReader:
                     raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
             released = {str(f): int(i) for f, i in (m.get("released") or {}).items()}
             # in recording order: a writer's lanes list their files as each is whole, not in order
-            records = sorted((Record.from_json(r) for r in m["records"]), key=lambda r: r.seq)
+            records = sorted(self._records_of(rank, m["records"]), key=lambda r: r.seq)
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
         except TraceError:
             raise
@@ -588,15 +591,40 @@ class TraceReader:
                                  tensor=str(rec.key))
         return RankTrace(rank, coords, records, files, rank_dir, released)
 
-    def reload(self) -> None:
+    def _records_of(self, rank: int, entries: list) -> List["Record"]:
+        """The manifest's record entries as Records: an entry seen before as it is now keeps the
+        Record parsed then (a reload parses the new ones only: at 48 iterations of a streamed toy
+        check, parsing every entry again at each iteration was two thirds of a candidate rank's
+        time, benchmarks/stream_iterations.py)."""
+        seen, parsed, records = self._parsed.get(rank, {}), {}, []
+        for entry in entries:
+            kept = seen.get(entry.get("seq")) if isinstance(entry, dict) else None
+            rec = kept[1] if kept is not None and kept[0] == entry else Record.from_json(entry)
+            parsed[rec.seq] = (entry, rec)
+            records.append(rec)
+        self._parsed[rank] = parsed
+        return records
+
+    def reload(self) -> Optional[List[Tuple[RankTrace, "Record"]]]:
         """Read every rank's manifest again (a trace written one iteration at a time, read while it
         is written: :class:`Turns`), each :class:`RankTrace` updated in place (groups of records
-        made before stay valid). What was opened of files no longer listed is let go."""
+        made before stay valid). What was opened of files no longer listed is let go. Returns the
+        records listed since the last read, in :meth:`records`' order, where every record listed
+        then is still listed as it was (a streamed reference's are: their files move to
+        ``released``, the records stay); else None (then regroup them all)."""
+        appended: Optional[List[Tuple[RankTrace, Record]]] = []
         for rt in self.ranks:
+            before = {id(rec) for rec in rt.records}
             new = self._read_rank(rt.rank, allow_incomplete=True)
+            kept = sum(1 for rec in new.records if id(rec) in before)
+            if appended is not None and kept == len(before):
+                appended += [(rt, rec) for rec in new.records if id(rec) not in before]
+            else:
+                appended = None
             rt.records, rt.files, rt.released = new.records, new.files, new.released
         self.forget([(rt, f) for rt in self.ranks for (rank, f) in list(self._cache) + list(self._maps)
                      if rank == rt.rank and f not in rt.files])
+        return appended
 
     def iteration_files(self, iteration: int) -> List[Tuple[RankTrace, str]]:
         """The data files that hold records of ``iteration``, as listed now."""
