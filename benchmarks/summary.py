@@ -162,6 +162,14 @@ CURRENT: Tuple[Source, ...] = (
     Source("on megatron-core 0.19.2: the HybridModel recipes, moe_tp2_sp_ep2 and gpt_tp2_sp judged online, from a "
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
+    Source("a streamed reference's cost by the number of iterations (gpt_tp2_sp as shipped, 3 to 48 iterations), "
+           "held whole and streamed: each candidate rank reads the reference's manifest again at each iteration; "
+           "since 31d3820 it parses only the entries it has not seen and groups only the new records: at 48 "
+           "iterations the streamed sides 15.5 s against 21.7 at e9e0845 (held 7.9-8.2), the JSON parse of the "
+           "growing manifest still quadratic", AS_IS, ("stream_iterations_31d3820_zen5.md",),
+           "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at e9e0845, before 31d3820: every entry parsed and every record grouped again at each "
+           "iteration", AS_IS, ("stream_iterations_e9e0845_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("each pair's reference placed by its own (6900e1a): the 50M rung in bf16, its pair's reference held "
            "(its perturbation run reads it beside the candidate) and its fp32 twin's streamed, as auto now places "
            "them, against both held and both streamed: 24.7-27.8 s against 27.3-29.0 held and 28.5-30.5 streamed, "
