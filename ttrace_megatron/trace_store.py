@@ -470,8 +470,10 @@ class TraceReader:
         if not isinstance(self.run.get("model_config", {}), dict):
             raise TraceError("model_config must be a mapping", path=run_path)
         # rank -> seq -> (a record's manifest entry, the Record parsed from it): a reload parses only
-        # the entries it has not seen as they are (reload's docstring)
+        # the entries it has not seen as they are (reload's docstring). Kept by a reader of a trace
+        # still being written only: a whole trace's entries are let go once parsed
         self._parsed: Dict[int, Dict[int, Tuple[dict, "Record"]]] = {}
+        self._keeps_entries = allow_incomplete
         self.ranks: List[RankTrace] = []
         for rank in range(world):
             self.ranks.append(self._read_rank(rank, allow_incomplete))
@@ -602,7 +604,8 @@ class TraceReader:
             rec = kept[1] if kept is not None and kept[0] == entry else Record.from_json(entry)
             parsed[rec.seq] = (entry, rec)
             records.append(rec)
-        self._parsed[rank] = parsed
+        if self._keeps_entries:
+            self._parsed[rank] = parsed
         return records
 
     def reload(self) -> Optional[List[Tuple[RankTrace, "Record"]]]:
