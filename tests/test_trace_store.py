@@ -709,3 +709,8 @@ def test_a_reload_parses_only_the_records_it_has_not_seen(tmp_path):
         json.dump(manifest, f)
     assert reader.reload() is None
     assert [rec.depth for _, rec in reader.records()] == [2, 1]
+    # an entry gone (here: the first listed twice, the second no more): None too
+    manifest["records"][1] = manifest["records"][0]
+    with open(path, "w") as f:
+        json.dump(manifest, f)
+    assert reader.reload() is None

@@ -616,11 +616,11 @@ class TraceReader:
         then is still listed as it was (a streamed reference's are: their files move to
         ``released``, the records stay); else None (then regroup them all)."""
         appended: Optional[List[Tuple[RankTrace, Record]]] = []
-        for rt in self.ranks:
+        # every rank read before any is updated: a read that fails leaves them all as they were
+        fresh = [self._read_rank(rt.rank, allow_incomplete=True) for rt in self.ranks]
+        for rt, new in zip(self.ranks, fresh):
             before = {id(rec) for rec in rt.records}
-            new = self._read_rank(rt.rank, allow_incomplete=True)
-            kept = sum(1 for rec in new.records if id(rec) in before)
-            if appended is not None and kept == len(before):
+            if appended is not None and before <= {id(rec) for rec in new.records}:
                 appended += [(rt, rec) for rec in new.records if id(rec) not in before]
             else:
                 appended = None
