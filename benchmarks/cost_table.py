@@ -55,6 +55,36 @@ CHECKS = ("auto", "memory", "disk")
 RUNG = "the 50M rung (gpt_tp2_sp, 8 layers, hidden 512, vocabulary 32768, TP2 + SP, 3 iterations, fp32)"
 
 
+def add_result_args(parser: argparse.ArgumentParser) -> None:
+    """A benchmark's --dir, --jsonl, --out and --table (stream_or_hold.py's, stream_iterations.py's)."""
+    parser.add_argument("--dir", help="where each check's scratch goes (default: a temporary directory)")
+    parser.add_argument("--jsonl", help="each row's figures, appended")
+    parser.add_argument("--out", help="the Markdown table")
+    parser.add_argument("--table", help="only print the table of this JSONL file (and write it to --out)")
+
+
+def rows_of(path: str) -> list:
+    """The rows of a benchmark's JSONL file (--table)."""
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def add_row(row: dict, jsonl) -> None:
+    """A measured row appended to ``jsonl`` where given, and printed as it comes."""
+    if jsonl:
+        with open(jsonl, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    print(json.dumps(row), flush=True)
+
+
+def print_table(text: str, out) -> None:
+    """The table printed, and written to ``out`` where given."""
+    print(text)
+    if out:
+        with open(out, "w") as f:
+            f.write(text)
+
+
 def _commit() -> str:
     return subprocess.run(["git", "-C", REPO, "rev-parse", "--short=7", "HEAD"], capture_output=True,
                           text=True).stdout.strip()

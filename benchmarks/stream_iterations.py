@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 os.environ["CUDA_VISIBLE_DEVICES"] = ""  # (streaming needs CPU ranks; the plan's model under the CPU shims)
 
-from cost_table import _commit, _cpu_model  # noqa: E402
+from cost_table import _commit, _cpu_model, add_result_args, add_row, print_table, rows_of  # noqa: E402
 
 RECIPE = os.path.join(REPO, "recipes", "gpt_tp2_sp.yaml")
 ITERATIONS = (3, 12, 24, 48)
@@ -64,10 +64,7 @@ def measure(workdir, jsonl) -> list:
             with tempfile.TemporaryDirectory(dir=workdir, prefix="ttrace-stream-iterations-") as tmp:
                 row = dict(where, **one(iterations, mode, tmp))
             rows.append(row)
-            if jsonl:
-                with open(jsonl, "a") as f:
-                    f.write(json.dumps(row) + "\n")
-            print(json.dumps(row), flush=True)
+            add_row(row, jsonl)
     return rows
 
 
@@ -95,21 +92,9 @@ def table(rows: list) -> str:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dir", help="where each check's scratch goes (default: a temporary directory)")
-    parser.add_argument("--jsonl", help="each check's figures, appended")
-    parser.add_argument("--out", help="the Markdown table")
-    parser.add_argument("--table", help="only print the table of this JSONL file (and write it to --out)")
+    add_result_args(parser)
     args = parser.parse_args()
-    if args.table:
-        with open(args.table) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
-    else:
-        rows = measure(args.dir, args.jsonl)
-    text = table(rows)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    print_table(table(rows_of(args.table) if args.table else measure(args.dir, args.jsonl)), args.out)
 
 
 if __name__ == "__main__":

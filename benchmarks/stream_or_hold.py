@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 if "--cpu" in sys.argv[1:]:  # (the plan's model too, under the CPU shims: hidden before anything initializes CUDA)
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
 
-from cost_table import _commit, _cpu_model  # noqa: E402
+from cost_table import _commit, _cpu_model, add_result_args, add_row, print_table, rows_of  # noqa: E402
 from margins import recipe as shipped_recipe  # noqa: E402
 from online_bytes import check, plain  # noqa: E402
 
@@ -72,10 +72,7 @@ def measure(rounds: int, cpu: bool, workdir, jsonl, planned: dict) -> list:
                     row[mode] = round(sum(run["timings_s"].values()), 2)
                     row[mode + "_timings_s"] = run["timings_s"]
                 rows.append(row)
-                if jsonl:
-                    with open(jsonl, "a") as f:
-                        f.write(json.dumps(row) + "\n")
-                print(json.dumps(row), flush=True)
+                add_row(row, jsonl)
     return rows
 
 
@@ -122,10 +119,7 @@ def at_the_rung(label: str, dtype: str, inject, cpu: bool, workdir, jsonl, modes
     first = reports[modes[0]]
     row.update(same_tensors=all(entries(reports[m]) == entries(first) for m in modes), tensors=len(entries(first)),
                same_culprits=all(reports[m].get("culprits") == first.get("culprits") for m in modes))
-    if jsonl:
-        with open(jsonl, "a") as f:
-            f.write(json.dumps(row) + "\n")
-    print(json.dumps(row), flush=True)
+    add_row(row, jsonl)
     return row
 
 
@@ -191,16 +185,12 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cpu", action="store_true", help="gloo on the CPU where GPUs are (streaming needs CPU ranks)")
-    parser.add_argument("--dir", help="where each round's scratch goes (default: a temporary directory)")
-    parser.add_argument("--jsonl", help="each round's figures, appended")
-    parser.add_argument("--out", help="the Markdown table")
-    parser.add_argument("--table", help="only print the table of this JSONL file (and write it to --out)")
+    add_result_args(parser)
     parser.add_argument("--placed-rounds", type=int, default=0, metavar="N",
                         help="only the rung in bf16, held whole, placed by auto and streamed, N rounds, the order turned")
     args = parser.parse_args()
     if args.table:
-        with open(args.table) as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = rows_of(args.table)
     elif args.placed_rounds:
         rows = [at_the_rung("bf16, each pair placed", "bf16", None, args.cpu, args.dir, args.jsonl,
                             PLACED[k % 3:] + PLACED[:k % 3]) for k in range(args.placed_rounds)]
@@ -210,11 +200,7 @@ def main():
         planned = {name: planned_bytes(wide) for name, wide in SIZES.items()}
         rows = measure(args.rounds, args.cpu, args.dir, args.jsonl, planned)
         rows += [at_the_rung(*case, args.cpu, args.dir, args.jsonl) for case in AT_THE_RUNG]
-    text = table(rows)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
+    print_table(table(rows), args.out)
 
 
 if __name__ == "__main__":

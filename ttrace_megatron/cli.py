@@ -692,12 +692,13 @@ def cmd_compare(args, console: Console) -> int:
 
 def _auto_streams(planned: dict, whole: int, pair: str = "") -> str:
     """What ``ttrace run`` says where ``--reference-in auto`` streams a pair's reference (``whole``:
-    its bytes held whole; ``pair``: "" or the fp32 twin's), and why: held whole it would not fit, or it
+    its bytes held whole; ``pair``: "" or the fp32 twin's; auto streams only where the plan has a
+    memory room), and why: held whole it would not fit, or it
     is large enough that streaming takes about as long or less (``plan.STREAM_FROM_BYTES``)."""
     from . import plan as core
 
     room = planned["memory_room"]
-    why = (f"more than the {core.human(room)} it may take here" if room is None or whole > room
+    why = (f"more than the {core.human(room)} it may take here" if whole > room
            else f"from {core.STREAM_FROM_BYTES / 2 ** 30:g} GiB on, streamed writes over its pages and takes about as "
                 "long or less")
     name = f"{pair}/reference" if pair else "reference"
