@@ -13,6 +13,7 @@ from ttrace_megatron import keys
 from ttrace_megatron.compare import compare_traces
 
 from conftest import RECIPES, load
+from trace_files import read_manifest
 
 pytestmark = pytest.mark.multiprocess
 
@@ -807,7 +808,7 @@ def test_a_streamed_reference_gives_the_verdict_of_one_held_whole(tmp_path, inje
         assert reports["stream"]["culprits"][0]["module"] == "decoder.layers.1.mlp.linear_fc2"
         # again, in memory where held whole it fits (here), then moved under --out as a failing held one is
         assert reports["stream"]["reference"] == str(tmp_path / "stream" / "reference")
-        manifest = json.loads((tmp_path / "stream" / "reference" / "rank-00000" / "manifest.json").read_text())
+        manifest = read_manifest(tmp_path / "stream" / "reference" / "rank-00000")
         # up to the failing iteration, of the recipe's 3: the replay reads nothing after it
         assert manifest["complete"] and reports["stream"]["first_mismatch"]["iteration"] == 1
         assert max(r["key"]["iteration"] for r in manifest["records"]) == 1

@@ -11,6 +11,7 @@ from ttrace_megatron.compare import compare_traces
 from ttrace_megatron.errors import TraceError
 
 from test_trace_store import make_trace
+from trace_files import read_manifest, write_manifest
 
 JSON_VALUES = st.recursive(
     st.none() | st.booleans() | st.integers(-3, 10**6) | st.floats(allow_nan=True) | st.text(max_size=12),
@@ -54,6 +55,31 @@ def test_mutated_manifest_gives_named_error(pristine, tmp_path_factory, data):
     else:
         node[target[-1]] = value
     path.write_text(json.dumps(obj))
+    try:
+        compare_traces(str(pristine / "ref"), str(work / "cand"))
+    except TraceError:
+        pass
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data())
+def test_mutated_record_gives_named_error(pristine, tmp_path_factory, data):
+    """A record in a rank's log changed and the manifest's digest made to agree with it: the
+    loader's own parsing of the record is what meets the damage."""
+    work = tmp_path_factory.mktemp("fuzzlog")
+    shutil.copytree(pristine / "ref", work / "cand")
+    rank_dir = work / "cand" / data.draw(st.sampled_from(["rank-00000", "rank-00001"]))
+    m = read_manifest(rank_dir)
+    paths = list(_paths(m["records"]))
+    target = data.draw(st.sampled_from(paths[1:]))
+    node = m["records"]
+    for part in target[:-1]:
+        node = node[part]
+    if data.draw(st.booleans()) and isinstance(node, dict):
+        node.pop(target[-1], None)
+    else:
+        node[target[-1]] = data.draw(JSON_VALUES)
+    write_manifest(rank_dir, m)
     try:
         compare_traces(str(pristine / "ref"), str(work / "cand"))
     except TraceError:

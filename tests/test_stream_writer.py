@@ -18,6 +18,8 @@ from ttrace_megatron.errors import TraceError
 from ttrace_megatron.placement import Layout, Replicate
 from ttrace_megatron.trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
 
+from trace_files import read_manifest, write_manifest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -252,12 +254,11 @@ def test_format_2_traces_with_crc32_still_read_and_their_damage_is_named(tmp_pat
     _record(tmp_path, tensors)
     run = json.loads((tmp_path / "run.json").read_text())
     (tmp_path / "run.json").write_text(json.dumps(dict(run, format_version=2)))
-    manifest = tmp_path / "rank-00000" / "manifest.json"
-    m = json.loads(manifest.read_text())
+    m = read_manifest(tmp_path / "rank-00000")  # (format 2 kept the records inline)
     for name in m["files"]:
         raw = (tmp_path / "rank-00000" / name).read_bytes()
         m["files"][name] = {"bytes": len(raw), "crc32": zlib.crc32(raw)}
-    manifest.write_text(json.dumps(dict(m, format_version=2)))
+    write_manifest(tmp_path / "rank-00000", dict(m, format_version=2), inline=True)
     files = _check_round_trip_v2(tmp_path, tensors)
     raw = bytearray(files[0].read_bytes())
     raw[-3] ^= 0x01

@@ -14,6 +14,7 @@ from ttrace_megatron.errors import ConfigMismatchError, TraceError
 from ttrace_megatron.placement import Layout, RangeShard, Replicate, Shard, slice_logical
 from ttrace_megatron.trace_store import TensorKey, TraceReader, TraceWriter, write_run_info
 from test_placement import _all_coords, layouts
+from trace_files import read_manifest, write_manifest
 
 KEY = TensorKey(1, 0, "decoder.layers.0.mlp.linear_fc1", "forward", "output")
 
@@ -102,6 +103,53 @@ def test_corrupt_file_is_named(tmp_path):
     assert e.value.rank == 0
 
 
+def test_records_are_logged_beside_the_manifest_and_older_traces_still_read(tmp_path):
+    """Format 4 keeps a rank's records in an append-only log that the manifest lists by its byte
+    count, record count and digest; a trace of format 3 (records inline) reads the same."""
+    from ttrace_megatron.trace_store import RECORD_LOG, RECORD_LOG_FILE, last_listed_key
+
+    make_trace(tmp_path / "a")
+    m = json.loads((tmp_path / "a" / "rank-00000" / "manifest.json").read_text())
+    assert "records" not in m and m[RECORD_LOG]["records"] == 2
+    assert m[RECORD_LOG]["bytes"] == os.path.getsize(tmp_path / "a" / "rank-00000" / RECORD_LOG_FILE)
+    assert last_listed_key(str(tmp_path / "a" / "rank-00000")).tensor == "bias.main_grad"
+    make_trace(tmp_path / "b")
+    run = json.loads((tmp_path / "b" / "run.json").read_text())
+    (tmp_path / "b" / "run.json").write_text(json.dumps(dict(run, format_version=3)))
+    for r in (0, 1):
+        rank_dir = tmp_path / "b" / f"rank-0000{r}"
+        write_manifest(rank_dir, read_manifest(rank_dir), inline=True)
+        os.remove(rank_dir / RECORD_LOG_FILE)
+    assert last_listed_key(str(tmp_path / "b" / "rank-00000")).tensor == "bias.main_grad"
+    logged, inline = TraceReader(str(tmp_path / "a")), TraceReader(str(tmp_path / "b"))
+    assert [(rt.rank, rec) for rt, rec in logged.records()] == [(rt.rank, rec) for rt, rec in inline.records()]
+    assert compare_traces(str(tmp_path / "a"), str(tmp_path / "b")).verdict == "pass"
+
+
+@pytest.mark.parametrize("damage, message", [("flip", "record log is corrupt"), ("cut", "truncated"),
+                                             ("count", "holds 2 records, the manifest says 3"),
+                                             ("gone", "record log not found"), ("name", "bad record log entry")])
+def test_a_damaged_record_log_is_named(tmp_path, damage, message):
+    from ttrace_megatron.trace_store import RECORD_LOG, RECORD_LOG_FILE
+
+    make_trace(tmp_path)
+    log, manifest = tmp_path / "rank-00001" / RECORD_LOG_FILE, tmp_path / "rank-00001" / "manifest.json"
+    raw, m = bytearray(log.read_bytes()), json.loads(manifest.read_text())
+    if damage == "flip":
+        raw[len(raw) // 2] ^= 0x01
+        log.write_bytes(bytes(raw))
+    elif damage == "cut":
+        log.write_bytes(bytes(raw[:-5]))
+    elif damage == "gone":
+        os.remove(log)
+    else:
+        m[RECORD_LOG] = dict(m[RECORD_LOG], records=3) if damage == "count" else dict(m[RECORD_LOG], file="../x")
+        manifest.write_text(json.dumps(m))
+    with pytest.raises(TraceError, match=message) as e:
+        TraceReader(str(tmp_path))
+    assert e.value.rank == 1 and "rank-00001" in e.value.path
+
+
 def test_malformed_manifest_is_named(tmp_path):
     make_trace(tmp_path)
     (tmp_path / "rank-00000" / "manifest.json").write_text("{not json")
@@ -114,12 +162,11 @@ def test_malformed_manifest_is_named(tmp_path):
 def test_infinite_shape_in_manifest_is_named(tmp_path, field):
     """Found by hypothesis: int(inf) raised OverflowError instead of a named error."""
     make_trace(tmp_path)
-    path = tmp_path / "rank-00000" / "manifest.json"
-    m = json.loads(path.read_text())
+    m = read_manifest(tmp_path / "rank-00000")
     target = m["records"][0] if field == "shape" else m["records"][0]["layout"]
     target[field] = [float("inf")]
-    path.write_text(json.dumps(m))
-    with pytest.raises(TraceError, match="malformed manifest") as e:
+    write_manifest(tmp_path / "rank-00000", m)
+    with pytest.raises(TraceError, match="malformed record log") as e:
         TraceReader(str(tmp_path))
     assert e.value.rank == 0
 
@@ -165,10 +212,9 @@ def test_tensor_on_one_side_only_is_listed(tmp_path):
     make_trace(tmp_path / "a")
     make_trace(tmp_path / "b")
     for r in (0, 1):
-        path = tmp_path / "b" / f"rank-0000{r}" / "manifest.json"
-        m = json.loads(path.read_text())
+        m = read_manifest(tmp_path / "b" / f"rank-0000{r}")
         m["records"] = [x for x in m["records"] if x["key"]["phase"] != "main_grad"]
-        path.write_text(json.dumps(m))
+        write_manifest(tmp_path / "b" / f"rank-0000{r}", m)
     c = compare_traces(str(tmp_path / "a"), str(tmp_path / "b"))
     assert c.verdict == "fail" and [k.tensor for k in c.missing_in_candidate] == ["bias.main_grad"]
 
@@ -234,7 +280,7 @@ def test_run_stopped_mid_iteration_leaves_an_incomplete_trace(tmp_path):
     recorder = Recorder.__new__(Recorder)  # only the sink bookkeeping is exercised
     recorder._handles, recorder.sinks, recorder.clock = [], [writer], Clock(iteration=3, in_iteration=True)
     recorder.close()
-    m = json.loads((tmp_path / "rank-00000" / "manifest.json").read_text())
+    m = read_manifest(tmp_path / "rank-00000")
     assert m["complete"] is False and "iteration 3" in m["failure"] and not m["records"]
 
 
@@ -268,11 +314,10 @@ def test_format_1_traces_keep_their_scale(tmp_path):
     run = json.loads((tmp_path / "a" / "run.json").read_text())
     (tmp_path / "a" / "run.json").write_text(json.dumps(dict(run, format_version=1)))
     for r in (0, 1):
-        path = tmp_path / "a" / f"rank-0000{r}" / "manifest.json"
-        m = json.loads(path.read_text())
+        m = read_manifest(tmp_path / "a" / f"rank-0000{r}")
         for rec in m["records"]:
             rec["scale"] = 4.0
-        path.write_text(json.dumps(m))
+        write_manifest(tmp_path / "a" / f"rank-0000{r}", m, inline=True)
     reader = TraceReader(str(tmp_path / "a"))
     assert {rec.layout.scale for _, rec in reader.records()} == {4.0}
 
@@ -676,10 +721,11 @@ def test_a_writer_without_turns_uses_both_lanes_and_never_waits(tmp_path):
     assert manifest["complete"] and len(manifest["files"]) == 4  # two lanes an iteration
 
 
-def test_a_reload_parses_only_the_records_it_has_not_seen(tmp_path):
+def test_a_reload_parses_only_the_records_it_has_not_seen(tmp_path, monkeypatch):
     """A trace read while it is written (a streamed reference): a reload keeps the Records of the
     entries it read before, as they were, and returns the ones listed since (what the online
     candidate adds to its groups); where an entry listed before changed, None (regroup them all)."""
+    from ttrace_megatron import trace_store
     from ttrace_megatron.online import overwritable
     from ttrace_megatron.trace_store import Turns, wait_for_iteration
 
@@ -697,20 +743,22 @@ def test_a_reload_parses_only_the_records_it_has_not_seen(tmp_path):
     w.flush(2)
     w.close()
     wait_for_iteration(str(tmp_path), 2)
+    reads = []
+    read_log = trace_store._read_log
+    monkeypatch.setattr(trace_store, "_read_log", lambda path, rank, start, end, digest: (
+        reads.append((start, end)), read_log(path, rank, start, end, digest))[1])
     appended = reader.reload()
     assert [rec.key for _, rec in appended] == [keys[1]]
     assert next(reader.records())[1] is first[0]  # (parsed once)
+    assert reads[0][0] > 0 and reads[0][1] > reads[0][0]  # the log read from where the last read stopped
     assert reader.reload() == []
     # an entry listed before, changed: the caller is told to regroup (and it is parsed anew)
-    path = os.path.join(str(tmp_path), "rank-00000", "manifest.json")
-    manifest = json.loads(open(path).read())
+    manifest = read_manifest(tmp_path / "rank-00000")
     manifest["records"][0]["depth"] = 2
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    write_manifest(tmp_path / "rank-00000", manifest)
     assert reader.reload() is None
     assert [rec.depth for _, rec in reader.records()] == [2, 1]
     # an entry gone (here: the first listed twice, the second no more): None too
     manifest["records"][1] = manifest["records"][0]
-    with open(path, "w") as f:
-        json.dump(manifest, f)
+    write_manifest(tmp_path / "rank-00000", manifest)
     assert reader.reload() is None

@@ -33,6 +33,9 @@ from typing import Dict, Iterable, List, Mapping, Optional, Sequence, Tuple, Uni
 import torch
 
 CONTIGUOUS = "contiguous"
+# no device holds a tensor with a dimension of 2^40 elements (2 TiB in bf16): a trace that says so is
+# damaged, and its shape must not reach the placement rules, whose padding would size tensors by it
+MAX_DIM = 1 << 40
 ZIGZAG = "zigzag"
 
 
@@ -181,10 +184,19 @@ class Layout:
         permute = obj.get("permute")
         return Layout(
             placements=tuple(placement_from_json(p) for p in obj["placements"]),
-            logical_shape=tuple(int(s) for s in obj["logical_shape"]),
+            logical_shape=shape_from_json(obj["logical_shape"]),
             permute=None if permute is None else tuple(int(d) for d in permute),
             scale=float(obj.get("scale", 1.0)),
         )
+
+
+def shape_from_json(values) -> Tuple[int, ...]:
+    """A tensor shape as a trace lists it: each dimension an integer from 0 to :data:`MAX_DIM`
+    (ValueError otherwise: a damaged trace, which its reader names)."""
+    dims = tuple(int(v) for v in values)
+    if any(isinstance(v, bool) for v in values) or not all(0 <= d <= MAX_DIM for d in dims):
+        raise ValueError(f"shape {list(values)!r} is not a tensor's")
+    return dims
 
 
 def placement_to_json(p: Placement) -> dict:

@@ -3,7 +3,8 @@
 Layout of a trace directory::
 
     run.json                         what ran: role, world size, configs, library versions
-    rank-00003/manifest.json         this rank's coordinates and one entry per recorded tensor
+    rank-00003/manifest.json         this rank's coordinates, its data files, and how far its record log is whole
+    rank-00003/records.jsonl         one line per recorded tensor, appended as each data file is whole
     rank-00003/iter-000001.safetensors  the tensors of one iteration (with iter-000001-001... : a file
                                         a writer lane, and parts past a size)
 
@@ -33,15 +34,26 @@ import xxhash
 
 from .errors import TraceError
 from .keys import PHASES, TensorKey  # noqa: F401  (re-exported: the key of every record)
-from .placement import Layout
+from .placement import Layout, shape_from_json
 from .stream_writer import CHECKSUM, SAFETENSORS_DTYPES, BackgroundWriter, StreamingFile
 
+# 4: a rank's records are in an append-only log beside its manifest, which names how far it is whole
+#    and its xxh3-64 (3 and before: the records inline in the manifest)
 # 3: a data file's checksum is xxh3-64 of its header region and of its data (2 and 1: CRC32 of the file)
 # 2: a per-rank value scale is part of the layout (1 kept it in the record as ``scale``)
-FORMAT_VERSION = 3
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"
+# Why a log. The manifest is rewritten after every data file, and a trace read while it is written
+# (a streamed reference) is read again at every iteration: with the records inline, each rewrite
+# serialized and each read parsed every record so far, a cost that grew with the square of a check's
+# iterations (at 48 iterations of the shipped toy, each candidate rank spent half its time parsing
+# the reference's manifest, benchmarks/stream_iterations.py). The log is appended to and never
+# rewritten; the manifest says how many of its bytes and records are whole (``RECORD_LOG``), so a
+# reader reads the bytes appended since its last read only, and checks the digest of all of them.
+RECORD_LOG_FILE = "records.jsonl"
+RECORD_LOG = "record_log"  # the manifest's entry: {"file", "bytes", "records", "xxh3_64"}
 # run.json "role": what a trace is
 REFERENCE = "reference"  # the single-device run the others are judged against
 CANDIDATE = "candidate"  # the distributed run under test
@@ -136,10 +148,110 @@ class Record:
         if "scale" in obj:  # format 1 kept the value scale in the record
             layout = dataclasses.replace(layout, scale=float(obj["scale"]))
         return Record(TensorKey.from_json(obj["key"]), layout, str(obj["dtype"]),
-                      tuple(int(s) for s in obj["shape"]), int(obj["seq"]), str(obj["file"]),
+                      shape_from_json(obj["shape"]), int(obj["seq"]), str(obj["file"]),
                       str(obj["name"]), int(obj.get("depth", 0)), str(obj.get("compute_dtype", "")),
                       int(obj.get("reduction", 0)), bool(obj.get("arrival", False)),
                       str(obj.get("statistic_of", "")), float(obj.get("roundoff", 0.0)))
+
+
+class RecordLog:
+    """A rank's record log as its writer appends to it (:data:`RECORD_LOG_FILE`): a line of compact
+    JSON a record, in the order their data files became whole, and the running xxh3-64 of every byte
+    so far, which the manifest lists with the byte and record counts (:meth:`entry`). Created empty
+    (a log left in the directory by an earlier run is cut)."""
+
+    def __init__(self, path: str, sync: bool):
+        self.path, self.sync = path, sync
+        self.bytes = 0
+        self.count = 0
+        self._digest = xxhash.xxh3_64()
+        with open(path, "wb"):
+            pass
+
+    def append(self, records: Sequence["Record"]) -> None:
+        if not records:
+            return
+        text = "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in records).encode()
+        with open(self.path, "ab") as f:
+            f.write(text)
+            f.flush()
+            if self.sync:
+                os.fsync(f.fileno())
+        self._digest.update(text)
+        self.bytes += len(text)
+        self.count += len(records)
+
+    def entry(self) -> dict:
+        return {"file": RECORD_LOG_FILE, "bytes": self.bytes, "records": self.count,
+                CHECKSUM: self._digest.hexdigest()}
+
+    @staticmethod
+    def empty_entry() -> dict:
+        return {"file": RECORD_LOG_FILE, "bytes": 0, "records": 0, CHECKSUM: xxhash.xxh3_64().hexdigest()}
+
+
+@dataclasses.dataclass
+class _LogRead:
+    """How far a reader of a trace still being written has read a rank's record log: its bytes and
+    their digest so far, and the Records parsed from them (a reload reads what was appended since)."""
+
+    bytes: int
+    digest: "xxhash.xxh3_64"
+    records: List["Record"]
+
+
+def read_record_log(rank_dir: str, rank: int, listed, before: Optional[_LogRead] = None) -> _LogRead:
+    """The records a manifest's :data:`RECORD_LOG` entry (``listed``) says are whole, read from the
+    rank's log: from ``before`` on where given (a reload), all of it where the bytes before it are
+    not what the manifest's digest now covers (the log rewritten: Records parsed anew). Raises a
+    named :class:`TraceError` for a log that is missing, shorter than listed, damaged, or holds
+    another number of records."""
+    path = os.path.join(rank_dir, RECORD_LOG_FILE)
+    if not isinstance(listed, dict) or listed.get("file") != RECORD_LOG_FILE:
+        raise TraceError(f"bad record log entry {listed!r}", path=os.path.join(rank_dir, MANIFEST_FILE), rank=rank)
+    size, count, digest = listed.get("bytes"), listed.get("records"), listed.get(CHECKSUM)
+    if not (isinstance(size, int) and isinstance(count, int) and size >= 0 and count >= 0
+            and isinstance(digest, str)) or isinstance(size, bool) or isinstance(count, bool):
+        raise TraceError(f"bad record log entry {listed!r}", path=os.path.join(rank_dir, MANIFEST_FILE), rank=rank)
+    if before is not None and before.bytes <= size:
+        read = _read_log(path, rank, before.bytes, size, before.digest.copy())
+        if read[1].hexdigest() == digest:
+            return _log_records(path, rank, read, before, count)
+    read = _read_log(path, rank, 0, size, xxhash.xxh3_64())
+    if read[1].hexdigest() != digest:
+        raise TraceError("record log is corrupt (xxh3 mismatch)", path=path, rank=rank)
+    return _log_records(path, rank, read, None, count)
+
+
+def _read_log(path: str, rank: int, start: int, end: int, digest) -> Tuple[bytes, "xxhash.xxh3_64"]:
+    """Bytes ``start`` to ``end`` of a record log, and ``digest`` updated with them."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(start)
+            text = f.read(end - start)
+    except FileNotFoundError:
+        raise TraceError("record log not found", path=path, rank=rank) from None
+    except OSError as e:
+        raise TraceError(f"cannot read record log ({e.strerror})", path=path, rank=rank) from None
+    if len(text) != end - start:
+        raise TraceError(f"record log has {start + len(text)} bytes, the manifest says {end} (truncated?)",
+                         path=path, rank=rank)
+    digest.update(text)
+    return text, digest
+
+
+def _log_records(path: str, rank: int, read, before: Optional[_LogRead], count: int) -> _LogRead:
+    text, digest = read
+    kept = list(before.records) if before is not None else []
+    try:  # one parse for all the new lines (compact JSON holds no raw newline)
+        entries = json.loads("[" + text.decode().rstrip("\n").replace("\n", ",") + "]") if text else []
+        records = kept + [Record.from_json(e) for e in entries]
+    except (UnicodeDecodeError, json.JSONDecodeError, KeyError, IndexError, TypeError, ValueError, AttributeError,
+            OverflowError) as e:
+        raise TraceError(f"malformed record log ({type(e).__name__}: {e})", path=path, rank=rank) from None
+    if len(records) != count:
+        raise TraceError(f"record log holds {len(records)} records, the manifest says {count}", path=path, rank=rank)
+    return _LogRead((before.bytes if before is not None else 0) + len(text), digest, records)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -206,7 +318,7 @@ class TraceWriter:
         self.direct_io = direct_io and not page_cache
         self.sync = not page_cache
         self.records: List[Record] = []  # of the files written whole; guarded by _lock
-        self._record_texts: List[str] = []  # each record's manifest JSON, made once (the manifest is rewritten often)
+        self._log: Optional[RecordLog] = None  # opened with the rank's directory
         self.files: Dict[str, dict] = {}
         self._lock = threading.RLock()  # the writer threads list files and may fail too
         self._settled = threading.Condition(self._lock)  # notified as each finished file is listed or fails
@@ -219,6 +331,7 @@ class TraceWriter:
         self.failed: Optional[str] = None
         try:
             os.makedirs(self.dir, exist_ok=True)
+            self._log = RecordLog(os.path.join(self.dir, RECORD_LOG_FILE), self.sync)
             self._write_manifest(complete=False)
         except OSError as e:
             self._fail(e)
@@ -375,8 +488,12 @@ class TraceWriter:
         now lists it. Also after a write on another lane failed: the file is whole, and the manifest
         still says the trace is incomplete, and why."""
         with self._lock:
+            try:
+                self._log.append(records)  # before the manifest that lists them
+            except OSError as e:
+                self._fail(e, settled=True)
+                return
             self.records.extend(records)
-            self._record_texts.extend(json.dumps(r.to_json(), separators=(",", ":")) for r in records)
             self.files[fname] = {"bytes": size, CHECKSUM: checksum}
             self._pending -= 1
             self._publish()
@@ -401,16 +518,14 @@ class TraceWriter:
                     pass
 
     def _write_manifest(self, complete: bool) -> None:
-        """The manifest anew, after every data file: compact JSON whose records' texts were made once
-        each: made anew each time, every part of an iteration cut in 256 MiB parts cost the writer
-        thread, and through the GIL the recording one, the serialization of every record so far."""
+        """The manifest anew, after every data file: compact JSON of the rank's files and of how far
+        its record log is whole (never the records themselves: :data:`RECORD_LOG_FILE`)."""
         fields = {"format_version": FORMAT_VERSION, "rank": self.rank, "coords": self.coords,
-                  "complete": complete, "failure": self.failed, "files": self.files}
+                  "complete": complete, "failure": self.failed, "files": self.files,
+                  RECORD_LOG: self._log.entry() if self._log is not None else RecordLog.empty_entry()}
         if self.turns is not None:
             fields.update(whole_through=self.whole_through, released=self.released)
-        head = json.dumps(fields, separators=(",", ":"))
-        atomic_write_text(os.path.join(self.dir, MANIFEST_FILE),
-                          head[:-1] + ',"records":[' + ",".join(self._record_texts) + "]}")
+        atomic_write_text(os.path.join(self.dir, MANIFEST_FILE), json.dumps(fields, separators=(",", ":")))
         if self.turns is not None:  # after the manifest: what it says is there once this says so
             atomic_write_json(os.path.join(self.dir, TURN_FILE), {
                 "whole_through": self.whole_through, "complete": complete, "failure": self.failed}, compact=True)
@@ -473,6 +588,7 @@ class TraceReader:
         # the entries it has not seen as they are (reload's docstring). Kept by a reader of a trace
         # still being written only: a whole trace's entries are let go once parsed
         self._parsed: Dict[int, Dict[int, Tuple[dict, "Record"]]] = {}
+        self._logs: Dict[int, _LogRead] = {}  # rank -> how far its record log was read (format 4), kept alike
         self._keeps_entries = allow_incomplete
         self.ranks: List[RankTrace] = []
         for rank in range(world):
@@ -574,7 +690,13 @@ class TraceReader:
                     raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
             released = {str(f): int(i) for f, i in (m.get("released") or {}).items()}
             # in recording order: a writer's lanes list their files as each is whole, not in order
-            records = sorted(self._records_of(rank, m["records"]), key=lambda r: r.seq)
+            if RECORD_LOG in m:
+                log = read_record_log(rank_dir, rank, m[RECORD_LOG], self._logs.get(rank))
+                if self._keeps_entries:
+                    self._logs[rank] = log
+                records = sorted(log.records, key=lambda r: r.seq)
+            else:  # format 3 and before: inline
+                records = sorted(self._records_of(rank, m["records"]), key=lambda r: r.seq)
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
         except TraceError:
             raise
@@ -944,6 +1066,25 @@ def read_json(path: str, rank: Optional[int]):
         raise TraceError("file not found", path=path, rank=rank) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise TraceError(f"not readable JSON ({e})", path=path, rank=rank) from None
+
+
+def last_listed_key(rank_dir: str) -> Optional[TensorKey]:
+    """The key of the last record a rank's manifest lists (in the order its data files became
+    whole), None where it lists none: how far a rank that stopped got. Raises :class:`TraceError`
+    where the manifest or its record log cannot be read."""
+    path = os.path.join(rank_dir, MANIFEST_FILE)
+    m = read_json(path, None)
+    if not isinstance(m, dict):
+        raise TraceError("malformed manifest", path=path)
+    rank = m.get("rank") if isinstance(m.get("rank"), int) else None
+    try:
+        if RECORD_LOG in m:
+            records = read_record_log(rank_dir, rank, m[RECORD_LOG]).records
+            return records[-1].key if records else None
+        entries = m.get("records") or []
+        return TensorKey.from_json(entries[-1]["key"]) if entries else None
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise TraceError(f"malformed manifest ({type(e).__name__}: {e})", path=path, rank=rank) from None
 
 
 def _released_through(mark: str) -> int:

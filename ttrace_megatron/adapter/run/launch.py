@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-from ...errors import BuiltOtherwise, RecipeError, RunFailed
+from ...errors import BuiltOtherwise, RecipeError, RunFailed, TraceError
 from ...fork_server import forkserver_context
 from .runner import Probes, RunSpec, run_rank
 from .server import PRELOAD
@@ -80,16 +80,15 @@ def rank_ended(role: str, rank: int, exitcode: int, trace_dir: Optional[str]) ->
             how += " (the kernel's OOM killer sends SIGKILL too: see dmesg)"
     else:
         how = f"exited with status {exitcode}"
+    from ...trace_store import last_listed_key  # (torch: the CLI imports this module before it starts its server)
+
     where = "its trace holds no whole iteration"
-    manifest = os.path.join(trace_dir, f"rank-{rank:05d}", "manifest.json") if trace_dir else None
     try:
-        with open(manifest) as f:
-            records = json.load(f).get("records") or []
-        if records:
-            last = records[-1]["key"]
-            where = (f"its trace reached iteration {last['iteration']} (the last whole one; its last tensor "
-                     f"{last['module']} [{last['phase']}] {last['tensor']})")
-    except (OSError, TypeError, ValueError, KeyError):
+        last = last_listed_key(os.path.join(trace_dir, f"rank-{rank:05d}")) if trace_dir else None
+        if last is not None:
+            where = (f"its trace reached iteration {last.iteration} (the last whole one; its last tensor "
+                     f"{last.module} [{last.phase}] {last.tensor})")
+    except TraceError:
         pass
     return f"--- {role} rank {rank} {how}; {where} ---"
 
