@@ -163,10 +163,13 @@ CURRENT: Tuple[Source, ...] = (
            "candidate run that also recorded", PARITY, ("online_parity_21bd849_mc0192_epyc.jsonl",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("a streamed reference's cost by the number of iterations (gpt_tp2_sp as shipped, 3 to 48 iterations), "
-           "held whole and streamed: each candidate rank reads the reference's manifest again at each iteration; "
-           "since 31d3820 it parses only the entries it has not seen and groups only the new records: at 48 "
-           "iterations the streamed sides 15.5 s against 21.7 at e9e0845 (held 7.9-8.2), the JSON parse of the "
-           "growing manifest still quadratic", AS_IS, ("stream_iterations_31d3820_zen5.md",),
+           "held whole and streamed: each candidate rank reads the reference's records again at each iteration; "
+           "since trace format 4 (990d160) it reads only the lines appended to the reference's record log since "
+           "its last read: at 48 iterations the streamed sides 10.5 s against 15.5 at 31d3820 and 21.7 at e9e0845 "
+           "(held 7.9-8.5), a further iteration streamed 0.19-0.23 s at 12 to 48 iterations (0.26-0.37 at 31d3820)",
+           AS_IS, ("stream_iterations_990d160_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at 31d3820, before 990d160: the manifest's entries parsed once each, but its whole JSON "
+           "read again at each iteration", AS_IS, ("stream_iterations_31d3820_zen5.md",),
            "benchmarks/results/history/issue35_costs.md"),
     Source("the same at e9e0845, before 31d3820: every entry parsed and every record grouped again at each "
            "iteration", AS_IS, ("stream_iterations_e9e0845_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
