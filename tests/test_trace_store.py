@@ -128,7 +128,8 @@ def test_records_are_logged_beside_the_manifest_and_older_traces_still_read(tmp_
 
 @pytest.mark.parametrize("damage, message", [("flip", "record log is corrupt"), ("cut", "truncated"),
                                              ("count", "holds 2 records, the manifest says 3"),
-                                             ("gone", "record log not found"), ("name", "bad record log entry")])
+                                             ("gone", "record log not found"), ("name", "bad record log entry"),
+                                             ("huge", "the manifest says 1000000000000000 \\(truncated")])
 def test_a_damaged_record_log_is_named(tmp_path, damage, message):
     from ttrace_megatron.trace_store import RECORD_LOG, RECORD_LOG_FILE
 
@@ -143,11 +144,41 @@ def test_a_damaged_record_log_is_named(tmp_path, damage, message):
     elif damage == "gone":
         os.remove(log)
     else:
-        m[RECORD_LOG] = dict(m[RECORD_LOG], records=3) if damage == "count" else dict(m[RECORD_LOG], file="../x")
+        m[RECORD_LOG] = dict(m[RECORD_LOG], **{"count": {"records": 3}, "name": {"file": "../x"},
+                                                "huge": {"bytes": 10 ** 15}}[damage])
         manifest.write_text(json.dumps(m))
     with pytest.raises(TraceError, match=message) as e:
         TraceReader(str(tmp_path))
     assert e.value.rank == 1 and "rank-00001" in e.value.path
+
+
+def test_a_failed_log_append_is_written_over_and_a_reused_directory_starts_empty(tmp_path, monkeypatch):
+    """An append that failed partway (a full disk's short write) leaves bytes the manifest does not
+    count: the next append writes over them, and the log reads as its whole appends. A writer started
+    in a directory that holds another trace lists no record of it."""
+    from ttrace_megatron import trace_store
+    from ttrace_megatron.trace_store import RecordLog, read_record_log
+
+    make_trace(tmp_path)
+    old = TraceReader(str(tmp_path))
+    recs = [rec for _, rec in old.records()]
+    log = RecordLog(str(tmp_path / "records.jsonl"), sync=True)
+    log.append(recs[:1])
+    pwrite = os.pwrite
+
+    def short(fd, data, at):
+        pwrite(fd, bytes(data[:7]), at)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(trace_store.os, "pwrite", short)
+    with pytest.raises(OSError):
+        log.append(recs[1:2])
+    monkeypatch.setattr(trace_store.os, "pwrite", pwrite)
+    log.append(recs[2:3])
+    read = read_record_log(str(tmp_path), 0, log.entry())
+    assert [r.key for r in read.records] == [recs[0].key, recs[2].key] and log.count == 2
+    TraceWriter(str(tmp_path), 0, {"tp": (0, 2)})  # rank 0 again, nothing recorded yet
+    assert not TraceReader(str(tmp_path), allow_incomplete=True).ranks[0].records
 
 
 def test_malformed_manifest_is_named(tmp_path):

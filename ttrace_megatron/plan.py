@@ -35,8 +35,8 @@ KINDS = (ACTIVATIONS, WEIGHT_GRADS, MAIN_GRADS, OPTIMIZER, LOSS, ROUTING)
 COLUMN = {ACTIVATIONS: "activations", WEIGHT_GRADS: "wgrad/mb", MAIN_GRADS: "main grads", OPTIMIZER: "optimizer",
           LOSS: "loss", ROUTING: "routing"}  # the plan table's column headers
 
-# each record's entry in its iteration file's safetensors header and in the manifest (its key,
-# layout and checksum): 700-1100 bytes measured on the shipped recipes; it matters at toy sizes only
+# each record's entry in its iteration file's safetensors header and in its rank's record log (its
+# key, layout and checksum): 700-1100 bytes measured on the shipped recipes; it matters at toy sizes only
 HEADER_BYTES_PER_RECORD = 900
 # a side judged online (the default check's candidate and perturbation run) writes one verdict-sums
 # entry per record and rank (``online.json``, compact JSON), no tensor: 366-379 bytes measured (moe_tp2_sp_ep2)

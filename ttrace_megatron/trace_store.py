@@ -96,7 +96,7 @@ class Turns:
     ``overwritable`` picks waits for every reader to let it go (:func:`release_iteration`); those
     records go to files of their own, which are then renamed to the new iteration's names and
     written over in place (the records before it, kept, go to new files meanwhile). Their records
-    stay in the manifest (their keys and layouts: what a comparison orders and groups by), their
+    stay in the record log (their keys and layouts: what a comparison orders and groups by), their
     files in its ``released``: reading one is a TraceError that says so. The records kept are the
     ones a comparison of the readers' results still reads once the run is over."""
 
@@ -158,7 +158,9 @@ class RecordLog:
     """A rank's record log as its writer appends to it (:data:`RECORD_LOG_FILE`): a line of compact
     JSON a record, in the order their data files became whole, and the running xxh3-64 of every byte
     so far, which the manifest lists with the byte and record counts (:meth:`entry`). Created empty
-    (a log left in the directory by an earlier run is cut)."""
+    (a log left in the directory by an earlier run is cut). Each append writes at the end of what is
+    counted, not at the end of the file: what a failed append left there (a full disk's short write)
+    is written over by the next, and a reader reads only the bytes the manifest counts."""
 
     def __init__(self, path: str, sync: bool):
         self.path, self.sync = path, sync
@@ -172,11 +174,16 @@ class RecordLog:
         if not records:
             return
         text = "".join(json.dumps(r.to_json(), separators=(",", ":")) + "\n" for r in records).encode()
-        with open(self.path, "ab") as f:
-            f.write(text)
-            f.flush()
+        fd = os.open(self.path, os.O_WRONLY)
+        try:
+            view, at = memoryview(text), self.bytes
+            while view:
+                written = os.pwrite(fd, view, at)
+                view, at = view[written:], at + written
             if self.sync:
-                os.fsync(f.fileno())
+                os.fsync(fd)
+        finally:
+            os.close(fd)
         self._digest.update(text)
         self.bytes += len(text)
         self.count += len(records)
@@ -227,6 +234,10 @@ def _read_log(path: str, rank: int, start: int, end: int, digest) -> Tuple[bytes
     """Bytes ``start`` to ``end`` of a record log, and ``digest`` updated with them."""
     try:
         with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            if size < end:  # (named before a read sized by the manifest allocates it)
+                raise TraceError(f"record log has {size} bytes, the manifest says {end} (truncated?)", path=path,
+                                 rank=rank)
             f.seek(start)
             text = f.read(end - start)
     except FileNotFoundError:
@@ -286,8 +297,8 @@ class TraceWriter:
 
     Tensors are copied into staging buffers as they are recorded and written by background threads,
     one a lane, while training goes on (:mod:`.stream_writer`); a data file is listed in the manifest
-    once it is whole (and fsync'd where the trace syncs), the records in the manifest in the order
-    each file became whole (a reader orders them by ``seq``). :meth:`close` waits for the writes and
+    once it is whole (and fsync'd where the trace syncs), its records appended to the rank's record log
+    (:class:`RecordLog`) just before, in the order each file became whole (a reader orders them by ``seq``). :meth:`close` waits for the writes and
     marks the trace complete.
 
     A failure to write (a full or unwritable disk) never stops training: recording stops, a
@@ -331,8 +342,8 @@ class TraceWriter:
         self.failed: Optional[str] = None
         try:
             os.makedirs(self.dir, exist_ok=True)
+            self._write_manifest(complete=False)  # (listing no records) before a log left here is cut
             self._log = RecordLog(os.path.join(self.dir, RECORD_LOG_FILE), self.sync)
-            self._write_manifest(complete=False)
         except OSError as e:
             self._fail(e)
 
@@ -690,8 +701,8 @@ class TraceReader:
                     raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
             released = {str(f): int(i) for f, i in (m.get("released") or {}).items()}
             # in recording order: a writer's lanes list their files as each is whole, not in order
-            if RECORD_LOG in m:
-                log = read_record_log(rank_dir, rank, m[RECORD_LOG], self._logs.get(rank))
+            if RECORD_LOG in m or self.run.get("format_version") not in (1, 2, 3):
+                log = read_record_log(rank_dir, rank, m.get(RECORD_LOG), self._logs.get(rank))
                 if self._keeps_entries:
                     self._logs[rank] = log
                 records = sorted(log.records, key=lambda r: r.seq)
@@ -1083,7 +1094,7 @@ def last_listed_key(rank_dir: str) -> Optional[TensorKey]:
             return records[-1].key if records else None
         entries = m.get("records") or []
         return TensorKey.from_json(entries[-1]["key"]) if entries else None
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as e:
         raise TraceError(f"malformed manifest ({type(e).__name__}: {e})", path=path, rank=rank) from None
 
 

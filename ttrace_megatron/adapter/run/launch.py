@@ -24,7 +24,7 @@ from typing import Dict, List, Optional
 import torch
 import torch.multiprocessing as mp
 
-from ...errors import BuiltOtherwise, RecipeError, RunFailed, TraceError
+from ...errors import BuiltOtherwise, RecipeError, RunFailed
 from ...fork_server import forkserver_context
 from .runner import Probes, RunSpec, run_rank
 from .server import PRELOAD
@@ -88,7 +88,7 @@ def rank_ended(role: str, rank: int, exitcode: int, trace_dir: Optional[str]) ->
         if last is not None:
             where = (f"its trace reached iteration {last.iteration} (the last whole one; its last tensor "
                      f"{last.module} [{last.phase}] {last.tensor})")
-    except TraceError:
+    except Exception:  # (best effort: a report of a failure does not fail on a damaged trace)
         pass
     return f"--- {role} rank {rank} {how}; {where} ---"
 
