@@ -752,6 +752,39 @@ def test_a_writer_without_turns_uses_both_lanes_and_never_waits(tmp_path):
     assert manifest["complete"] and len(manifest["files"]) == 4  # two lanes an iteration
 
 
+def test_a_streamed_candidate_keeps_its_reference_bookkeeping_as_a_whole_regrouping_would(tmp_path):
+    """At each iteration a streamed candidate rank adds the reference's new records to its groups,
+    its counts of each step's updated values and its order of keys: what grouping every record
+    listed so far gives."""
+    from ttrace_megatron.compare import group_records, reference_order
+    from ttrace_megatron.online import OnlineComparer, overwritable
+    from ttrace_megatron.trace_store import Turns
+
+    ref = tmp_path / "ref"
+    write_run_info(str(ref), {"role": "reference", "world_size": 1, "num_layers": 2})
+    w = TraceWriter(str(ref), 0, {"tp": (0, 1)}, page_cache=True, turns=Turns(1, overwritable, poll_s=0.005))
+    module, comparer = "decoder.layers.0.mlp.linear_fc1", None
+    for it in (1, 2, 3):
+        w.add(TensorKey(it, 0, module, "forward", "output"), torch.ones(4, 4), Layout((), (4, 4)), depth=1)
+        for name in ("weight", "bias"):
+            w.add(TensorKey(it, -1, module, "optimizer", name), torch.ones(4), Layout((), (4,)), depth=1)
+            w.add(TensorKey(it, -1, module, "optimizer", f"{name}.main_param"), torch.ones(4), Layout((), (4,)),
+                  depth=1)
+        w.flush(it)
+        if comparer is None:  # (waits for iteration 1)
+            comparer = OnlineComparer(str(ref), str(tmp_path / "cand"), 0, {"tp": (0, 1)}, streamed=True)
+        else:
+            before = len(comparer._order)
+            comparer.ensure(it)
+            assert len(comparer._order) == before + 5  # (read at this iteration: the path under test)
+            assert comparer._reference_groups == group_records(comparer.reference)
+            assert comparer._order == reference_order(comparer._reference_groups)
+            assert comparer._values_of == comparer._count_values()
+        comparer.flush(it)  # (lets the iteration go: the writer may write over it)
+    w.close()
+    assert comparer._values_of[(3, module, "bias")] == 2 and len(comparer._order) == 3 * 5
+
+
 def test_a_reload_parses_only_the_records_it_has_not_seen(tmp_path, monkeypatch):
     """A trace read while it is written (a streamed reference): a reload keeps the Records of the
     entries it read before, as they were, and returns the ones listed since (what the online

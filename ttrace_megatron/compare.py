@@ -781,8 +781,13 @@ def in_order(keys_: Iterable[TensorKey], order: Dict[TensorKey, int]) -> List[Te
 
 
 def reference_order(groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]]) -> Dict[TensorKey, int]:
-    """Execution order of each key: the reference's recording order."""
-    return {key: min(rec.seq + rt.rank * 10**9 for rt, rec in pieces) for key, pieces in groups.items()}
+    """Execution order of each key: the reference's recording order (its first piece's :func:`record_order`)."""
+    return {key: min(record_order(rt, rec) for rt, rec in pieces) for key, pieces in groups.items()}
+
+
+def record_order(rt: RankTrace, rec: Record) -> int:
+    """Where one record of the reference falls in :func:`reference_order`: by rank, then as recorded."""
+    return rec.seq + rt.rank * 10**9
 
 
 def perturbation_observed(perturbed: TraceReader, groups: Dict[TensorKey, List[Tuple[RankTrace, Record]]],

@@ -37,8 +37,8 @@ from .compare import (FAIL, FIRST_STEP, OVERFLOW_PHASES, Cancellation, Compariso
                       UpdateCheck, UpdateVerdict, apply_choice_verdict, apply_update_verdict, blank_shard_sums,
                       check_compatible, combine_shards, decide, group_records, in_lockstep, in_order, logical_tensor,
                       missing_reference, not_recorded_by, overflowed_iterations, piece_norm, recorded_by_choice,
-                      reference_order, reference_piece, reference_piece_source, relative_from_sums, replica_note,
-                      shard_positions, sliced_shard_sums, with_recomputed_aliases)
+                      record_order, reference_order, reference_piece, reference_piece_source, relative_from_sums,
+                      replica_note, shard_positions, sliced_shard_sums, with_recomputed_aliases)
 from .allocator import keep_freed_memory
 from .errors import TraceError
 from .placement import (Coords, Layout, Partial, PlacementError, RangeShard, Shard, logical_mask, owned_piece,
@@ -125,9 +125,11 @@ class OnlineComparer:
     def active(self) -> bool:
         return self.failed is None
 
-    def _count_values(self) -> Dict[Tuple[int, str, str], int]:
-        values: Dict[Tuple[int, str, str], int] = {}
-        for k in self._reference_groups:
+    def _count_values(self, new_keys=None) -> Dict[Tuple[int, str, str], int]:
+        """How many updated values the reference recorded of each step (``_values_of``); with
+        ``new_keys``, those counts updated by keys not grouped before (a streamed reload's)."""
+        values: Dict[Tuple[int, str, str], int] = {} if new_keys is None else self._values_of
+        for k in self._reference_groups if new_keys is None else new_keys:
             if keys.is_updated_value(k):
                 slot = (k.iteration, k.module, keys.param_name_of(k.tensor))
                 values[slot] = values.get(slot, 0) + 1
@@ -144,14 +146,20 @@ class OnlineComparer:
             groups = group_records(self.reference)
             self._reference_groups.clear()
             self._reference_groups.update(groups)
+            self._values_of = self._count_values()
+            self._order = reference_order(self._reference_groups)
         else:  # the new records only, each key's pieces in group_records' order (by rank, then seq)
+            new_keys = []
             for rt, rec in appended:
                 pieces = self._reference_groups.setdefault(rec.key, [])
                 pieces.append((rt, rec))
                 if len(pieces) > 1:
                     pieces.sort(key=lambda piece: (piece[0].rank, piece[1].seq))
-        self._values_of = self._count_values()
-        self._order = reference_order(self._reference_groups)
+                else:
+                    new_keys.append(rec.key)
+                # (reference_order's, a piece at a time: a key's order is its first piece's)
+                self._order[rec.key] = min(self._order.get(rec.key, math.inf), record_order(rt, rec))
+            self._values_of = self._count_values(new_keys)
         self._verify_share = self.reference.share_verification(self.rank, self.world_size,
                                                                self.reference.iteration_files(iteration))
         self._ready = iteration
