@@ -165,9 +165,13 @@ CURRENT: Tuple[Source, ...] = (
     Source("a streamed reference's cost by the number of iterations (gpt_tp2_sp as shipped, 3 to 48 iterations), "
            "held whole and streamed: each candidate rank reads the reference's records again at each iteration; "
            "since trace format 4 (990d160) it reads only the lines appended to the reference's record log since "
-           "its last read: at 48 iterations the streamed sides 10.5 s against 15.5 at 31d3820 and 21.7 at e9e0845 "
-           "(held 7.9-8.5), a further iteration streamed 0.19-0.23 s at 12 to 48 iterations (0.26-0.37 at 31d3820)",
-           AS_IS, ("stream_iterations_990d160_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+           "its last read, and since 0c0fbef updates its counts and order of keys from those lines only: at 48 "
+           "iterations the streamed sides 10.2 s against 15.5 at 31d3820 and 21.7 at e9e0845 (held 7.9-8.5), a "
+           "further iteration streamed 0.18-0.22 s at 12 to 48 iterations (0.26-0.37 at 31d3820)",
+           AS_IS, ("stream_iterations_0c0fbef_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at 990d160, before 0c0fbef: the log read incrementally, the counts of each step's updated "
+           "values and the order of keys made anew from every record at each iteration", AS_IS,
+           ("stream_iterations_990d160_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same at 31d3820, before 990d160: the manifest's entries parsed once each, but its whole JSON "
            "read again at each iteration", AS_IS, ("stream_iterations_31d3820_zen5.md",),
            "benchmarks/results/history/issue35_costs.md"),
