@@ -294,7 +294,43 @@ MEGATRON_BUGS = {
         # moe_z_loss_padding_mean_per_sequence_shard; unfixed upstream)
         lambda raw: bool(raw["model"].get("num_moe_experts")) and raw["model"].get("moe_z_loss_coeff") is not None
         and bool(raw.get("data", {}).get("padded_share")) and _sizes(raw)["tp"] > 1 and _sizes(raw)["sp"]),
+    "MTP loss of a microbatch without loss tokens divided by their zero count (MTP, megatron-core < 0.17)": (
+        # models/gpt/gpt_model.py:660 (0.16.1) scales the MTP loss by `mtp_loss / num_tokens`, the rolled
+        # loss mask's sum, unclamped: a microbatch whose tokens all carry no loss (a prompt or padding to
+        # its end) gives 0/0, NaN grads on every rank, where the main loss is divided by
+        # `torch.clamp(num_tokens, min=1)` (pipeline_parallel/schedules.py:262). Fixed upstream by
+        # Megatron-LM d7500d4d2a, "Fix nan loss caused by zero token in MTP (#3396)", in 0.17 on. (A
+        # per-token loss is summed, not divided there: not hit)
+        lambda raw: bool(raw["model"].get("mtp_num_layers")) and not raw["model"].get("calculate_per_token_loss")
+        and not _mtp_zero_tokens_fixed() and _microbatch_without_loss(raw)),
 }
+
+
+def _mtp_zero_tokens_fixed() -> bool:
+    """Whether the installed megatron-core clamps the MTP loss's token count (Megatron-LM #3396, from
+    0.17 on: read in its source)."""
+    import inspect
+
+    from megatron.core.transformer import multi_token_prediction
+
+    return "clamp(min=1)" in inspect.getsource(multi_token_prediction)
+
+
+def _microbatch_without_loss(raw: Dict[str, Any]) -> bool:
+    """Whether a microbatch of the run has no loss token once MTP rolls its loss mask one token on
+    (``roll_tensor``: the sum of all but each row's first): the recipe's data, as its ranks read it."""
+    from ttrace_megatron.adapter.recipe.data import microbatches, sampler
+    from ttrace_megatron.errors import RecipeError
+    from ttrace_megatron.recipe import recipe_from_dict
+
+    try:
+        recipe = recipe_from_dict(raw, source=raw["name"])
+    except RecipeError:
+        return False
+    sizes, samples = _sizes(raw), sampler(recipe)
+    dp = raw["world_size"] // (sizes["tp"] * sizes["pp"] * raw["parallel"].get("context_parallel_size", 1))
+    return any(float(mb.loss_mask[..., 1:].sum()) == 0.0 for it in range(recipe.train.iterations)
+               for rank in range(dp) for _, mb in microbatches(recipe, samples, it, rank, dp))
 
 
 def _expert_tags_fixed() -> bool:

@@ -218,3 +218,18 @@ def test_reduction_lengths_by_kind():
         assert layouts.reduction_length("x", m, kind, f) == 256  # the iteration's tokens
     assert layouts.reduction_length("output_layer", m, TensorKind.INPUT, f) == 250  # log-sum-exp
     assert layouts.reduction_length("decoder.layers.0.input_layernorm", None, TensorKind.OUTPUT, f) == 16
+
+
+def test_experts_whose_tokens_no_placement_describes_are_named():
+    """EP × expert-TP against TP under sequence parallelism, and the alltoall dispatcher's order of
+    an expert's tokens where EP and expert-TP are both above one (sources expert-TP rank first:
+    shards 0, 2, 1, 3 at EP 2 × expert-TP 2, measured on sweep0025 of seed 0)."""
+    from ttrace_megatron.adapter.record.layouts import (EXPERT_TOKENS_INTERLEAVED, EXPERT_TOKENS_MIXED,
+                                                        EXPERT_TOKENS_SPLIT, expert_tokens_unmatched)
+
+    assert expert_tokens_unmatched(2, 2, 4, True, "alltoall") == EXPERT_TOKENS_INTERLEAVED
+    assert expert_tokens_unmatched(2, 2, 4, True, "allgather") is None  # gathered over TP, in order
+    assert expert_tokens_unmatched(2, 1, 2, True, "alltoall") is None  # moe_tp2_sp_ep2
+    assert expert_tokens_unmatched(1, 2, 2, True, "alltoall") is None  # moe_etp2
+    assert expert_tokens_unmatched(2, 2, 2, True, "alltoall") == EXPERT_TOKENS_MIXED
+    assert expert_tokens_unmatched(1, 1, 2, True, "alltoall") == EXPERT_TOKENS_SPLIT

@@ -78,8 +78,8 @@ def model_facts(chunks, config, *, vocab_size: int, tokens_per_microbatch: int,
                       tokens_per_microbatch=int(tokens_per_microbatch), tokens_per_iteration=int(tokens_per_iteration),
                       pp_size=ps.get_pipeline_model_parallel_world_size(),
                       experts_mix_microbatches=expert_tokens_unmatched(
-                          ps.get_expert_model_parallel_world_size() * ps.get_expert_tensor_parallel_world_size(), tp,
-                          config.sequence_parallel) is not None,
+                          ps.get_expert_model_parallel_world_size(), ps.get_expert_tensor_parallel_world_size(), tp,
+                          config.sequence_parallel, getattr(config, "moe_token_dispatcher_type", None)) is not None,
                       per_token_loss=bool(getattr(config, "calculate_per_token_loss", False)),
                       seq_length=int(seq_length), mtp_layers=int(getattr(config, "mtp_num_layers", None) or 0))
 
@@ -91,13 +91,31 @@ EXPERT_TOKENS_SPLIT = ("experts split over fewer ranks than TP with sequence par
                        "piece of the microbatch, so only the experts' main grads and parameters are compared")
 
 
-def expert_tokens_unmatched(expert_ranks: int, tp: int, sequence_parallel: bool) -> Optional[str]:
-    """Why an expert's per-microbatch tensors on one rank are not a placement of the reference's
-    (``expert_ranks``: EP × expert-TP), or None when they are."""
-    if expert_ranks > tp:
+EXPERT_TOKENS_INTERLEAVED = (
+    "the alltoall dispatcher with expert parallelism and expert-TP both over sequence-parallel ranks (EP > 1 and "
+    "expert-TP > 1, EP × expert-TP = TP): an expert's tokens arrive grouped by expert-TP rank, then by EP rank, "
+    "not in the sequence's order, so only its main grads and parameters are compared")
+ALLTOALL = "alltoall"  # megatron-core's moe_token_dispatcher_type (its default: allgather)
+
+
+def expert_tokens_unmatched(ep: int, etp: int, tp: int, sequence_parallel: bool,
+                            dispatcher: Optional[str]) -> Optional[str]:
+    """Why an expert's per-microbatch tensors on one rank are not a placement of the reference's, or
+    None when they are.
+
+    With EP × expert-TP = TP under sequence parallelism an expert sees every token of the microbatch
+    routed to it; the allgather dispatcher gathers them over TP in the sequence's order. The alltoall
+    dispatcher exchanges them over EP, then gathers over expert-TP: its source ranks come expert-TP
+    rank first, then EP rank (ranks 0, 2, 1, 3 at EP 2 × expert-TP 2, the expert-TP ranks innermost),
+    a permutation of the sequence's shards no placement describes. Found by the configuration sweep
+    (sweep0025 of seed 0: TP 4, EP 2, expert-TP 2; the MoE layer's output and the loss agreed, the
+    experts' inputs did not)."""
+    if ep * etp > tp:
         return EXPERT_TOKENS_MIXED
-    if expert_ranks < tp and sequence_parallel:
+    if ep * etp < tp and sequence_parallel:
         return EXPERT_TOKENS_SPLIT
+    if dispatcher == ALLTOALL and ep > 1 and etp > 1 and sequence_parallel:
+        return EXPERT_TOKENS_INTERLEAVED
     return None
 
 

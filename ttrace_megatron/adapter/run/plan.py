@@ -220,7 +220,8 @@ def side_groups(recipe: Recipe, shape: ModelShape, sizes: Dict[str, int], select
     seq_split = (Shard(0, TP),) if sp else (Replicate(TP),)
     # the recorder's rule: where an expert's tokens on a rank are no placement of the reference's,
     # only its main grads and parameters are recorded
-    experts_unrecorded = expert_tokens_unmatched(sizes[EP] * sizes[ETP], sizes[TP], sp) is not None
+    experts_unrecorded = expert_tokens_unmatched(sizes[EP], sizes[ETP], sizes[TP], sp,
+                                                 model.get("moe_token_dispatcher_type")) is not None
     for s in shape.sites:
         if not selection.wants(s.module) or (s.expert and experts_unrecorded):
             continue

@@ -326,7 +326,8 @@ def _unobserved(chunks: List, config, facts, sizes: Dict[str, int]) -> Dict[str,
         info["unjudged"] = [{"what": "MoE routers' top-k choices", "why": unobserved}]
         print(f"[ttrace] the MoE routers' top-k choices are not recorded, judged or followed: {unobserved}",
               flush=True)
-    unmatched = layouts.expert_tokens_unmatched(sizes["ep"] * sizes["etp"], sizes["tp"], config.sequence_parallel)
+    unmatched = layouts.expert_tokens_unmatched(sizes["ep"], sizes["etp"], sizes["tp"], config.sequence_parallel,
+                                                getattr(config, "moe_token_dispatcher_type", None))
     if unmatched:
         info["not_recorded"] = [{"modules": "*.local_experts.*", "why": unmatched}]
     info["parameters"] = [{"param": full_param_name(m, n), "module": m, "name": n,
