@@ -111,6 +111,12 @@ CURRENT: Tuple[Source, ...] = (
     Source("heterogeneous layers at 8 layers, h512, V32k (TP2), 3 seeds fp32, 1 bf16", FREE,
            ("feature_heterogeneous_wide_tp2_0d0fd2f_epyc.jsonl", "feature_heterogeneous_wide_tp2_bf16_5c9a433_epyc.jsonl"),
            "benchmarks/results/history/issue33_features.md"),
+    Source("configuration sweep: the fp32 draws of seed 0's first 200, after trace format 4 (84cec9d: the alltoall "
+           "dispatcher's expert tokens at EP 2 × expert-TP 2 under TP 4 listed as not judged; megatron-core 0.16.1's "
+           "MTP loss over a microbatch without loss tokens known as a megatron bug)", SWEEP,
+           ("sweep_fp32_84cec9d_zen5.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at 74f58a9, before 84cec9d (its 2 false positives also fail at 24d239f, before format 4)",
+           SWEEP, ("sweep_fp32_74f58a9_zen5.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("configuration sweep: the bf16 draws of seed 0's first 200, with the fp32 twin", SWEEP,
            ("sweep_bf16_twin_1acf866.jsonl",), "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("configuration sweep on megatron-core 0.19.2: seed 0's draws with a repeated MTP layer, a chunked MLP or "
