@@ -317,8 +317,10 @@ def _mtp_zero_tokens_fixed() -> bool:
 
 
 def _microbatch_without_loss(raw: Dict[str, Any]) -> bool:
-    """Whether a microbatch of the run has no loss token once MTP rolls its loss mask one token on
-    (``roll_tensor``: the sum of all but each row's first): the recipe's data, as its ranks read it."""
+    """Whether a microbatch of the run has no loss token at MTP's last depth, whose loss mask megatron
+    rolls one token on per depth (``roll_tensor``: at depth d the sum of all but each row's first d
+    positions, the fewest of any depth): the recipe's data, as its ranks read it. (No context
+    parallelism: ttrace refuses it, and under it each CP rank would divide by its own chunks' sum.)"""
     from ttrace_megatron.adapter.recipe.data import microbatches, sampler
     from ttrace_megatron.errors import RecipeError
     from ttrace_megatron.recipe import recipe_from_dict
@@ -327,9 +329,9 @@ def _microbatch_without_loss(raw: Dict[str, Any]) -> bool:
         recipe = recipe_from_dict(raw, source=raw["name"])
     except RecipeError:
         return False
-    sizes, samples = _sizes(raw), sampler(recipe)
-    dp = raw["world_size"] // (sizes["tp"] * sizes["pp"] * raw["parallel"].get("context_parallel_size", 1))
-    return any(float(mb.loss_mask[..., 1:].sum()) == 0.0 for it in range(recipe.train.iterations)
+    sizes, samples, depths = _sizes(raw), sampler(recipe), int(raw["model"]["mtp_num_layers"])
+    dp = raw["world_size"] // (sizes["tp"] * sizes["pp"])
+    return any(float(mb.loss_mask[..., depths:].sum()) == 0.0 for it in range(recipe.train.iterations)
                for rank in range(dp) for _, mb in microbatches(recipe, samples, it, rank, dp))
 
 
