@@ -202,6 +202,10 @@ CURRENT: Tuple[Source, ...] = (
            "before it; three repeats, in a faster phase than 0379030's below (the held check's candidate 2.8-3.2 s "
            "over its training)",
            COSTS_TABLE, ("cost_table_ad1acad_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at 8ff7d95 (trace format 4), in a slow phase of the VM (the two layouts' kernel time "
+           "3.2-3.6 core-s, the checks' 11-12.7): the default (streamed) 3.05 / 2.92 / 2.07×, held 3.39 / 2.88 / 2.25×; "
+           "held checks of 24d239f and 8ff7d95 alternated right after took 20.0-21.2 s each, alike (see the history); "
+           "three repeats", COSTS_TABLE, ("cost_table_8ff7d95_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 0379030, an hour before, in a slow phase (the held check's candidate 3.8-4.8 s over "
            "its training): the default (streamed) 2.22 / 1.83 / 2.21×, held 2.54 / 2.45 / 2.65×; three repeats",
            COSTS_TABLE, ("cost_table_0379030_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
