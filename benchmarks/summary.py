@@ -199,8 +199,11 @@ CURRENT: Tuple[Source, ...] = (
            "cannot reach a goal, the floor of the part that keeps it there), one run of `benchmarks/cost_table.py`, "
            "on the Zen 5 VM. The default check (--reference-in auto) streams its reference here (from 1 GiB held "
            "whole, 9a42e38); the held and disk checks beside it, each check divided by the plain training right "
-           "before it; three repeats, in a faster phase than 0379030's below (the held check's candidate 2.8-3.2 s "
-           "over its training)",
+           "before it; three repeats, at 3bdc341 (trace format 4, the records in a log), in a faster phase of the VM "
+           "than 8ff7d95's below (the held check's candidate 2.6-2.8 s over its training)",
+           COSTS_TABLE, ("cost_table_3bdc341_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same table at ad1acad, two sessions before, in a phase as fast (the held check's candidate 2.8-3.2 s "
+           "over its training): the default (streamed) 2.01 / 1.94 / 1.94×, held 2.07 / 2.03 / 2.06×; three repeats",
            COSTS_TABLE, ("cost_table_ad1acad_zen5.md",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same table at 8ff7d95 (trace format 4), in a slow phase of the VM (the two layouts' kernel time "
            "3.2-3.6 core-s, the checks' 11-12.7): the default (streamed) 3.05 / 2.92 / 2.07×, held 3.39 / 2.88 / 2.25×; "
