@@ -117,7 +117,9 @@ CURRENT: Tuple[Source, ...] = (
            ("sweep_fp32_84cec9d_zen5.jsonl",), "benchmarks/results/history/issue35_costs.md"),
     Source("the same at 74f58a9, before 84cec9d (its 2 false positives also fail at 24d239f, before format 4)",
            SWEEP, ("sweep_fp32_74f58a9_zen5.jsonl",), "benchmarks/results/history/issue35_costs.md"),
-    Source("configuration sweep: the bf16 draws of seed 0's first 200, with the fp32 twin", SWEEP,
+    Source("configuration sweep: the bf16 draws of seed 0's first 200, with the fp32 twin, after trace format 4 "
+           "(c1ddc62)", SWEEP, ("sweep_bf16_twin_c1ddc62_zen5.jsonl",), "benchmarks/results/history/issue35_costs.md"),
+    Source("the same at 1acf866, sessions before", SWEEP,
            ("sweep_bf16_twin_1acf866.jsonl",), "benchmarks/results/history/issue36_bf16_twin.md"),
     Source("configuration sweep on megatron-core 0.19.2: seed 0's draws with a repeated MTP layer, a chunked MLP or "
            "quantile balancing, with the fp32 twin", SWEEP, ("sweep_features_mc0192_af0e2aa.jsonl",),
