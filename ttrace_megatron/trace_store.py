@@ -43,6 +43,7 @@ from .stream_writer import CHECKSUM, SAFETENSORS_DTYPES, BackgroundWriter, Strea
 # 2: a per-rank value scale is part of the layout (1 kept it in the record as ``scale``)
 FORMAT_VERSION = 4
 READABLE_VERSIONS = (1, 2, 3, 4)
+INLINE_RECORDS = (1, 2, 3)  # the versions whose manifests hold their records inline
 RUN_FILE = "run.json"
 MANIFEST_FILE = "manifest.json"
 # Why a log. The manifest is rewritten after every data file, and a trace read while it is written
@@ -297,9 +298,9 @@ class TraceWriter:
 
     Tensors are copied into staging buffers as they are recorded and written by background threads,
     one a lane, while training goes on (:mod:`.stream_writer`); a data file is listed in the manifest
-    once it is whole (and fsync'd where the trace syncs), its records appended to the rank's record log
-    (:class:`RecordLog`) just before, in the order each file became whole (a reader orders them by ``seq``). :meth:`close` waits for the writes and
-    marks the trace complete.
+    once it is whole (and fsync'd where the trace syncs), its records appended to the rank's record
+    log (:class:`RecordLog`) just before, in the order each file became whole (a reader orders them
+    by ``seq``). :meth:`close` waits for the writes and marks the trace complete.
 
     A failure to write (a full or unwritable disk) never stops training: recording stops, a
     warning is printed once, and the manifest says why the trace is incomplete.
@@ -595,12 +596,10 @@ class TraceReader:
             raise TraceError(f"bad num_layers {layers!r}", path=run_path)
         if not isinstance(self.run.get("model_config", {}), dict):
             raise TraceError("model_config must be a mapping", path=run_path)
-        # rank -> seq -> (a record's manifest entry, the Record parsed from it): a reload parses only
-        # the entries it has not seen as they are (reload's docstring). Kept by a reader of a trace
-        # still being written only: a whole trace's entries are let go once parsed
-        self._parsed: Dict[int, Dict[int, Tuple[dict, "Record"]]] = {}
-        self._logs: Dict[int, _LogRead] = {}  # rank -> how far its record log was read (format 4), kept alike
-        self._keeps_entries = allow_incomplete
+        # rank -> how far its record log was read: a reload reads only what was appended since. Kept
+        # by a reader of a trace still being written only (a whole trace's is read once)
+        self._logs: Dict[int, _LogRead] = {}
+        self._keeps_logs = allow_incomplete
         self.ranks: List[RankTrace] = []
         for rank in range(world):
             self.ranks.append(self._read_rank(rank, allow_incomplete))
@@ -701,13 +700,13 @@ class TraceReader:
                     raise TraceError(f"bad file entry for {fname!r}", path=path, rank=rank)
             released = {str(f): int(i) for f, i in (m.get("released") or {}).items()}
             # in recording order: a writer's lanes list their files as each is whole, not in order
-            if RECORD_LOG in m or self.run.get("format_version") not in (1, 2, 3):
+            if RECORD_LOG in m or self.run.get("format_version") not in INLINE_RECORDS:
                 log = read_record_log(rank_dir, rank, m.get(RECORD_LOG), self._logs.get(rank))
-                if self._keeps_entries:
+                if self._keeps_logs:
                     self._logs[rank] = log
                 records = sorted(log.records, key=lambda r: r.seq)
-            else:  # format 3 and before: inline
-                records = sorted(self._records_of(rank, m["records"]), key=lambda r: r.seq)
+            else:  # (no writer of this version writes them: a reload of one parses them all again)
+                records = sorted((Record.from_json(entry) for entry in m["records"]), key=lambda r: r.seq)
             coords = {str(k): (int(v[0]), int(v[1])) for k, v in m["coords"].items()}
         except TraceError:
             raise
@@ -725,21 +724,6 @@ class TraceReader:
                 raise TraceError(f"record points at unlisted file {rec.file!r}", path=path, rank=rank,
                                  tensor=str(rec.key))
         return RankTrace(rank, coords, records, files, rank_dir, released)
-
-    def _records_of(self, rank: int, entries: list) -> List["Record"]:
-        """The manifest's record entries as Records: an entry seen before as it is now keeps the
-        Record parsed then (a reload parses the new ones only: at 48 iterations of a streamed toy
-        check, parsing every entry again at each iteration was two thirds of a candidate rank's
-        time, benchmarks/stream_iterations.py)."""
-        seen, parsed, records = self._parsed.get(rank, {}), {}, []
-        for entry in entries:
-            kept = seen.get(entry.get("seq")) if isinstance(entry, dict) else None
-            rec = kept[1] if kept is not None and kept[0] == entry else Record.from_json(entry)
-            parsed[rec.seq] = (entry, rec)
-            records.append(rec)
-        if self._keeps_entries:
-            self._parsed[rank] = parsed
-        return records
 
     def reload(self) -> Optional[List[Tuple[RankTrace, "Record"]]]:
         """Read every rank's manifest again (a trace written one iteration at a time, read while it
